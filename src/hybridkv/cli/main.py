@@ -1,0 +1,77 @@
+"""The ``hybridkv`` command: one entry point, one module per subcommand, imported lazily.
+
+User errors (any :class:`hybridkv.errors.HybridKVError`) print one line to stderr and exit 2;
+no traceback.  ``--help`` imports no subcommand module, so it is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["main"]
+
+#: subcommand -> (module, one-line help).  Each module defines ``add_arguments(parser)`` and
+#: ``run(args) -> int``.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("hybridkv.cli.plan_cmd", "capacity plan for a model and a memory budget"),
+    "models": ("hybridkv.cli.models_cmd", "list the built-in model catalog"),
+}
+
+
+class _Command(Protocol):
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _load(name: str) -> _Command:
+    module: _Command = importlib.import_module(SUBCOMMANDS[name][0])  # type: ignore[assignment]
+    return module
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridkv",
+        description="KV-cache planning, management and layout for hybrid-attention LLMs.",
+    )
+    from hybridkv import __version__
+
+    parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Only the chosen subcommand's module is imported, so `hybridkv --help` stays instant.
+    chosen = next((a for a in argv if a in SUBCOMMANDS), None)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            _load(name).add_arguments(p)
+    return parser
+
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 failure, 2 bad input)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_list)
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from hybridkv.errors import HybridKVError
+
+    try:
+        return _load(args.command).run(args)
+    except HybridKVError as exc:
+        print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hybridkv {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

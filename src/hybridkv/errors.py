@@ -1,0 +1,60 @@
+"""Typed exceptions shared by every layer.
+
+Every error raised for bad input is a :class:`HybridKVError`; the CLI turns one into a one-line
+message and exit code 2.  Messages name the field, the offending value and what would be valid.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AllocationError",
+    "ConfigError",
+    "HybridKVError",
+    "InvariantError",
+    "PlanError",
+    "RequestError",
+    "SpecError",
+    "StorageError",
+    "UnknownModelError",
+    "UnsupportedModelTypeError",
+]
+
+
+class HybridKVError(Exception):
+    """Base class of every error hybridkv raises on bad input or an impossible request."""
+
+
+class SpecError(HybridKVError, ValueError):
+    """A layer spec was given invalid values (non-positive size, unknown dtype, ...)."""
+
+
+class ConfigError(HybridKVError, ValueError):
+    """A model config is missing a field or holds an invalid value."""
+
+
+class UnsupportedModelTypeError(ConfigError):
+    """The config's ``model_type`` is not one hybridkv can map to layer specs."""
+
+
+class UnknownModelError(HybridKVError, LookupError):
+    """A model name is neither in the catalog nor a path to a config."""
+
+
+class PlanError(HybridKVError, ValueError):
+    """A plan cannot be made: bad budget, bad block size, or not even one request fits."""
+
+
+class RequestError(HybridKVError, ValueError):
+    """A cache-manager call does not match the request it names (unknown id, bad lengths)."""
+
+
+class AllocationError(HybridKVError, RuntimeError):
+    """Not enough free blocks; raised only by calls documented to raise instead of return."""
+
+
+class StorageError(HybridKVError, ValueError):
+    """A storage or view request names a layer, block or size the storage does not have."""
+
+
+class InvariantError(AssertionError):
+    """``check_invariants()`` found a broken invariant: a bug in hybridkv, not bad input."""

@@ -1,0 +1,317 @@
+"""The memory layout a plan fixes: groups, block sizes and pools.
+
+This is the contract between the planner (which chooses it), the cache manager (which hands out
+block ids inside it) and storage (which backs it with bytes).  No torch.
+
+Block ids
+---------
+* ``uniform`` and ``pools``: each :class:`PoolPlan` has block ids ``0 .. num_blocks-1`` and
+  block ``b`` occupies bytes ``[b * block_bytes, (b + 1) * block_bytes)`` of that pool.  Block
+  ``0`` is the null block (a placeholder for skipped positions) and is never allocated.
+* ``arena``: one region of ``num_chunks`` chunks of ``chunk_bytes``.  Group ``g`` sees block
+  ids ``0 .. num_chunks * blocks_per_chunk(g) - 1``; block ``b`` of group ``g`` occupies bytes
+  ``[b * block_bytes(g), (b + 1) * block_bytes(g))`` of the arena, i.e. chunk
+  ``b // blocks_per_chunk(g)``.  ``chunk_bytes`` is a multiple of every group's
+  ``block_bytes``, so every group can index the arena with one stride.  A group may only use
+  blocks of chunks it currently holds.  Chunk ``0`` is reserved: block ``0`` of every group is
+  the null block and lives there.
+
+Example (arena): groups with 64 KiB and 96 KiB blocks, ``chunk_bytes`` = 192 KiB.  Group 0 has 3
+blocks per chunk, group 1 has 2.  Group 1's block 5 is chunk 2, bytes 480..576 KiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from math import gcd
+from typing import Any
+
+from hybridkv.errors import PlanError
+from hybridkv.specs import CacheSpec, spec_from_dict
+
+__all__ = ["NULL_BLOCK_ID", "ArenaPlan", "GroupPlan", "MemoryLayout", "PoolPlan", "Strategy"]
+
+#: Block id of the null block in every pool and every arena group.
+NULL_BLOCK_ID = 0
+
+
+class Strategy(StrEnum):
+    """How memory is shared between groups."""
+
+    ARENA = "arena"
+    UNIFORM = "uniform"
+    POOLS = "pools"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    """Layers (cache entries) with identical specs, managed with one block table per request.
+
+    ``members`` are ``(layer, slot)`` pairs (see :class:`hybridkv.specs.CacheEntry`).
+    ``block_size`` is tokens per manager block; for a state spec it is the checkpoint interval
+    (one state slot per block).  ``kernel_block_size`` divides ``block_size``.  ``page_bytes``
+    is what one member stores per block: ``spec.bytes_per_block(block_size)``, or more when the
+    strategy pads pages.  ``padded_members`` are unused layer slots the ``uniform`` strategy adds
+    so every group has the same number of layers.
+    """
+
+    group_id: int
+    spec: CacheSpec
+    members: tuple[tuple[int, int], ...]
+    block_size: int
+    kernel_block_size: int
+    page_bytes: int
+    padded_members: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", tuple((int(a), int(b)) for a, b in self.members))
+        g = f"group {self.group_id}"
+        if not self.members:
+            raise PlanError(f"GroupPlan.members: {g} has no members")
+        if self.spec.stores_nothing:
+            raise PlanError(f"GroupPlan.spec: {g} has a spec that stores nothing")
+        for name in ("block_size", "kernel_block_size", "page_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise PlanError(f"GroupPlan.{name}: {g} needs a positive integer, got {value!r}")
+        if self.block_size % self.kernel_block_size:
+            raise PlanError(
+                f"GroupPlan.kernel_block_size: {self.kernel_block_size} does not divide "
+                f"block_size {self.block_size} in {g}"
+            )
+        if self.page_bytes < self.spec.bytes_per_block(self.block_size):
+            raise PlanError(
+                f"GroupPlan.page_bytes: {self.page_bytes} is smaller than the "
+                f"{self.spec.bytes_per_block(self.block_size)} bytes one block needs in {g}"
+            )
+        if self.padded_members < 0:
+            raise PlanError(f"GroupPlan.padded_members: must be >= 0, got {self.padded_members}")
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layer indices of the members, in member order."""
+        return tuple(layer for layer, _ in self.members)
+
+    @property
+    def num_members(self) -> int:
+        return len(self.members)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id takes: every member's page, padding included."""
+        return self.page_bytes * (self.num_members + self.padded_members)
+
+    @property
+    def used_block_bytes(self) -> int:
+        """Bytes of one block that hold real data (no padded pages or layers)."""
+        return self.spec.bytes_per_block(self.block_size) * self.num_members
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        return self.block_size // self.kernel_block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group_id": self.group_id,
+            "spec": self.spec.to_dict(),
+            "members": [list(m) for m in self.members],
+            "block_size": self.block_size,
+            "kernel_block_size": self.kernel_block_size,
+            "page_bytes": self.page_bytes,
+            "padded_members": self.padded_members,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GroupPlan:
+        return cls(
+            group_id=int(data["group_id"]),
+            spec=spec_from_dict(data["spec"]),
+            members=tuple((int(a), int(b)) for a, b in data["members"]),
+            block_size=int(data["block_size"]),
+            kernel_block_size=int(data["kernel_block_size"]),
+            page_bytes=int(data["page_bytes"]),
+            padded_members=int(data.get("padded_members", 0)),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolPlan:
+    """A pool of equal-size blocks shared by ``group_ids`` (uniform: all; pools: one)."""
+
+    pool_id: int
+    group_ids: tuple[int, ...]
+    block_bytes: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group_ids", tuple(int(g) for g in self.group_ids))
+        if self.block_bytes <= 0:
+            raise PlanError(f"PoolPlan.block_bytes: must be positive, got {self.block_bytes}")
+        if self.num_blocks < 2:
+            raise PlanError(
+                f"PoolPlan.num_blocks: pool {self.pool_id} needs at least 2 blocks (the null "
+                f"block and one usable), got {self.num_blocks}"
+            )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.block_bytes * self.num_blocks
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pool_id": self.pool_id,
+            "group_ids": list(self.group_ids),
+            "block_bytes": self.block_bytes,
+            "num_blocks": self.num_blocks,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PoolPlan:
+        return cls(
+            pool_id=int(data["pool_id"]),
+            group_ids=tuple(data["group_ids"]),
+            block_bytes=int(data["block_bytes"]),
+            num_blocks=int(data["num_blocks"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArenaPlan:
+    """One shared region of ``num_chunks`` chunks; chunk 0 holds the null blocks."""
+
+    chunk_bytes: int
+    num_chunks: int
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0:
+            raise PlanError(f"ArenaPlan.chunk_bytes: must be positive, got {self.chunk_bytes}")
+        if self.num_chunks < 2:
+            raise PlanError(
+                "ArenaPlan.num_chunks: needs at least 2 chunks (the null chunk and one usable), "
+                f"got {self.num_chunks}"
+            )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.chunk_bytes * self.num_chunks
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chunk_bytes": self.chunk_bytes, "num_chunks": self.num_chunks}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ArenaPlan:
+        return cls(chunk_bytes=int(data["chunk_bytes"]), num_chunks=int(data["num_chunks"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryLayout:
+    """Groups plus where their blocks live.  Validated on construction (raises PlanError).
+
+    ``hash_block_size`` is the token granularity of request hashes (gcd of the group block
+    sizes); ``schedule_alignment`` the granularity of cache hits the scheduler sees (lcm).
+    """
+
+    strategy: Strategy
+    groups: tuple[GroupPlan, ...]
+    pools: tuple[PoolPlan, ...] = ()
+    arena: ArenaPlan | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", Strategy(self.strategy))
+        groups = tuple(self.groups)
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "pools", tuple(self.pools))
+        if not groups:
+            raise PlanError("MemoryLayout.groups: a layout needs at least one group")
+        for i, g in enumerate(groups):
+            if g.group_id != i:
+                raise PlanError(
+                    f"MemoryLayout.groups: group at position {i} has group_id {g.group_id}"
+                )
+        if self.strategy is Strategy.ARENA:
+            self._check_arena()
+        else:
+            self._check_pools()
+
+    def _check_arena(self) -> None:
+        if self.arena is None or self.pools:
+            raise PlanError("MemoryLayout: the arena strategy needs `arena` and no `pools`")
+        for g in self.groups:
+            if self.arena.chunk_bytes % g.block_bytes:
+                raise PlanError(
+                    f"ArenaPlan.chunk_bytes: {self.arena.chunk_bytes} is not a multiple of "
+                    f"group {g.group_id}'s block_bytes {g.block_bytes}"
+                )
+
+    def _check_pools(self) -> None:
+        if self.arena is not None or not self.pools:
+            raise PlanError(f"MemoryLayout: the {self.strategy} strategy needs `pools`, no arena")
+        seen: list[int] = sorted(gid for p in self.pools for gid in p.group_ids)
+        if seen != list(range(len(self.groups))):
+            raise PlanError(
+                f"MemoryLayout.pools: pools must cover every group exactly once, got {seen}"
+            )
+        for i, pool in enumerate(self.pools):
+            if pool.pool_id != i:
+                raise PlanError(f"MemoryLayout.pools: pool at position {i} has id {pool.pool_id}")
+            for gid in pool.group_ids:
+                if self.groups[gid].block_bytes > pool.block_bytes:
+                    raise PlanError(
+                        f"PoolPlan.block_bytes: pool {i} blocks ({pool.block_bytes} B) are "
+                        f"smaller than group {gid}'s {self.groups[gid].block_bytes} B"
+                    )
+        if self.strategy is Strategy.POOLS and any(len(p.group_ids) != 1 for p in self.pools):
+            raise PlanError("MemoryLayout.pools: the pools strategy has one group per pool")
+
+    @property
+    def hash_block_size(self) -> int:
+        out = 0
+        for g in self.groups:
+            out = gcd(out, g.block_size)
+        return out
+
+    @property
+    def schedule_alignment(self) -> int:
+        out = 1
+        for g in self.groups:
+            out = out * g.block_size // gcd(out, g.block_size)
+        return out
+
+    def pool_of(self, group_id: int) -> PoolPlan:
+        """The pool group ``group_id`` draws from (not for the arena strategy)."""
+        for pool in self.pools:
+            if group_id in pool.group_ids:
+                return pool
+        raise PlanError(f"MemoryLayout.pool_of: no pool holds group {group_id}")
+
+    def blocks_per_chunk(self, group_id: int) -> int:
+        """Arena only: how many of group ``group_id``'s blocks one chunk holds."""
+        if self.arena is None:
+            raise PlanError("MemoryLayout.blocks_per_chunk: only the arena strategy has chunks")
+        return self.arena.chunk_bytes // self.groups[group_id].block_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of backing memory this layout needs."""
+        if self.arena is not None:
+            return self.arena.total_bytes
+        return sum(p.total_bytes for p in self.pools)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy.value,
+            "groups": [g.to_dict() for g in self.groups],
+            "pools": [p.to_dict() for p in self.pools],
+            "arena": None if self.arena is None else self.arena.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryLayout:
+        arena = data.get("arena")
+        return cls(
+            strategy=Strategy(data["strategy"]),
+            groups=tuple(GroupPlan.from_dict(g) for g in data["groups"]),
+            pools=tuple(PoolPlan.from_dict(p) for p in data.get("pools", ())),
+            arena=None if arena is None else ArenaPlan.from_dict(arena),
+        )

@@ -1,0 +1,65 @@
+"""Parsing and formatting of byte sizes (``40GiB``, ``512MB``, ``1.5 TiB``)."""
+
+from __future__ import annotations
+
+import re
+
+from hybridkv.errors import HybridKVError
+
+__all__ = ["SizeError", "format_bytes", "parse_bytes"]
+
+
+class SizeError(HybridKVError, ValueError):
+    """A byte size could not be parsed."""
+
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int, *, field: str = "size") -> int:
+    """Parse ``text`` (``"40GiB"``, ``"512 MB"``, ``"1000"``) into a positive number of bytes.
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers
+    of 1024.  Raises :class:`SizeError` naming ``field`` when the text is not a positive size.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE_RE.match(text)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise SizeError(
+                f"{field}: cannot parse {text!r} as a size; use a number with an optional unit "
+                "(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '40GiB'"
+            )
+        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise SizeError(f"{field}: size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(num: float) -> str:
+    """Format a byte count with a binary unit and three significant digits: ``'40.0 GiB'``."""
+    sign = "-" if num < 0 else ""
+    value = float(abs(num))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.3g} {unit}"
+        value /= 1024
+    return f"{sign}{value:.3g} TiB"
