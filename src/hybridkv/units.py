@@ -54,12 +54,24 @@ def parse_bytes(text: str | int, *, field: str = "size") -> int:
     return value
 
 
+def _three_digits(value: float) -> str:
+    # ``:.3g`` switches to exponent notation from 1000 up; a binary unit never reaches 1024.
+    return f"{value:.0f}" if value >= 1000 else f"{value:.3g}"
+
+
 def format_bytes(num: float) -> str:
-    """Format a byte count with a binary unit and three significant digits: ``'40.0 GiB'``."""
+    """Format a byte count with a binary unit and about three significant digits.
+
+    ``format_bytes(40 * 2**30) == '40 GiB'``, ``format_bytes(1000 * 2**20) == '1000 MiB'``.
+    """
     sign = "-" if num < 0 else ""
     value = float(abs(num))
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024:
-            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.3g} {unit}"
+            return (
+                f"{sign}{value:.0f} {unit}"
+                if unit == "B"
+                else f"{sign}{_three_digits(value)} {unit}"
+            )
         value /= 1024
-    return f"{sign}{value:.3g} TiB"
+    return f"{sign}{_three_digits(value)} TiB"

@@ -19,6 +19,7 @@ __all__ = ["main"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hybridkv.cli.plan_cmd", "capacity plan for a model and a memory budget"),
     "models": ("hybridkv.cli.models_cmd", "list the built-in model catalog"),
+    "simulate": ("hybridkv.cli.simulate_cmd", "replay a workload through the cache manager"),
 }
 
 
@@ -29,7 +30,7 @@ class _Command(Protocol):
 
 
 def _load(name: str) -> _Command:
-    module: _Command = importlib.import_module(SUBCOMMANDS[name][0])  # type: ignore[assignment]
+    module: _Command = importlib.import_module(SUBCOMMANDS[name][0])
     return module
 
 
@@ -49,8 +50,6 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         if name == chosen:
             _load(name).add_arguments(p)
     return parser
-
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,143 @@
+"""``hybridkv models``: list the built-in catalog, or show one model's per-layer cache specs.
+
+Examples::
+
+    hybridkv models                      # catalog table
+    hybridkv models --json               # the same, machine-readable
+    hybridkv models gpt-oss-20b          # per-layer table of one model
+    hybridkv models ./my-model --tp 2    # a config.json / model directory, per tp rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from hybridkv.errors import UnknownModelError
+from hybridkv.models import catalog_entries, catalog_entry, resolve_model
+from hybridkv.models.summary import cache_detail, cache_label, format_kind_counts, kind_counts
+from hybridkv.specs import ModelSpec
+from hybridkv.units import format_bytes
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="catalog name, Hugging Face id or path to a config.json; omit to list the catalog",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="attention/MLA cache dtype (auto, bf16, fp16, fp8, ...; default: the model dtype)",
+    )
+
+
+def _table(rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _model_summary(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "model_type": spec.model_type,
+        "num_layers": spec.num_layers,
+        "kinds": kind_counts(spec),
+        "bytes_per_token": sum(c.bytes_per_token for _, _, c in spec.entries()),
+        "state_bytes": sum(c.state_bytes for _, _, c in spec.entries()),
+        "max_position_embeddings": spec.max_position_embeddings,
+    }
+
+
+def _list_catalog(args: argparse.Namespace) -> int:
+    summaries = []
+    for entry in catalog_entries():
+        spec = resolve_model(entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+        summaries.append({**_model_summary(spec), "hf_id": entry.hf_id})
+    if args.json:
+        print(json.dumps(summaries, indent=2))
+        return 0
+    rows = [["NAME", "HF ID", "MODEL TYPE", "LAYERS", "KV/TOKEN", "STATE", "CACHES"]]
+    for s in summaries:
+        rows.append(
+            [
+                s["name"],
+                s["hf_id"],
+                s["model_type"],
+                str(s["num_layers"]),
+                format_bytes(s["bytes_per_token"]),
+                format_bytes(s["state_bytes"]),
+                format_kind_counts(s["kinds"]),
+            ]
+        )
+    print(_table(rows, right=frozenset({3, 4, 5})))
+    print(
+        f"\nKV/TOKEN: bytes per token if every per-token cache kept every token; STATE: "
+        f"recurrent state per request.  Per rank at tp={args.tp}."
+    )
+    return 0
+
+
+def _hf_id(model: str) -> str | None:
+    try:
+        return catalog_entry(model).hf_id
+    except UnknownModelError:  # a config path, not a catalog entry
+        return None
+
+
+def _show_model(args: argparse.Namespace) -> int:
+    spec = resolve_model(args.model, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+    if args.json:
+        print(json.dumps({**spec.to_dict(), "hf_id": _hf_id(args.model)}, indent=2))
+        return 0
+    rows = [["LAYER", "TYPE", "KIND", "DETAIL", "BYTES/TOKEN", "STATE BYTES"]]
+    for layer in spec.layers:
+        for slot, cache in enumerate(layer.caches):
+            rows.append(
+                [
+                    str(layer.index) if slot == 0 else "",
+                    layer.layer_type if slot == 0 else "",
+                    cache_label(cache),
+                    cache_detail(cache),
+                    str(cache.bytes_per_token),
+                    str(cache.state_bytes),
+                ]
+            )
+    summary = _model_summary(spec)
+    hf_id = _hf_id(args.model)
+    print(
+        f"{spec.name}" + (f" ({hf_id})" if hf_id else "") + f": {spec.model_type}, "
+        f"{spec.num_layers} layers, tp={spec.tp_size}"
+    )
+    print(_table(rows, right=frozenset({0, 4, 5})))
+    print(f"\ncaches: {format_kind_counts(summary['kinds'])}")
+    print(
+        f"per request: {format_bytes(summary['bytes_per_token'])}/token if every token were "
+        f"kept, {format_bytes(summary['state_bytes'])} recurrent state"
+    )
+    for tokens in sorted({4096, spec.max_position_embeddings or 4096}):
+        print(f"resident at {tokens} tokens: {format_bytes(spec.resident_bytes(tokens))}")
+    for note in spec.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """List the catalog (no model given) or show one model; returns the exit code."""
+    if args.model is None:
+        return _list_catalog(args)
+    return _show_model(args)

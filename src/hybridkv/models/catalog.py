@@ -1,0 +1,129 @@
+"""The built-in model catalog and :func:`resolve_model` (catalog name, HF id or config path).
+
+Catalog names and Hugging Face ids match case-insensitively: ``"gpt-oss-20b"``,
+``"GPT-OSS-20B"`` and ``"openai/gpt-oss-20b"`` name the same entry.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridkv.errors import UnknownModelError
+from hybridkv.models.catalog_data import CATALOG_DATA
+from hybridkv.models.registry import spec_from_config
+from hybridkv.specs import DType, ModelSpec
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "CatalogEntry",
+    "catalog_config",
+    "catalog_entries",
+    "catalog_entry",
+    "catalog_names",
+    "resolve_model",
+]
+
+#: The model CLI commands use when none is named.
+DEFAULT_MODEL = "gpt-oss-20b"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CatalogEntry:
+    """One catalog model: display ``name``, Hugging Face ``hf_id`` and its ``config`` fields.
+
+    ``config`` is shared and must not be mutated; :func:`catalog_config` hands out copies.
+    """
+
+    name: str
+    hf_id: str
+    config: Mapping[str, Any]
+
+    @property
+    def model_type(self) -> str:
+        """The declared ``model_type`` (a wrapper's own, e.g. ``gemma3``)."""
+        return str(self.config.get("model_type", ""))
+
+
+_ENTRIES: tuple[CatalogEntry, ...] = tuple(
+    CatalogEntry(name=name, hf_id=hf_id, config=config) for name, hf_id, config in CATALOG_DATA
+)
+_BY_KEY: dict[str, CatalogEntry] = {
+    key.lower(): entry for entry in _ENTRIES for key in (entry.name, entry.hf_id)
+}
+
+
+def catalog_entries() -> tuple[CatalogEntry, ...]:
+    """Every catalog entry, in catalog order."""
+    return _ENTRIES
+
+
+def catalog_names() -> list[str]:
+    """Every catalog name, in catalog order."""
+    return [entry.name for entry in _ENTRIES]
+
+
+def _unknown(model: str) -> UnknownModelError:
+    keys = [e.name for e in _ENTRIES] + [e.hf_id for e in _ENTRIES]
+    lowered = {k.lower(): k for k in keys}
+    close = [
+        lowered[m] for m in difflib.get_close_matches(model.lower(), list(lowered), n=4, cutoff=0.5)
+    ]
+    hint = f"; close matches: {', '.join(close)}" if close else ""
+    return UnknownModelError(
+        f"model: {model!r} is neither a catalog name nor a path to a config.json{hint}; "
+        f"catalog: {', '.join(catalog_names())}"
+    )
+
+
+def catalog_entry(name: str) -> CatalogEntry:
+    """The entry named ``name`` (catalog name or HF id, any case).  Raises UnknownModelError."""
+    entry = _BY_KEY.get(name.strip().lower())
+    if entry is None:
+        raise _unknown(name)
+    return entry
+
+
+def catalog_config(name: str) -> dict[str, Any]:
+    """A deep copy of the config of catalog entry ``name``; raises UnknownModelError."""
+    return copy.deepcopy(dict(catalog_entry(name).config))
+
+
+def resolve_model(
+    model: str,
+    *,
+    tp_size: int = 1,
+    kv_cache_dtype: str | DType | None = None,
+    ssm_state_dtype: str | DType | None = None,
+) -> ModelSpec:
+    """The :class:`ModelSpec` of a catalog model (name or HF id) or of a config file / directory.
+
+    Catalog names win over paths.  Raises :class:`~hybridkv.errors.UnknownModelError` (with
+    close catalog matches) when ``model`` is neither, and whatever :func:`spec_from_config`
+    raises for a bad config or setting.
+    """
+    entry = _BY_KEY.get(model.strip().lower())
+    if entry is not None:
+        return spec_from_config(
+            entry.config,
+            tp_size=tp_size,
+            kv_cache_dtype=kv_cache_dtype,
+            name=entry.name,
+            ssm_state_dtype=ssm_state_dtype,
+        )
+    path = Path(os.path.expanduser(model))
+    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+        name = (path.parent if path.is_file() else path).name or str(path)
+        return spec_from_config(
+            path,
+            tp_size=tp_size,
+            kv_cache_dtype=kv_cache_dtype,
+            name=name,
+            ssm_state_dtype=ssm_state_dtype,
+        )
+    raise _unknown(model)

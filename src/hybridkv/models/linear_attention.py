@@ -1,0 +1,188 @@
+"""Linear-attention and short-conv hybrids: qwen3_next / qwen3_5 (gated DeltaNet), kimi_linear
+(KDA + MLA), lfm2 (short convolution + attention).
+
+Layer kinds: ``linear_attention`` (a delta-rule layer with conv + recurrent state), ``conv``
+(LFM2's short convolution, conv state only) and ``full_attention`` (softmax attention, or MLA for
+kimi_linear).  State shapes and dtypes: see :mod:`hybridkv.models.states`.
+"""
+
+from __future__ import annotations
+
+from hybridkv.errors import ConfigError
+from hybridkv.models.attention import AttentionShape, attention_spec, default_head_dim, kv_heads
+from hybridkv.models.config import Architecture, ConfigView, DeriveContext
+from hybridkv.models.hybrid_ssm import CacheFactory, assemble_layers
+from hybridkv.models.mla import mla_spec
+from hybridkv.models.states import gated_deltanet_state, kda_state, short_conv_state
+from hybridkv.specs import DType, LayerSpec
+
+__all__ = ["ARCHITECTURES"]
+
+
+def _types_or(cfg: ConfigView, n: int, default: list[str]) -> list[str]:
+    found = cfg.opt_str_list("layer_types")
+    if found is None:
+        return default
+    cfg.check_length("layer_types", found, n)
+    return found
+
+
+def _derive_qwen3_next(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
+    """Qwen3-Next / Qwen3.5: gated DeltaNet layers, every ``full_attention_interval``-th full.
+
+    Qwen3.5 checkpoints carry ``mamba_ssm_dtype`` (float32), the recurrent-state dtype.
+    """
+    n = cfg.num_layers()
+    interval = cfg.req_int("full_attention_interval")
+    default = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    types = _types_or(cfg, n, default)
+    shape = AttentionShape(num_kv_heads=kv_heads(cfg), head_dim=default_head_dim(cfg))
+    flag = cfg.opt_str("mamba_ssm_dtype")
+    ssm_flag = (
+        None
+        if flag is None
+        else DType.parse(flag, field=f"{cfg.model_type} config.mamba_ssm_dtype")
+    )
+    table: dict[str, CacheFactory] = {
+        "linear_attention": lambda: (
+            gated_deltanet_state(
+                ctx,
+                model_type=cfg.model_type,
+                num_k_heads=cfg.req_int("linear_num_key_heads"),
+                num_v_heads=cfg.req_int("linear_num_value_heads"),
+                head_k_dim=cfg.req_int("linear_key_head_dim"),
+                head_v_dim=cfg.req_int("linear_value_head_dim"),
+                d_conv=cfg.req_int("linear_conv_kernel_dim"),
+                ssm_dtype_flag=ssm_flag,
+            ),
+        ),
+        "full_attention": lambda: (
+            attention_spec(cfg, ctx, "full_attention", shape, layer=types.index("full_attention")),
+        ),
+    }
+    return assemble_layers(cfg, types, table)
+
+
+def _kimi_layer_types(cfg: ConfigView, n: int) -> list[str]:
+    """``layer_types``, else ``linear_attn_config``'s 1-based ``full_attn_layers`` / ``kda_layers``.
+
+    Without either, transformers' default: full attention where ``i > 0 and i % 4 == 0``.
+    """
+    found = cfg.opt_str_list("layer_types")
+    if found is not None:
+        cfg.check_length("layer_types", found, n)
+        return found
+    linear = ConfigView(cfg.model_type, cfg.opt_mapping("linear_attn_config") or {})
+    full = linear.opt_int_list("full_attn_layers", minimum=1)
+    kda = linear.opt_int_list("kda_layers", minimum=1)
+    if full is None or kda is None:
+        return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    types: list[str | None] = [None] * n
+    for layers, kind in ((full, "full_attention"), (kda, "linear_attention")):
+        for one_based in layers:
+            if one_based > n:
+                raise ConfigError(
+                    f"kimi_linear config: linear_attn_config names layer {one_based} (1-based) "
+                    f"but the model has {n} layers"
+                )
+            types[one_based - 1] = kind
+    unset = [i + 1 for i, t in enumerate(types) if t is None]
+    if unset:
+        raise ConfigError(
+            f"kimi_linear config: linear_attn_config lists neither full_attn_layers nor "
+            f"kda_layers for layers {unset} (1-based)"
+        )
+    return [t for t in types if t is not None]
+
+
+def _kimi_linear_field(cfg: ConfigView, nested: str, flat: str) -> int:
+    """A KDA field from ``linear_attn_config`` (checkpoint layout) or its flat alias."""
+    linear = ConfigView(cfg.model_type, cfg.opt_mapping("linear_attn_config") or {})
+    value = linear.opt_int(nested)
+    return cfg.req_int(flat) if value is None else value
+
+
+def _derive_kimi_linear(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
+    """Kimi Linear: KDA layers (conv + recurrent state) and MLA layers (latent cache)."""
+    n = cfg.num_layers()
+    types = _kimi_layer_types(cfg, n)
+    table: dict[str, CacheFactory] = {
+        "linear_attention": lambda: (
+            kda_state(
+                ctx,
+                model_type=cfg.model_type,
+                num_heads=_kimi_linear_field(cfg, "num_heads", "linear_num_heads"),
+                head_dim=_kimi_linear_field(cfg, "head_dim", "linear_head_dim"),
+                d_conv=_kimi_linear_field(cfg, "short_conv_kernel_size", "linear_conv_kernel_dim"),
+            ),
+        ),
+        "full_attention": lambda: (mla_spec(cfg, ctx),),
+    }
+    return assemble_layers(cfg, types, table)
+
+
+def _derive_lfm2(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
+    """LFM2: ``conv`` layers (short conv state) and ``full_attention`` layers.
+
+    Layer kinds come from ``layer_types``, else ``full_attn_idxs`` (0-based), else all full.
+    """
+    n = cfg.num_layers()
+    idxs = cfg.opt_int_list("full_attn_idxs")
+    full = set(range(n)) if idxs is None else set(idxs)
+    types = _types_or(cfg, n, ["full_attention" if i in full else "conv" for i in range(n)])
+    shape = AttentionShape(num_kv_heads=kv_heads(cfg), head_dim=default_head_dim(cfg))
+    table: dict[str, CacheFactory] = {
+        "conv": lambda: (
+            short_conv_state(
+                ctx,
+                model_type=cfg.model_type,
+                hidden_size=cfg.req_int("hidden_size"),
+                l_cache=cfg.req_int("conv_L_cache"),
+            ),
+        ),
+        "full_attention": lambda: (
+            attention_spec(cfg, ctx, "full_attention", shape, layer=types.index("full_attention")),
+        ),
+    }
+    return assemble_layers(cfg, types, table)
+
+
+_GDN_DEFAULTS: dict[str, int] = {
+    "head_dim": 256,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen3_next": Architecture(
+        _derive_qwen3_next,
+        {**_GDN_DEFAULTS, "num_attention_heads": 16, "num_key_value_heads": 2},
+        "linear-attention",
+    ),
+    "qwen3_5_text": Architecture(
+        _derive_qwen3_next,
+        {**_GDN_DEFAULTS, "num_attention_heads": 16, "num_key_value_heads": 4},
+        "linear-attention",
+    ),
+    "qwen3_5_moe_text": Architecture(
+        _derive_qwen3_next,
+        {**_GDN_DEFAULTS, "num_attention_heads": 16, "num_key_value_heads": 2},
+        "linear-attention",
+    ),
+    "kimi_linear": Architecture(
+        _derive_kimi_linear,
+        {
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "linear_head_dim": 128,
+            "linear_num_heads": 32,
+            "linear_conv_kernel_dim": 4,
+        },
+        "linear-attention",
+    ),
+    "lfm2": Architecture(_derive_lfm2, {"num_key_value_heads": 8, "conv_L_cache": 3}, "short-conv"),
+}

@@ -1,0 +1,111 @@
+"""The architecture registry and :func:`spec_from_config`, the entry point of model derivation.
+
+``ARCHITECTURES`` maps a Hugging Face ``model_type`` to the function deriving its layer specs.
+Add an architecture by writing a derivation in a family module and listing it there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from hybridkv.errors import ConfigError, UnsupportedModelTypeError
+from hybridkv.models import attention, gemma4, hybrid_ssm, linear_attention, mla
+from hybridkv.models.config import (
+    Architecture,
+    ConfigView,
+    DeriveContext,
+    load_config,
+    model_dtype,
+    select_text_config,
+)
+from hybridkv.specs import DType, ModelSpec
+
+__all__ = ["ARCHITECTURES", "spec_from_config", "supported_model_types"]
+
+logger = logging.getLogger(__name__)
+
+#: model_type -> how to derive its layer specs (one registry for every family).
+ARCHITECTURES: dict[str, Architecture] = {
+    **attention.ARCHITECTURES,
+    **gemma4.ARCHITECTURES,
+    **mla.ARCHITECTURES,
+    **hybrid_ssm.ARCHITECTURES,
+    **linear_attention.ARCHITECTURES,
+}
+
+
+def supported_model_types() -> list[str]:
+    """Every ``model_type`` :func:`spec_from_config` accepts, sorted."""
+    return sorted(ARCHITECTURES)
+
+
+def _parse_dtype(value: str | DType | None, field: str, model_dtype: DType) -> DType:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return model_dtype
+    return DType.parse(value, field=field)
+
+
+def _tp(tp_size: object) -> int:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size <= 0:
+        raise ConfigError(f"tp_size: must be a positive integer, got {tp_size!r}")
+    return tp_size
+
+
+def spec_from_config(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    tp_size: int = 1,
+    kv_cache_dtype: str | DType | None = None,
+    name: str | None = None,
+    ssm_state_dtype: str | DType | None = None,
+) -> ModelSpec:
+    """Derive per-layer cache specs from a Hugging Face config, (per tensor-parallel rank).
+
+    ``config`` is a config dict, a path to ``config.json`` or a directory containing one.  A
+    multimodal wrapper (gemma3, gemma4, llama4 conditional generation) is read through its
+    ``text_config``.  ``kv_cache_dtype`` (``None`` / ``"auto"`` = the model dtype from
+    ``dtype`` / ``torch_dtype``, bfloat16 when unset) applies to attention and MLA caches only;
+    ``ssm_state_dtype`` overrides recurrent-state tensors (default: what transformers caches,
+    float32).  ``name`` defaults to the config's ``_name_or_path`` or its ``model_type``.
+
+    Nothing is mutated.  Raises :class:`~hybridkv.errors.UnsupportedModelTypeError` for an
+    unknown ``model_type`` (listing the supported ones), :class:`~hybridkv.errors.ConfigError`
+    for a missing or invalid field or an impossible ``tp_size``, and
+    :class:`~hybridkv.errors.SpecError` for an unknown dtype name.
+    """
+    tp = _tp(tp_size)
+    raw = load_config(config)
+    model_type, data = select_text_config(raw, ARCHITECTURES)
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None:
+        raise UnsupportedModelTypeError(
+            f"config.model_type: {model_type!r} is not supported; supported: "
+            f"{', '.join(supported_model_types())}"
+        )
+    dtype = model_dtype(data, model_type)
+    ctx = DeriveContext(
+        tp_size=tp,
+        dtype=dtype,
+        kv_dtype=_parse_dtype(kv_cache_dtype, "kv_cache_dtype", dtype),
+        ssm_state_dtype=None
+        if ssm_state_dtype is None
+        else _parse_dtype(ssm_state_dtype, "ssm_state_dtype", dtype),
+    )
+    view = ConfigView(model_type, data, arch.defaults)
+    layers = arch.derive(view, ctx)
+    if ctx.kv_dtype is not dtype:
+        ctx.note(f"kv_cache_dtype={ctx.kv_dtype.value} applies to attention/MLA caches only")
+    spec_name = name or str(raw.get("_name_or_path") or "") or model_type
+    spec = ModelSpec(
+        name=spec_name,
+        model_type=model_type,
+        layers=tuple(layers),
+        tp_size=tp,
+        max_position_embeddings=view.first_int("max_position_embeddings", "model_max_length"),
+        notes=tuple(ctx.notes),
+    )
+    logger.debug("derived %s (%s): %d layers, tp=%d", spec_name, model_type, len(layers), tp)
+    return spec

@@ -1,0 +1,24 @@
+"""Continuous-batching scheduler over the cache manager (shared by the engine and simulator)."""
+
+from __future__ import annotations
+
+from hybridkv.scheduler.scheduler import Scheduler, SequenceState
+from hybridkv.scheduler.types import (
+    FinishReason,
+    RequestOutput,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerError,
+    SchedulerOutput,
+)
+
+__all__ = [
+    "FinishReason",
+    "RequestOutput",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerError",
+    "SchedulerOutput",
+    "SequenceState",
+]

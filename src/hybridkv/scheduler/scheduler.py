@@ -1,0 +1,324 @@
+"""Continuous batching over a :class:`hybridkv.cache.KVCacheManager`.  No torch.
+
+One step, as :meth:`Scheduler.schedule` builds it:
+
+1. **Running requests first**, oldest first: each gets the rest of its prompt (chunked to the
+   token budget) or one decode token.  When ``allocate_slots`` refuses, the newest running
+   request is preempted (its blocks are released, computed ones stay in the prefix cache) and
+   goes back to the front of the waiting queue; it is recomputed, mostly from cache, later.
+2. **Waiting requests** (first come, first served) when nothing was preempted this step: a
+   prefix-cache lookup, then the first prefill chunk.
+
+Chunk ends.  When the layout has a recurrent-state group (or ``split_for_state`` is set), a
+prefill chunk that does not finish the prompt ends on a multiple of the schedule alignment,
+and a chunk that crosses the shared-prefix *junction* (where the request leaves the prefix the
+attention groups already cache) ends there, rounded down to the alignment; the chunk that
+reaches the end of the prompt first stops at the last aligned boundary.  States are only
+checkpointed at chunk ends, so without these splits a later request sharing the prefix would
+find no state to resume from.
+
+The caller runs the step and passes the sampled tokens to :meth:`Scheduler.update`, which
+advances every request, appends tokens, and frees finished requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
+from hybridkv.scheduler.types import (
+    FinishReason,
+    RequestOutput,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerError,
+    SchedulerOutput,
+)
+from hybridkv.specs import CacheKind
+
+__all__ = ["Scheduler", "SequenceState"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """Scheduler-side bookkeeping of one request."""
+
+    request: Request
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    arrival: float
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    junction: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_step: int | None = None
+    chunk_cap: int = 0  # >0: a smaller prefill chunk the cache could hold on its own
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix hits and preemption by recompute.
+
+    ``add_request`` queues a request; ``schedule`` plans a step (and allocates its slots);
+    ``update`` applies the step's sampled tokens.  Requests longer than ``max_model_len`` are
+    refused at ``add_request`` with :class:`SchedulerError`.
+    """
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        config: SchedulerConfig | None = None,
+        *,
+        max_model_len: int,
+    ) -> None:
+        self.manager = manager
+        self.config = config or SchedulerConfig()
+        if max_model_len <= 0:
+            raise SchedulerError(f"max_model_len: must be positive, got {max_model_len}")
+        self.max_model_len = max_model_len
+        has_state = any(g.spec.kind is CacheKind.STATE for g in manager.layout.groups)
+        split = self.config.split_for_state
+        self.split_for_state = has_state if split is None else split
+        self.alignment = manager.schedule_alignment
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+        self.seqs: dict[str, SequenceState] = {}
+        self.step_index = 0
+        self.num_preemptions = 0
+
+    # -- queue ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        arrival: float = 0.0,
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+    ) -> SequenceState:
+        """Queue a request.  Raises :class:`SchedulerError` (or a cache RequestError) for an
+        empty prompt, a duplicate id, ``max_tokens < 1`` or a prompt of ``max_model_len`` or
+        more tokens."""
+        if request_id in self.seqs:
+            raise SchedulerError(f"request {request_id!r}: id already queued or running")
+        if max_tokens < 1:
+            raise SchedulerError(
+                f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}"
+            )
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise SchedulerError(
+                f"request {request_id!r}: prompt has {n} tokens, the maximum model length is "
+                f"{self.max_model_len} (prompts must be shorter, leaving room for one output)"
+            )
+        request = self.manager.make_request(
+            request_id, list(prompt_token_ids), lora_id=lora_id, cache_salt=cache_salt
+        )
+        seq = SequenceState(request, max_tokens, frozenset(eos_token_ids), arrival)
+        self.seqs[request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- planning -------------------------------------------------------------------------
+    def _chunk_end(self, seq: SequenceState, start: int, budget: int) -> int:
+        """Where this step's chunk of ``seq`` ends (``start`` if nothing can be scheduled)."""
+        req = seq.request
+        total = req.num_tokens
+        cap = min(budget, seq.chunk_cap) if seq.chunk_cap else budget
+        if start < req.num_prompt_tokens and self.config.max_prefill_chunk is not None:
+            cap = min(cap, self.config.max_prefill_chunk)
+        end = min(total, start + cap)
+        if not self.split_for_state or start >= req.num_prompt_tokens - 1:
+            return end
+        a = self.alignment
+        junction = seq.junction - seq.junction % a
+        if start < junction < end:
+            return junction
+        last_aligned = (total - 1) // a * a
+        if end < total:
+            aligned = end - end % a
+            return aligned if aligned > start else start
+        if start < last_aligned < end:
+            return last_aligned
+        return end
+
+    def _preempt_newest(self) -> SequenceState:
+        victim = self.running.pop()
+        self.manager.preempt(victim.request_id)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        log.debug("preempted %s", victim.request_id)
+        return victim
+
+    def _scheduled(
+        self,
+        seq: SequenceState,
+        start: int,
+        end: int,
+        cached: int,
+        allocation: object,
+    ) -> ScheduledRequest:
+        req = seq.request
+        tokens = req.token_ids
+        return ScheduledRequest(
+            request_id=req.request_id,
+            start=start,
+            num_new_tokens=end - start,
+            num_cached_tokens=cached,
+            token_ids=tuple(tokens[start:end]),
+            block_ids=self.manager.get_block_ids(req.request_id)
+            if self.config.collect_block_ids
+            else (),
+            samples=end == req.num_tokens,
+            allocation=allocation,  # type: ignore[arg-type]
+            is_prefill=start < req.num_prompt_tokens,
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step and allocate its slots.  Mutates the queues and the manager."""
+        cfg = self.config
+        mgr = self.manager
+        budget = cfg.token_budget
+        out: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        cached_total = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            req = seq.request
+            start = req.num_computed_tokens
+            end = self._chunk_end(seq, start, budget)
+            if end <= start:
+                i += 1
+                continue
+            lookahead = cfg.num_lookahead_tokens if start >= req.num_prompt_tokens else 0
+            while True:
+                res = mgr.allocate_slots(req, end - start, num_lookahead_tokens=lookahead)
+                if res is not None:
+                    break
+                victim = self._preempt_newest()
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    if not self.running and end - start > 1:
+                        # Refused with the cache to itself: resume with smaller chunks.
+                        seq.chunk_cap = max(1, (end - start) // 2)
+                    break
+            if res is None:
+                break
+            out.append(self._scheduled(seq, start, end, 0, res))
+            budget -= end - start
+            i += 1
+        skipped = 0
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                seq = self.waiting[0]
+                req = seq.request
+                hit: ComputedBlocks = mgr.get_computed_blocks(req)
+                cached = hit.num_computed_tokens
+                seq.junction = hit.junction_tokens
+                end = self._chunk_end(seq, cached, budget)
+                if end <= cached:
+                    skipped += 1
+                    break
+                res = mgr.allocate_slots(
+                    req,
+                    end - cached,
+                    num_new_computed_tokens=cached,
+                    new_computed_blocks=hit,
+                )
+                if res is None:
+                    if self.running:
+                        break
+                    # Alone and still refused: the chunk is too large for the cache (a fixed
+                    # pool split sized for decode, say).  Retry with half the chunk.
+                    if end - cached <= 1:
+                        raise SchedulerError(
+                            f"request {req.request_id!r}: not even one token fits in an empty "
+                            "cache; the memory budget is too small for it"
+                        )
+                    seq.chunk_cap = max(1, (end - cached) // 2)
+                    continue
+                self.waiting.popleft()
+                self.running.append(seq)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = cached
+                cached_total += cached
+                req.num_computed_tokens = cached
+                out.append(self._scheduled(seq, cached, end, cached, res))
+                budget -= end - cached
+        self.step_index += 1
+        return SchedulerOutput(
+            step=self.step_index,
+            scheduled=tuple(out),
+            preempted=tuple(preempted),
+            num_batched_tokens=cfg.token_budget - budget,
+            num_cached_tokens=cached_total,
+            skipped_waiting=skipped,
+        )
+
+    # -- applying a step -------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[RequestOutput]:
+        """Advance every scheduled request by its computed tokens and append sampled tokens.
+
+        ``sampled`` maps the id of every scheduled request with ``samples=True`` to its next
+        token.  Finished requests are freed.  Raises :class:`SchedulerError` when a sample is
+        missing.
+        """
+        results: list[RequestOutput] = []
+        for item in output.scheduled:
+            seq = self.seqs[item.request_id]
+            req = seq.request
+            req.num_computed_tokens = item.start + item.num_new_tokens
+            if not item.samples:
+                continue
+            if item.request_id not in sampled:
+                raise SchedulerError(f"update: no sampled token for {item.request_id!r}")
+            token = sampled[item.request_id]
+            req.append_token_ids((token,))
+            seq.num_output_tokens += 1
+            if seq.first_token_step is None:
+                seq.first_token_step = output.step
+            reason: FinishReason | None = None
+            if token in seq.eos_token_ids:
+                reason = FinishReason.STOP
+            elif seq.num_output_tokens >= seq.max_tokens:
+                reason = FinishReason.LENGTH
+            elif req.num_tokens >= self.max_model_len:
+                reason = FinishReason.MAX_MODEL_LEN
+            if reason is not None:
+                self._finish(seq, reason)
+            results.append(
+                RequestOutput(
+                    request_id=item.request_id,
+                    new_token_ids=(token,),
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_output_tokens=seq.num_output_tokens,
+                )
+            )
+        return results
+
+    def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.manager.free(seq.request_id)
+        del self.seqs[seq.request_id]

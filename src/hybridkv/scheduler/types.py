@@ -1,0 +1,118 @@
+"""Typed inputs and outputs of the continuous-batching scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from hybridkv.cache import AllocationResult
+from hybridkv.errors import HybridKVError
+
+__all__ = [
+    "FinishReason",
+    "RequestOutput",
+    "ScheduledRequest",
+    "SchedulerConfig",
+    "SchedulerError",
+    "SchedulerOutput",
+]
+
+
+class SchedulerError(HybridKVError, ValueError):
+    """Bad scheduler configuration or a request the scheduler can never serve."""
+
+
+class FinishReason(StrEnum):
+    LENGTH = "length"  # reached max_tokens
+    STOP = "stop"  # sampled an end-of-sequence token
+    MAX_MODEL_LEN = "max_model_len"  # the sequence reached the model's maximum length
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Knobs of :class:`hybridkv.scheduler.Scheduler`.
+
+    ``token_budget``: most tokens computed in one step (all requests together).
+    ``max_num_seqs``: most requests running at once.
+    ``max_prefill_chunk``: most prompt tokens of one request per step (None: the budget).
+    ``split_for_state``: end prefill chunks at the layout's schedule alignment and at the
+    shared-prefix junction, so recurrent-state groups checkpoint exactly where later requests
+    hit.  ``None`` turns it on when the layout has a state group.
+    ``num_lookahead_tokens``: speculative positions reserved after every decode token.
+    ``collect_block_ids``: copy each scheduled request's block tables into the output (a model
+    runner needs them; a simulator does not).
+    """
+
+    token_budget: int = 8192
+    max_num_seqs: int = 256
+    max_prefill_chunk: int | None = None
+    split_for_state: bool | None = None
+    num_lookahead_tokens: int = 0
+    collect_block_ids: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise SchedulerError(f"SchedulerConfig.{name}: must be positive, got {value!r}")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
+            raise SchedulerError(
+                f"SchedulerConfig.max_prefill_chunk: must be positive, got {self.max_prefill_chunk}"
+            )
+        if self.num_lookahead_tokens < 0:
+            raise SchedulerError(
+                "SchedulerConfig.num_lookahead_tokens: must be >= 0, "
+                f"got {self.num_lookahead_tokens}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The step computes tokens ``[start, start + num_new_tokens)`` of the request (``token_ids``
+    are exactly those tokens); ``num_cached_tokens`` of them were a prefix-cache hit taken this
+    step (``start`` already counts them).  ``block_ids[g]`` is the request's block table of
+    group ``g`` after allocation (empty tuple when the
+    scheduler does not collect block ids).  ``samples`` is True when the step reaches the end of the
+    known tokens, so the runner must return a next token for it.  ``allocation`` carries the
+    state copies the runner performs (see :mod:`hybridkv.cache.kinds.state`).
+    """
+
+    request_id: str
+    start: int
+    num_new_tokens: int
+    num_cached_tokens: int
+    token_ids: tuple[int, ...]
+    block_ids: tuple[list[int], ...]
+    samples: bool
+    allocation: AllocationResult
+    is_prefill: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one :meth:`Scheduler.schedule` call decided."""
+
+    step: int
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted: tuple[str, ...] = ()
+    num_batched_tokens: int = 0
+    num_cached_tokens: int = 0
+    skipped_waiting: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Tokens a request produced in one step (for streaming)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    num_output_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,172 @@
+"""A step-time cost model: how long one engine step takes on a named accelerator.
+
+The model is a roofline estimate, per step::
+
+    flops = 2 * active_params * new_tokens                       (linear layers)
+          + sum over requests and attention entries of
+            4 * q_heads * qk_dim * visible_context * new_tokens  (QK^T and PV)
+    bytes = active_weight_bytes                                  (weights read once per step)
+          + sum over requests of the cache bytes its queries read (windows and states counted
+            by each layer's own rule) + the new tokens' cache bytes written
+    time  = max(flops / (peak_flops * mfu), bytes / (hbm_bandwidth * bw_efficiency))
+          + step_overhead
+
+State layers cost a constant per token (their state is read and written once per step, and
+their per-token work is in ``active_params``).  The numbers are estimates for comparing
+strategies and workloads, not a promise about a particular engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridkv.errors import ConfigError
+from hybridkv.specs import CacheKind, MLASpec, ModelSpec
+
+__all__ = ["ACCELERATORS", "Accelerator", "ModelProfile", "StepCostModel", "load_model_config"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accelerator:
+    """Peak numbers of one accelerator (dense bf16 FLOP/s, HBM bytes/s)."""
+
+    name: str
+    peak_flops: float
+    hbm_bandwidth: float
+    mfu: float = 0.5
+    bw_efficiency: float = 0.8
+    step_overhead_s: float = 0.0005
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    "h100": Accelerator(name="H100 SXM", peak_flops=989e12, hbm_bandwidth=3.35e12),
+    "h200": Accelerator(name="H200 SXM", peak_flops=989e12, hbm_bandwidth=4.8e12),
+    "a100": Accelerator(name="A100 SXM 80GB", peak_flops=312e12, hbm_bandwidth=2.04e12),
+}
+
+
+def load_model_config(model: str) -> dict[str, Any]:
+    """The HF config dict of a catalog name or a config path / directory (text config)."""
+    from hybridkv.models import catalog_config, catalog_names
+
+    names = {n.lower() for n in catalog_names()}
+    if model.lower() in names:
+        cfg = catalog_config(model)
+    else:
+        path = Path(model)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            from hybridkv.models.catalog import catalog_entry
+
+            cfg = catalog_config(catalog_entry(model).name)
+    text = cfg.get("text_config")
+    return dict(text) if isinstance(text, dict) else dict(cfg)
+
+
+def _int(cfg: dict[str, Any], *names: str, default: int = 0) -> int:
+    for name in names:
+        value = cfg.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return default
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """What the cost model needs beyond the cache specs: active parameters and query heads."""
+
+    active_params: float
+    q_heads: int
+    weight_bytes_per_param: float = 2.0
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> ModelProfile:
+        """Estimate active parameters per token from a HF config dict.
+
+        Attention projections, dense or routed MLPs (``num_experts_per_tok`` experts plus
+        shared ones), Mamba-style in/out projections for layers without attention, and the LM
+        head.  Raises :class:`ConfigError` without ``hidden_size``.
+        """
+        h = _int(cfg, "hidden_size", "d_model")
+        if not h:
+            raise ConfigError("config: missing field 'hidden_size' needed by the cost model")
+        layers = _int(cfg, "num_hidden_layers", "n_layer", default=1)
+        nq = _int(cfg, "num_attention_heads", "n_head", default=max(1, h // 128))
+        nkv = _int(cfg, "num_key_value_heads", default=nq)
+        hd = _int(cfg, "head_dim", default=max(1, h // nq))
+        attn = h * hd * (2 * nq + 2 * nkv)
+        inter = _int(cfg, "intermediate_size", "d_inner", default=4 * h)
+        moe_inter = _int(cfg, "moe_intermediate_size", "expert_intermediate_size", default=inter)
+        k = _int(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", default=0)
+        shared = _int(cfg, "n_shared_experts", "num_shared_experts", default=0)
+        mlp = 3 * h * (moe_inter * (k + shared) if k else inter)
+        vocab = _int(cfg, "vocab_size", default=32000)
+        active = layers * (attn + mlp) + h * vocab
+        return cls(active_params=float(active), q_heads=nq)
+
+
+class StepCostModel:
+    """Seconds per step for a model on an accelerator; see the module docstring."""
+
+    def __init__(self, model: ModelSpec, profile: ModelProfile, accel: Accelerator) -> None:
+        self.model = model
+        self.profile = profile
+        self.accel = accel
+        self._state_bytes = 0
+        # (window: >0 sliding, <0 chunk size, 0 full; q-heads * qk dim; bytes per token) -> layers
+        counts: dict[tuple[int, int, int], int] = {}
+        for _, _, spec in model.entries():
+            if spec.kind is CacheKind.STATE:
+                self._state_bytes += spec.state_bytes
+                continue
+            window = 0
+            if spec.kind is CacheKind.SLIDING:
+                window = int(getattr(spec, "window", 0))
+            elif spec.kind is CacheKind.CHUNKED:
+                window = -int(getattr(spec, "chunk_size", 0))
+            if isinstance(spec, MLASpec):
+                qk = spec.latent_dim * profile.q_heads
+            else:
+                qk = int(getattr(spec, "head_dim", 64)) * profile.q_heads // max(1, model.tp_size)
+            key = (window, qk, spec.bytes_per_token)
+            counts[key] = counts.get(key, 0) + 1
+        self._attn = [(w, qk, bpt, n) for (w, qk, bpt), n in counts.items()]
+
+    def step_seconds(self, items: list[tuple[int, int]]) -> float:
+        """Time of a step computing, per request, ``(start, num_new_tokens)``."""
+        if not items:
+            return 0.0
+        new_total = 0
+        flops = 0.0
+        kv_bytes = 0.0
+        for start, new in items:
+            new_total += new
+            ctx = start + (new + 1) / 2  # mean visible length of the new queries
+            end = start + new
+            for window, qk, bpt, n in self._attn:
+                if window > 0:
+                    vis = min(ctx, window)
+                    read = min(end, window + new)
+                elif window < 0:
+                    chunk = -window
+                    vis = min(ctx, chunk)
+                    read = min(end, chunk)
+                else:
+                    vis = ctx
+                    read = end
+                flops += 4.0 * qk * vis * new * n
+                kv_bytes += (read + new) * bpt * n
+            kv_bytes += 2 * self._state_bytes
+        p = self.profile
+        flops += 2.0 * p.active_params * new_total
+        weight_bytes = p.active_params * p.weight_bytes_per_param
+        a = self.accel
+        compute = flops / (a.peak_flops * a.mfu)
+        memory = (weight_bytes + kv_bytes) / (a.hbm_bandwidth * a.bw_efficiency)
+        return max(compute, memory) + a.step_overhead_s

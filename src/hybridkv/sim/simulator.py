@@ -1,0 +1,357 @@
+"""The workload simulator: the real scheduler and cache manager, a simulated model runner.
+
+Every step is planned by :class:`hybridkv.scheduler.Scheduler` over a real
+:class:`hybridkv.cache.KVCacheManager` built from a real plan; instead of running a model, the
+step's duration comes from :class:`hybridkv.sim.cost.StepCostModel` and the sampled tokens are
+the workload's predetermined outputs.  A simulated clock orders arrivals (by timestamp, or all at
+once) and steps.  No torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridkv.cache import KVCacheManager
+from hybridkv.errors import HybridKVError
+from hybridkv.plan import Strategy, make_plan
+from hybridkv.plan.result import Plan
+from hybridkv.scheduler import Scheduler, SchedulerConfig
+from hybridkv.sim.cost import ACCELERATORS, ModelProfile, StepCostModel
+from hybridkv.specs import (
+    CacheKind,
+    CacheSpec,
+    ChunkedLocalSpec,
+    ModelSpec,
+    SlidingWindowSpec,
+)
+from hybridkv.workloads import Workload, WorkloadRequest
+
+__all__ = ["SimConfig", "SimResult", "SimulationError", "TimelinePoint", "simulate"]
+
+
+class SimulationError(HybridKVError, ValueError):
+    """The simulation cannot run (bad settings, or a request that can never fit)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """Settings of one simulated run."""
+
+    memory_bytes: int
+    max_model_len: int
+    strategy: Strategy = Strategy.ARENA
+    block_size: int = 16
+    state_block_size: int | None = None
+    token_budget: int = 8192
+    max_num_seqs: int = 256
+    accelerator: str = "h100"
+    use_arrivals: bool = True
+    hasher: str = "builtin"
+    timeline_points: int = 400
+
+    def __post_init__(self) -> None:
+        if self.accelerator not in ACCELERATORS:
+            valid = ", ".join(sorted(ACCELERATORS))
+            raise SimulationError(
+                f"accelerator: unknown accelerator {self.accelerator!r}; valid: {valid}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TimelinePoint:
+    """State of the cache after one step (sampled)."""
+
+    time_s: float
+    step: int
+    running: int
+    waiting: int
+    used_bytes: int
+    need_bytes: int
+    group_blocks: tuple[int, ...]
+    hit_rate: float
+
+
+@dataclass
+class SimResult:
+    """What a simulated run measured.  ``summary()`` gives the headline numbers."""
+
+    strategy: str
+    plan: Plan
+    workload: str
+    num_requests: int
+    finished: int
+    rejected: list[str]
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    preemptions: int
+    steps: int
+    sim_time_s: float
+    wall_time_s: float
+    peak_running: int
+    peak_used_bytes: int
+    peak_need_bytes: int
+    ttft_s: list[float]
+    tpot_s: list[float]
+    group_hit_rates: tuple[float, ...]
+    group_labels: tuple[str, ...]
+    manager_us_per_step: float
+    timeline: list[TimelinePoint] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        def pct(values: list[float], q: float) -> float:
+            if not values:
+                return 0.0
+            s = sorted(values)
+            return s[min(len(s) - 1, int(q * len(s)))]
+
+        throughput = self.output_tokens / self.sim_time_s if self.sim_time_s else 0.0
+        return {
+            "strategy": self.strategy,
+            "workload": self.workload,
+            "requests": self.num_requests,
+            "finished": self.finished,
+            "rejected": len(self.rejected),
+            "token_hit_rate": self.hit_rate,
+            "group_hit_rates": dict(zip(self.group_labels, self.group_hit_rates, strict=True)),
+            "preemptions": self.preemptions,
+            "peak_running": self.peak_running,
+            "peak_used_bytes": self.peak_used_bytes,
+            "peak_need_bytes": self.peak_need_bytes,
+            "budget_bytes": self.plan.memory_bytes,
+            "steps": self.steps,
+            "sim_time_s": self.sim_time_s,
+            "output_tokens_per_s": throughput,
+            "ttft_mean_s": sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else 0.0,
+            "ttft_p50_s": pct(self.ttft_s, 0.5),
+            "ttft_p99_s": pct(self.ttft_s, 0.99),
+            "tpot_mean_s": sum(self.tpot_s) / len(self.tpot_s) if self.tpot_s else 0.0,
+            "manager_us_per_step": self.manager_us_per_step,
+            "wall_time_s": self.wall_time_s,
+        }
+
+
+def group_label(plan: Plan, g: int) -> str:
+    group = plan.layout.groups[g]
+    spec = group.spec
+    detail = ""
+    if hasattr(spec, "window"):
+        detail = f"({spec.window})"
+    elif hasattr(spec, "chunk_size"):
+        detail = f"({spec.chunk_size})"
+    return f"g{g}:{spec.kind.value}{detail}x{group.num_members}"
+
+
+def _need_function(model: ModelSpec) -> Callable[[int], int]:
+    """``f(n)`` = ``model.resident_bytes(n)``, with the per-layer loop folded into a few terms."""
+    full = 0  # bytes per token of layers keeping every token
+    state = 0
+    windows: dict[int, int] = {}  # window -> bytes per token
+    chunks: dict[int, int] = {}  # chunk size -> bytes per token
+    other: dict[CacheSpec, int] = {}  # anything else (sink tokens): exact per-spec rule
+    for _, _, spec in model.entries():
+        kind = spec.kind
+        if kind in (CacheKind.FULL, CacheKind.MLA):
+            full += spec.bytes_per_token
+        elif kind is CacheKind.STATE:
+            state += spec.state_bytes
+        elif isinstance(spec, SlidingWindowSpec) and not spec.sink_tokens:
+            windows[spec.window] = windows.get(spec.window, 0) + spec.bytes_per_token
+        elif isinstance(spec, ChunkedLocalSpec):
+            chunks[spec.chunk_size] = chunks.get(spec.chunk_size, 0) + spec.bytes_per_token
+        else:
+            other[spec] = other.get(spec, 0) + 1
+    win = list(windows.items())
+    chk = list(chunks.items())
+    oth = list(other.items())
+
+    def need(n: int) -> int:
+        if n <= 0:
+            return 0
+        total = full * n + state
+        for w, bpt in win:
+            total += bpt * (n if n < w else w)
+        for c, bpt in chk:
+            total += bpt * ((n - 1) % c + 1)
+        for spec, count in oth:
+            total += count * spec.resident_bytes(n)
+        return total
+
+    return need
+
+
+def simulate(
+    model: ModelSpec,
+    profile: ModelProfile,
+    workload: Workload,
+    config: SimConfig,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    """Replay ``workload`` through the scheduler and cache manager of a ``config`` plan.
+
+    ``progress(done, total)`` is called as requests finish.  Raises :class:`SimulationError`
+    when a request can never fit, and plan errors for an impossible plan.
+    """
+    plan = make_plan(
+        model,
+        memory_bytes=config.memory_bytes,
+        max_model_len=config.max_model_len,
+        strategy=config.strategy,
+        block_size=config.block_size,
+        state_block_size=config.state_block_size,
+    )
+    layout = plan.layout
+    mgr = KVCacheManager(layout, hasher=config.hasher, max_model_len=config.max_model_len)
+    sched = Scheduler(
+        mgr,
+        SchedulerConfig(
+            token_budget=config.token_budget,
+            max_num_seqs=config.max_num_seqs,
+            collect_block_ids=False,
+        ),
+        max_model_len=config.max_model_len,
+    )
+    cost = StepCostModel(model, profile, ACCELERATORS[config.accelerator])
+    total_bytes = layout.total_bytes
+    need_of = _need_function(model)
+
+    n_groups = len(layout.groups)
+    pool = mgr._coord.pool
+
+    reqs = list(workload.requests)
+    by_id: dict[str, WorkloadRequest] = {}
+    arrival: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    rejected: list[str] = []
+    ttft: list[float] = []
+    tpot: list[float] = []
+    cached_tokens = computed = output_tokens = prompt_tokens = 0
+    peak_running = peak_used = peak_need = finished = steps = 0
+    timeline: list[TimelinePoint] = []
+    sample_every = 1
+    manager_ns = 0
+    clock = 0.0
+    idx = 0
+    wall0 = time.perf_counter()
+    admitted_hits: dict[str, int] = {}
+
+    while idx < len(reqs) or sched.has_unfinished():
+        while idx < len(reqs) and (
+            not config.use_arrivals or reqs[idx].arrival_ms / 1000.0 <= clock
+        ):
+            r = reqs[idx]
+            idx += 1
+            if r.prompt_len >= config.max_model_len:
+                rejected.append(r.request_id)
+                continue
+            max_tokens = min(r.output_len, config.max_model_len - r.prompt_len)
+            sched.add_request(r.request_id, r.prompt_token_ids, max_tokens=max_tokens)
+            by_id[r.request_id] = r
+            arrival[r.request_id] = r.arrival_ms / 1000.0 if config.use_arrivals else 0.0
+            prompt_tokens += r.prompt_len
+        if not sched.has_unfinished():
+            clock = max(clock, reqs[idx].arrival_ms / 1000.0)
+            continue
+        t0 = time.perf_counter_ns()
+        out = sched.schedule()
+        manager_ns += time.perf_counter_ns() - t0
+        if out.is_empty and not out.preempted:
+            if not sched.running and sched.waiting:
+                rid = sched.waiting[0].request_id
+                raise SimulationError(
+                    f"request {rid!r} ({by_id[rid].prompt_len} prompt tokens) cannot be "
+                    "scheduled even with an empty cache; raise --memory or the token budget"
+                )
+            if idx < len(reqs):
+                clock = max(clock, reqs[idx].arrival_ms / 1000.0)
+            continue
+        steps += 1
+        for item in out.scheduled:
+            if item.num_cached_tokens and item.request_id not in admitted_hits:
+                admitted_hits[item.request_id] = item.num_cached_tokens
+            elif item.request_id not in admitted_hits:
+                admitted_hits[item.request_id] = 0
+            computed += item.num_new_tokens
+        clock += cost.step_seconds([(s.start, s.num_new_tokens) for s in out.scheduled])
+        sampled: dict[str, int] = {}
+        for item in out.scheduled:
+            if item.samples:
+                seq = sched.seqs[item.request_id]
+                sampled[item.request_id] = by_id[item.request_id].output_token_ids[
+                    seq.num_output_tokens
+                ]
+        t0 = time.perf_counter_ns()
+        results = sched.update(out, sampled)
+        manager_ns += time.perf_counter_ns() - t0
+        for res in results:
+            rid = res.request_id
+            output_tokens += 1
+            if rid not in first_token:
+                first_token[rid] = clock
+                ttft.append(clock - arrival[rid])
+            if res.finished:
+                finished += 1
+                if res.num_output_tokens > 1:
+                    tpot.append((clock - first_token[rid]) / (res.num_output_tokens - 1))
+                if progress is not None:
+                    progress(finished + len(rejected), len(reqs))
+        running = sched.num_running
+        used = int(pool.usage * total_bytes)
+        need = sum(need_of(s.request.num_computed_tokens) for s in sched.running)
+        peak_running = max(peak_running, running)
+        peak_used = max(peak_used, used)
+        peak_need = max(peak_need, need)
+        if steps % sample_every == 0:
+            timeline.append(
+                TimelinePoint(
+                    time_s=clock,
+                    step=steps,
+                    running=running,
+                    waiting=len(sched.waiting),
+                    used_bytes=used,
+                    need_bytes=need,
+                    group_blocks=tuple(pool.num_used(g) for g in range(n_groups)),
+                    hit_rate=sum(admitted_hits.values()) / prompt_tokens if prompt_tokens else 0,
+                )
+            )
+            if len(timeline) >= 2 * config.timeline_points:
+                timeline = timeline[::2]
+                sample_every *= 2
+
+    cached_tokens = sum(admitted_hits.values())
+    stats = mgr.stats
+    q = stats.query_tokens or 1
+    return SimResult(
+        strategy=str(config.strategy),
+        plan=plan,
+        workload=workload.name,
+        num_requests=len(reqs),
+        finished=finished,
+        rejected=rejected,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        computed_tokens=computed,
+        output_tokens=output_tokens,
+        preemptions=sched.num_preemptions,
+        steps=steps,
+        sim_time_s=clock,
+        wall_time_s=time.perf_counter() - wall0,
+        peak_running=peak_running,
+        peak_used_bytes=peak_used,
+        peak_need_bytes=peak_need,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        group_hit_rates=tuple(h / q for h in stats.group_alone_hit_tokens),
+        group_labels=tuple(group_label(plan, g) for g in range(n_groups)),
+        manager_us_per_step=manager_ns / 1000.0 / steps if steps else 0.0,
+        timeline=timeline,
+    )

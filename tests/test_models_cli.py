@@ -1,0 +1,91 @@
+"""``hybridkv models``: catalog table, per-layer table, JSON output and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridkv.cli.main import main
+from hybridkv.models import catalog_names
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["models", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_catalog_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["NAME", "HF", "ID", "MODEL"]
+    gpt = next(line for line in lines if line.startswith("gpt-oss-20b "))
+    assert gpt.split() == [
+        "gpt-oss-20b",
+        "openai/gpt-oss-20b",
+        "gpt_oss",
+        "24",
+        "48",
+        "KiB",
+        "0",
+        "B",
+        "12",
+        "sliding(128)",
+        "+",
+        "12",
+        "full",
+    ]
+    for name in catalog_names():
+        assert any(line.startswith(name + " ") for line in lines)
+
+
+def test_catalog_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [row["name"] for row in rows] == catalog_names()
+    nemotron = next(row for row in rows if row["name"] == "Nemotron-H-8B")
+    assert nemotron == {
+        "name": "Nemotron-H-8B",
+        "model_type": "nemotron_h",
+        "num_layers": 52,
+        "kinds": {"mamba2": 24, "none": 24, "full": 4},
+        "bytes_per_token": 4 * 2 * 8 * 128 * 2,
+        "state_bytes": 24 * (10240 * 4 * 2 + 128 * 64 * 128 * 4),
+        "max_position_embeddings": 8192,
+        "hf_id": "nvidia/Nemotron-H-8B-Base-8K",
+    }
+
+
+def test_one_model_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "falcon-h1-7b", "--tp", "2")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "Falcon-H1-7B (tiiuae/Falcon-H1-7B-Instruct): falcon_h1, 44 layers, tp=2"
+    assert lines[2].split() == ["0", "hybrid", "full", "1", "kv", "x", "128,", "bf16", "512", "0"]
+    state_bytes = str(2048 * 4 * 2 + 12 * 128 * 256 * 4)
+    expected = ["mamba2", "conv", "2048x4", "bf16,", "ssm", "12x128x256", "fp32", "0", state_bytes]
+    assert lines[3].split() == expected
+    assert "caches: 44 full + 44 mamba2" in out
+
+
+def test_one_model_json_with_kv_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "openai/gpt-oss-20b", "--json", "--kv-cache-dtype", "fp8")
+    assert code == 0
+    data = json.loads(out)
+    assert data["hf_id"] == "openai/gpt-oss-20b"
+    assert data["name"] == "gpt-oss-20b"
+    assert len(data["layers"]) == 24
+    assert data["layers"][0]["caches"][0]["dtype"] == "float8_e4m3fn"
+    assert data["notes"] == ["kv_cache_dtype=float8_e4m3fn applies to attention/MLA caches only"]
+
+
+def test_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "gpt-oss-2b")
+    assert code == 2 and out == ""
+    assert err.startswith("hybridkv models: error: model: 'gpt-oss-2b' is neither")
+    code, _, err = run(capsys, "gpt-oss-20b", "--tp", "3")
+    assert code == 2
+    assert "tp_size=3 cannot shard num_key_value_heads=8" in err
