@@ -67,7 +67,9 @@ def load_mooncake_trace(
                 )
             n_in = _field(obj, "input_length", str(p), lineno)
             n_out = _field(obj, "output_length", str(p), lineno)
-            hash_ids = obj.get("hash_ids")
+            if "hash_ids" not in obj:
+                raise WorkloadError(f"{p}:{lineno}: missing field 'hash_ids'")
+            hash_ids = obj["hash_ids"]
             if not isinstance(hash_ids, list) or not all(
                 isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
             ):
