@@ -1,0 +1,321 @@
+"""``hybridkv plan [MODEL]``: how many max-length requests fit a memory budget, and how.
+
+Examples::
+
+    hybridkv plan                                   # gpt-oss-20b, 40 GiB, arena
+    hybridkv plan Qwen3-Next-80B-A3B --memory 80GiB --strategy all
+    hybridkv plan ./config.json --max-model-len 32768 --strategy pools --pool-ratios 1,3 --json
+
+Prints one table row per group (kind, window or chunk, layers, bytes and blocks), then the
+capacity, the waste per cause, the physical need and the utilisation.  ``--strategy all``
+prints every strategy and the naive "every layer is full attention" estimate side by side.
+Bad input prints one line on stderr and exits 2 (see :mod:`hybridkv.cli.main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from hybridkv.cli.format import compact_ranges, percent, render_table
+from hybridkv.errors import HybridKVError, PlanError
+from hybridkv.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from hybridkv.plan import Plan, StrategyComparison
+    from hybridkv.specs import CacheSpec, ChunkedLocalSpec, SlidingWindowSpec, StateSpec
+
+__all__ = [
+    "PlanCommandError",
+    "add_arguments",
+    "comparison_report",
+    "group_table",
+    "plan_report",
+    "run",
+]
+
+#: --max-model-len default cap (tokens) when the model's own limit is larger or unknown.
+DEFAULT_MAX_MODEL_LEN = 131072
+_STRATEGY_CHOICES = ("arena", "uniform", "pools", "all")
+
+
+class PlanCommandError(HybridKVError, ValueError):
+    """A ``hybridkv plan`` argument is invalid (bad ratio list, non-positive --tp, ...)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``plan``'s arguments (imports nothing heavy)."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="catalog name, Hugging Face id or path to a config.json (default: gpt-oss-20b)",
+    )
+    parser.add_argument("--memory", default="40GiB", help="KV-cache budget (default: 40GiB)")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per request (default: the model's limit, at most 131072)",
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    parser.add_argument(
+        "--kv-dtype", default=None, help="KV cache dtype, e.g. fp8 (default: model)"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="attention block (tokens)")
+    parser.add_argument(
+        "--kernel-block-size", type=int, default=None, help="kernel block; divides --block-size"
+    )
+    parser.add_argument(
+        "--state-block-size", type=int, default=None, help="state checkpoint interval (tokens)"
+    )
+    parser.add_argument(
+        "--strategy", choices=_STRATEGY_CHOICES, default="arena", help="default: arena"
+    )
+    parser.add_argument(
+        "--pool-ratios", default=None, help="pools only: one weight per group, e.g. 0.3,0.7"
+    )
+    parser.add_argument(
+        "--chunk-alignment", default="2MiB", help="arena chunk granularity (default: 2MiB)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
+
+
+def parse_ratios(text: str | None) -> tuple[float, ...] | None:
+    """``'0.3,0.7'`` -> ``(0.3, 0.7)``; raises :class:`PlanError` naming ``--pool-ratios``."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise PlanError(
+            f"pool_ratios: cannot parse --pool-ratios {text!r}; give comma-separated positive "
+            "numbers, one per group, e.g. 0.3,0.7"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Resolve the model, plan, print.  Returns 0; raises HybridKVError on bad input."""
+    from hybridkv import models
+    from hybridkv.plan import compare_strategies, make_plan
+
+    if args.tp <= 0:
+        raise PlanCommandError(f"--tp: must be a positive integer, got {args.tp}")
+    memory = parse_bytes(args.memory, field="--memory")
+    alignment = parse_bytes(args.chunk_alignment, field="--chunk-alignment")
+    ratios = parse_ratios(args.pool_ratios)
+    name = args.model if args.model is not None else models.DEFAULT_MODEL
+    model = models.resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_dtype)
+    max_len = args.max_model_len
+    if max_len is None:
+        limit = model.max_position_embeddings
+        max_len = DEFAULT_MAX_MODEL_LEN if limit is None else min(limit, DEFAULT_MAX_MODEL_LEN)
+    if args.strategy == "all":
+        comparison = compare_strategies(
+            model,
+            memory_bytes=memory,
+            max_model_len=max_len,
+            block_size=args.block_size,
+            kernel_block_size=args.kernel_block_size,
+            state_block_size=args.state_block_size,
+            pool_ratios=ratios,
+            chunk_alignment=alignment,
+        )
+        data: dict[str, Any] = comparison.to_dict()
+        text = comparison_report(comparison)
+    else:
+        plan = make_plan(
+            model,
+            memory_bytes=memory,
+            max_model_len=max_len,
+            strategy=args.strategy,
+            block_size=args.block_size,
+            kernel_block_size=args.kernel_block_size,
+            state_block_size=args.state_block_size,
+            pool_ratios=ratios,
+            chunk_alignment=alignment,
+        )
+        data = plan.to_dict()
+        text = plan_report(plan)
+    print(json.dumps(data, indent=2) if args.json else text)
+    return 0
+
+
+def _window(spec: CacheSpec) -> str:
+    sw = cast("SlidingWindowSpec", spec)
+    return f"{sw.window}+{sw.sink_tokens} sinks" if sw.sink_tokens else str(sw.window)
+
+
+def _chunk(spec: CacheSpec) -> str:
+    return f"chunk {cast('ChunkedLocalSpec', spec).chunk_size}"
+
+
+def _mixer(spec: CacheSpec) -> str:
+    return f"state ({cast('StateSpec', spec).mixer.value})"
+
+
+#: kind value -> the "window" cell; kinds not listed show "-".
+_SPAN_CELL: dict[str, Callable[[CacheSpec], str]] = {
+    "sliding_window": _window,
+    "chunked_local": _chunk,
+}
+#: kind value -> the "kind" cell; kinds not listed show their kind value.
+_KIND_CELL: dict[str, Callable[[CacheSpec], str]] = {"state": _mixer}
+
+
+def _span(spec: CacheSpec) -> str:
+    cell = _SPAN_CELL.get(spec.kind.value)
+    return "-" if cell is None else cell(spec)
+
+
+def _kind(spec: CacheSpec) -> str:
+    cell = _KIND_CELL.get(spec.kind.value)
+    return spec.kind.value if cell is None else cell(spec)
+
+
+def _title(plan: Plan, *, strategy: bool = True) -> str:
+    m = plan.model
+    chosen = f"; strategy {plan.strategy.value}" if strategy else ""
+    return (
+        f"model {m.name} ({m.model_type}, {m.num_layers} layers, tp {m.tp_size}){chosen}; "
+        f"memory {format_bytes(plan.memory_bytes)} ({plan.memory_bytes} B); "
+        f"max_model_len {plan.max_model_len}"
+    )
+
+
+def _header(plan: Plan) -> list[str]:
+    layout = plan.layout
+    lines = [
+        _title(plan),
+        f"hash block {layout.hash_block_size} tokens; schedule alignment "
+        f"{layout.schedule_alignment} tokens",
+    ]
+    if layout.arena is not None:
+        lines.append(
+            f"arena: {layout.arena.num_chunks} chunks of {format_bytes(layout.arena.chunk_bytes)}"
+            f" ({layout.arena.chunk_bytes} B), chunk 0 reserved"
+        )
+    else:
+        for pool in layout.pools:
+            lines.append(
+                f"pool {pool.pool_id}: {pool.num_blocks} blocks of "
+                f"{format_bytes(pool.block_bytes)} ({pool.block_bytes} B), block 0 reserved, "
+                f"groups {compact_ranges(pool.group_ids)}"
+            )
+    return lines
+
+
+def group_table(plan: Plan) -> str:
+    """One aligned row per group of ``plan``."""
+    layout = plan.layout
+    arena = layout.arena is not None
+    headers = [
+        "group",
+        "kind",
+        "window",
+        "layers",
+        "members",
+        "block",
+        "kernel",
+        "page",
+        "block bytes",
+        "blocks/req",
+        "blocks/chunk" if arena else "pool blocks",
+    ]
+    rows = []
+    for g, need in zip(layout.groups, plan.capacity.blocks_per_request, strict=True):
+        members = str(g.num_members)
+        if g.padded_members:
+            members += f"+{g.padded_members} pad"
+        last = (
+            layout.blocks_per_chunk(g.group_id) if arena else layout.pool_of(g.group_id).num_blocks
+        )
+        rows.append(
+            [
+                str(g.group_id),
+                _kind(g.spec),
+                _span(g.spec),
+                compact_ranges(g.layers),
+                members,
+                str(g.block_size),
+                str(g.kernel_block_size),
+                format_bytes(g.page_bytes),
+                format_bytes(g.block_bytes),
+                str(need),
+                str(last),
+            ]
+        )
+    return render_table(headers, rows, align="rllllrrrrrr")
+
+
+def plan_report(plan: Plan) -> str:
+    """The human-readable report of one plan (what ``hybridkv plan`` prints)."""
+    cap = plan.capacity
+    w = plan.waste
+    budget = plan.memory_bytes
+    lines = [*_header(plan), "", group_table(plan), ""]
+    lines.append(
+        f"capacity       {cap.max_concurrent_requests} requests x {plan.max_model_len} tokens "
+        f"= {cap.max_resident_tokens} tokens"
+    )
+    causes = ", ".join(
+        f"{name} {format_bytes(value)}"
+        for name, value in (
+            ("padded_layers", w.padded_layers),
+            ("padded_pages", w.padded_pages),
+            ("chunk_tails", w.chunk_tails),
+            ("reserved", w.reserved),
+        )
+    )
+    lines.append(f"waste          {format_bytes(w.total)} ({percent(w.total / budget)}): {causes}")
+    lines.append(
+        f"physical need  {format_bytes(plan.physical_need.total)} of {format_bytes(budget)} "
+        f"(utilisation {percent(plan.utilisation, 1)})"
+    )
+    lines.append(
+        f"ledger         allocated {format_bytes(plan.allocated_bytes)}, waste "
+        f"{format_bytes(w.total)}, free {format_bytes(plan.free_bytes)}"
+    )
+    lines.extend(f"note: {note}" for note in plan.notes)
+    return "\n".join(lines)
+
+
+def comparison_report(comparison: StrategyComparison) -> str:
+    """Every strategy and the naive estimate side by side."""
+    first = comparison.plans[0]
+    naive = comparison.naive
+    lines = [_title(first, strategy=False), ""]
+    headers = ["strategy", "requests", "tokens", "waste", "waste %", "utilisation %"]
+    rows = [
+        [
+            p.strategy.value,
+            str(p.capacity.max_concurrent_requests),
+            str(p.capacity.max_resident_tokens),
+            format_bytes(p.waste.total),
+            percent(p.waste_fraction),
+            percent(p.utilisation, 1),
+        ]
+        for p in comparison.plans
+    ]
+    rows.extend([f.strategy.value, "n/a", "n/a", "n/a", "n/a", "n/a"] for f in comparison.failures)
+    rows.append(
+        [
+            "naive",
+            str(naive.max_concurrent_requests),
+            str(naive.max_concurrent_requests * naive.max_model_len),
+            format_bytes(naive.waste_bytes),
+            percent(naive.waste_fraction),
+            percent(naive.utilisation, 1),
+        ]
+    )
+    lines.append(render_table(headers, rows, align="lrrrrr"))
+    lines.extend(f"{f.strategy.value}: {f.reason}" for f in comparison.failures)
+    lines.extend(f"note: {note}" for p in comparison.plans for note in p.notes)
+    lines.append(
+        "naive: every caching layer keeps every token; its waste is what it reserves for "
+        "tokens no query reads"
+    )
+    return "\n".join(lines)

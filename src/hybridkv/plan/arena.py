@@ -1,0 +1,232 @@
+"""The ``arena`` strategy: one region of equal chunks that every group carves into blocks.
+
+``chunk_bytes`` is a common multiple of every group's ``block_bytes`` and of
+``chunk_alignment`` (2 MiB, the CUDA virtual-memory granularity), so a chunk holds a whole
+number of blocks of any group and can be handed from one group to another when it is empty:
+memory flows to whichever kind the workload needs, with no fixed split and no padding.
+``num_chunks = memory_bytes // chunk_bytes``; chunk 0 is the null chunk.  When no 2 MiB-aligned
+chunk meets the waste aim below (DeepSeek-V3: 61 MLA layers make every aligned chunk at least
+1.07 GiB), the alignment is halved down to 4 KiB until one does; the on-demand arena then shares
+the boundary pages of neighbouring chunks.
+
+The exact lcm can be too coarse: 36 gated-DeltaNet layers with a 2,146,304-byte state make a
+block of 36 * 2^16 * 131 bytes, and an lcm of gigabytes.  The plan aims at >= 64 chunks and
+at most 1% of the budget lost to chunk tails, the null chunk and padding.  When the exact lcm
+misses that aim, state pages are padded up to a rounder size (``d * 2^j`` for small odd
+``d``, at most doubling a page), one state group at a time (coordinate descent).  The
+candidate holding the most max-length requests wins; among equals, one meeting the aim beats
+one missing it; among those meeting it, the least relative padding wins (padding costs most
+when the workload is many short requests, which hold state slots but few attention blocks);
+then the least waste, then the smaller chunk.
+Scaling attention block sizes never helps: it multiplies a block's bytes, and ``lcm(m*x, y)``
+is a multiple of ``lcm(x, y)``, so it can only grow the chunk; the planner does not do it.
+
+Example: two groups of 12 layers with 32 KiB pages (384 KiB blocks) and a 2 MiB alignment give
+6 MiB chunks of 16 blocks each; 40 GiB holds 6826 chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from math import lcm
+from typing import NamedTuple
+
+from hybridkv.plan.accounting import arena_capacity, too_small_error
+from hybridkv.plan.grouping import BuiltLayout, SpecGroup, base_group_plans, is_state
+from hybridkv.plan.layout import ArenaPlan, GroupPlan, MemoryLayout, Strategy
+from hybridkv.plan.need import blocks_for_request
+from hybridkv.plan.options import PlanOptions
+
+__all__ = ["ARENA_MAX_WASTE_FRACTION", "ARENA_MIN_CHUNKS", "plan_arena", "state_page_candidates"]
+
+logger = logging.getLogger(__name__)
+
+#: The arena aims at no fewer chunks than this ...
+ARENA_MIN_CHUNKS = 64
+#: ... and at most this fraction of the budget in chunk tails, null chunk and padding.
+ARENA_MAX_WASTE_FRACTION = 0.01
+#: Odd factors ``d`` of the rounder page sizes ``d * 2^j`` tried for state pages.
+_ODD_FACTORS = (1, 3, 5, 7, 9, 15)
+#: Passes of coordinate descent over the state groups.
+_PASSES = 3
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Candidate(NamedTuple):
+    groups: tuple[GroupPlan, ...]
+    chunk_bytes: int
+    num_chunks: int
+    capacity: int
+    waste: int  # chunk tails + null chunk + page padding at the capacity point, bytes
+    min_bytes: int  # smallest budget holding one request with this chunk size
+
+    def score(self, memory_bytes: int) -> tuple[int, bool, float, int, int]:
+        """Larger is better: capacity, then meeting the aim, then (when it is met) the least
+        relative page padding, then the least waste, then the smaller chunk."""
+        aim = self.meets_aim(memory_bytes)
+        return (self.capacity, aim, -self.padding if aim else 0.0, -self.waste, -self.chunk_bytes)
+
+    @property
+    def padding(self) -> float:
+        """The largest relative padding of any group's block (0.0 when nothing is padded)."""
+        return max((g.block_bytes - g.used_block_bytes) / g.used_block_bytes for g in self.groups)
+
+    def meets_aim(self, memory_bytes: int) -> bool:
+        return (
+            self.num_chunks >= ARENA_MIN_CHUNKS
+            and self.waste <= memory_bytes * ARENA_MAX_WASTE_FRACTION
+        )
+
+
+def state_page_candidates(page_bytes: int) -> list[int]:
+    """Padded sizes tried for a state page: ``page_bytes`` rounded up to ``d * 2^j``.
+
+    Sorted, starting with ``page_bytes`` itself, none above ``2 * page_bytes``.
+    """
+    out = {page_bytes}
+    for odd in _ODD_FACTORS:
+        step = odd
+        while step <= 2 * page_bytes:
+            padded = _cdiv(page_bytes, step) * step
+            if padded <= 2 * page_bytes:
+                out.add(padded)
+            step *= 2
+    return sorted(out)
+
+
+def _evaluate(
+    groups: tuple[GroupPlan, ...], need: Sequence[int], memory_bytes: int, alignment: int
+) -> _Candidate:
+    chunk = lcm(alignment, *(g.block_bytes for g in groups))
+    per_chunk = [chunk // g.block_bytes for g in groups]
+    num_chunks = memory_bytes // chunk
+    min_bytes = (1 + sum(_cdiv(n, p) for n, p in zip(need, per_chunk, strict=True))) * chunk
+    capacity = arena_capacity(per_chunk, num_chunks - 1, need) if num_chunks >= 2 else 0
+    padding = sum(
+        capacity * n * (g.block_bytes - g.used_block_bytes)
+        for g, n in zip(groups, need, strict=True)
+    )
+    tails = memory_bytes - num_chunks * chunk
+    return _Candidate(groups, chunk, num_chunks, capacity, tails + chunk + padding, min_bytes)
+
+
+def _search(
+    base: tuple[GroupPlan, ...],
+    need: Sequence[int],
+    memory_bytes: int,
+    alignment: int,
+    best: _Candidate,
+) -> tuple[_Candidate, int]:
+    """Coordinate descent over state-page paddings; returns the best and the least min_bytes."""
+    least = best.min_bytes
+    current = best
+    for _ in range(_PASSES):
+        improved = False
+        for i, group in enumerate(base):
+            if not is_state(group.spec):
+                continue
+            for page in state_page_candidates(group.page_bytes):
+                groups = list(current.groups)
+                groups[i] = replace(groups[i], page_bytes=page)
+                cand = _evaluate(tuple(groups), need, memory_bytes, alignment)
+                least = min(least, cand.min_bytes)
+                if cand.score(memory_bytes) > current.score(memory_bytes):
+                    current, improved = cand, True
+        if not improved:
+            break
+    return current, least
+
+
+#: Smallest chunk alignment tried when the requested one wastes too much (a CPU page).
+MIN_CHUNK_ALIGNMENT = 4096
+
+
+def _alignments(requested: int) -> list[int]:
+    """``requested`` first, then (powers of two only) halvings down to MIN_CHUNK_ALIGNMENT.
+
+    A chunk aligned to the CUDA VMM granularity commits and releases with no shared pages; a
+    smaller alignment is only used when the aligned chunk misses the waste aim.
+    """
+    out = [requested]
+    if requested & (requested - 1) == 0:
+        a = requested // 2
+        while a >= MIN_CHUNK_ALIGNMENT:
+            out.append(a)
+            a //= 2
+    return out
+
+
+def plan_arena(
+    groups: tuple[SpecGroup, ...], options: PlanOptions, memory_bytes: int, max_model_len: int
+) -> BuiltLayout:
+    """Arena layout for ``groups`` (see the module docstring).  Pure.
+
+    Raises :class:`PlanError` when not even one request of ``max_model_len`` tokens fits,
+    naming the smallest budget that would hold one.
+    """
+    base = base_group_plans(groups, options)
+    need = [blocks_for_request(g, max_model_len) for g in base]
+    best: _Candidate | None = None
+    least = 0
+    exact_chunk = 0
+    for alignment in _alignments(options.chunk_alignment):
+        exact = _evaluate(base, need, memory_bytes, alignment)
+        found, low = exact, exact.min_bytes
+        if not exact.meets_aim(memory_bytes):
+            found, low = _search(base, need, memory_bytes, alignment, exact)
+        least = low if best is None else min(least, low)
+        if best is None:
+            exact_chunk = exact.chunk_bytes
+        if best is None or found.score(memory_bytes) > best.score(memory_bytes):
+            best = found
+        if best.meets_aim(memory_bytes):
+            break
+    assert best is not None
+    alignment = options.chunk_alignment
+    if best.capacity < 1:
+        raise too_small_error(
+            strategy=Strategy.ARENA.value,
+            memory_bytes=memory_bytes,
+            max_model_len=max_model_len,
+            min_bytes=least,
+            data_bytes=sum(g.num_members * g.spec.resident_bytes(max_model_len) for g in base),
+            unit="chunk",
+        )
+    notes = [
+        f"arena: state pages of group {g.group_id} padded from {raw.page_bytes} B to "
+        f"{g.page_bytes} B (chunks of {best.chunk_bytes} B instead of {exact_chunk} B)"
+        for g, raw in zip(best.groups, base, strict=True)
+        if g.page_bytes != raw.page_bytes
+    ]
+    if best.chunk_bytes % alignment:
+        notes.append(
+            f"arena: chunks of {best.chunk_bytes} B are not multiples of the {alignment} B "
+            "chunk alignment (a {alignment} B aligned chunk would lose more than "
+            f"{100 * ARENA_MAX_WASTE_FRACTION:.0f}% of the budget); on-demand memory shares "
+            "the boundary pages of neighbouring chunks".replace("{alignment}", str(alignment))
+        )
+    if not best.meets_aim(memory_bytes):
+        notes.append(
+            f"arena: {best.num_chunks} chunks of {best.chunk_bytes} B lose "
+            f"{100 * best.waste / memory_bytes:.2f}% of the budget to chunk tails, the null "
+            f"chunk and padding (aim: >= {ARENA_MIN_CHUNKS} chunks, <= "
+            f"{100 * ARENA_MAX_WASTE_FRACTION:.0f}%); "
+            + (
+                "no state-page padding does better"
+                if any(is_state(g.spec) for g in base)
+                else "only state pages are padded and this model has none"
+            )
+        )
+    for note in notes:
+        logger.info("%s", note)
+    layout = MemoryLayout(
+        strategy=Strategy.ARENA,
+        groups=best.groups,
+        arena=ArenaPlan(chunk_bytes=best.chunk_bytes, num_chunks=best.num_chunks),
+    )
+    return BuiltLayout(layout, tuple(notes))

@@ -1,0 +1,87 @@
+"""Grouping: cache entries with identical specs share one block table per request.
+
+A *spec group* is every ``(layer, slot)`` entry of a model whose :class:`CacheSpec` compares
+equal.  Any number of groups, any layer order and any member counts are allowed; group ids
+follow the order in which a spec first appears (layer order, then slot order).
+
+Example: gpt-oss (sliding window on even layers, full attention on odd ones, 24 layers) gives
+group 0 = sliding, members ``(0,0), (2,0) .. (22,0)``; group 1 = full, ``(1,0) .. (23,0)``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from hybridkv.errors import PlanError
+from hybridkv.plan.layout import GroupPlan, MemoryLayout
+from hybridkv.plan.options import DEFAULT_STATE_BLOCK_SIZE, PlanOptions, kernel_block_size_for
+from hybridkv.specs import CacheKind, CacheSpec, ModelSpec
+
+__all__ = [
+    "TOKEN_KINDS",
+    "BuiltLayout",
+    "SpecGroup",
+    "base_group_plans",
+    "group_entries",
+    "is_state",
+]
+
+#: Kinds that store bytes per token (their block size is a number of tokens of KV).
+TOKEN_KINDS = frozenset({CacheKind.FULL, CacheKind.SLIDING, CacheKind.CHUNKED, CacheKind.MLA})
+
+
+class SpecGroup(NamedTuple):
+    """One spec and the ``(layer, slot)`` entries that carry it, in layer order."""
+
+    spec: CacheSpec
+    members: tuple[tuple[int, int], ...]
+
+
+class BuiltLayout(NamedTuple):
+    """What a strategy returns: the layout and human-readable notes on the choices it made."""
+
+    layout: MemoryLayout
+    notes: tuple[str, ...] = ()
+
+
+def is_state(spec: CacheSpec) -> bool:
+    """True for fixed-size per-request state kinds (one slot per block)."""
+    return spec.kind is CacheKind.STATE
+
+
+def group_entries(model: ModelSpec) -> tuple[SpecGroup, ...]:
+    """Group ``model``'s caching entries by identical spec, in order of first appearance.
+
+    Raises :class:`PlanError` when the model has no caching layer at all.  Pure: reads only.
+    """
+    by_spec: dict[CacheSpec, list[tuple[int, int]]] = {}
+    for entry in model.entries():
+        by_spec.setdefault(entry.spec, []).append((entry.layer, entry.slot))
+    if not by_spec:
+        raise PlanError(
+            f"model: {model.name!r} has no caching layers ({model.num_layers} layers, all "
+            "store nothing); a plan needs at least one attention, MLA or state layer"
+        )
+    return tuple(SpecGroup(spec, tuple(members)) for spec, members in by_spec.items())
+
+
+def base_group_plans(groups: tuple[SpecGroup, ...], options: PlanOptions) -> tuple[GroupPlan, ...]:
+    """Unpadded group plans: per-token groups use ``options.block_size``, state groups
+    ``options.state_block_size`` (default 256 tokens); pages are exactly
+    ``spec.bytes_per_block(block_size)``.  Used by the ``arena`` and ``pools`` strategies.
+    """
+    state_bs = options.state_block_size or DEFAULT_STATE_BLOCK_SIZE
+    out: list[GroupPlan] = []
+    for gid, group in enumerate(groups):
+        bs = state_bs if is_state(group.spec) else options.block_size
+        out.append(
+            GroupPlan(
+                group_id=gid,
+                spec=group.spec,
+                members=group.members,
+                block_size=bs,
+                kernel_block_size=kernel_block_size_for(group.spec, bs, options.kernel_block_size),
+                page_bytes=group.spec.bytes_per_block(bs),
+            )
+        )
+    return tuple(out)

@@ -1,0 +1,154 @@
+"""Planner options: block sizes, pool ratios and chunk alignment, validated once.
+
+Defaults and why:
+
+* ``block_size`` 16 tokens for attention and MLA groups: the page size every common
+  paged-attention kernel accepts, and fine enough that prefix hits lose at most 15 tokens.
+* ``state_block_size`` 256 tokens for state groups (Mamba, gated DeltaNet, short conv).  A
+  state block is one state slot and its size is the *checkpoint interval*: a prefix hit on a
+  state group exists only where a state was saved, i.e. at multiples of it.  Each checkpoint
+  costs a whole state (often megabytes), so a fine interval multiplies cache pressure, while a
+  coarse one coarsens every hit (the scheduler aligns hits to the lcm of the block sizes).  256
+  is a power-of-two multiple of every power-of-two attention block up to 256, so the lcm stays
+  256 tokens and hashes stay at the attention block; a 128k-token request saves at most 512
+  checkpoints; and it is finer than the 544-1056 tokens vLLM scales attention blocks to for
+  Mamba hybrids.  The ``uniform`` strategy (vLLM's rules) instead defaults to vLLM's align
+  mode, a checkpoint interval equal to the unified attention block size.
+* ``kernel_block_size``: see :func:`kernel_block_size_for`.
+* ``chunk_alignment`` 2 MiB: the CUDA virtual-memory mapping granularity, so an arena chunk
+  can be mapped and unmapped on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import gcd
+from typing import Any
+
+from hybridkv.errors import PlanError
+from hybridkv.specs import MAX_TOKENS, CacheKind, CacheSpec
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_CHUNK_ALIGNMENT",
+    "DEFAULT_STATE_BLOCK_SIZE",
+    "KERNEL_BLOCK_LIMIT",
+    "PlanOptions",
+    "check_positive",
+    "kernel_block_size_for",
+]
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_STATE_BLOCK_SIZE = 256
+DEFAULT_CHUNK_ALIGNMENT = 2 * 1024 * 1024
+#: Largest kernel block the default rule picks (tokens).
+KERNEL_BLOCK_LIMIT = 16
+
+
+def check_positive(name: str, value: object, *, upper: int | None = None, hint: str = "") -> int:
+    """Return ``value`` if it is a positive int (not a bool) no larger than ``upper``.
+
+    Raises :class:`PlanError` naming ``name``, the value and the valid range.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise PlanError(f"{name}: must be a positive integer, got {value!r}{hint}")
+    if upper is not None and value > upper:
+        raise PlanError(f"{name}: {value} is larger than the maximum {upper}{hint}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """How a plan sizes blocks and pools (see the module docstring for the defaults).
+
+    ``state_block_size`` None means the strategy's default (256 tokens, or vLLM's align mode
+    for ``uniform``).  ``pool_ratios`` (``pools`` only) are one positive weight per group,
+    normalised by the planner.  Construction validates every field and raises
+    :class:`PlanError`.
+    """
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kernel_block_size: int | None = None
+    state_block_size: int | None = None
+    pool_ratios: tuple[float, ...] | None = None
+    chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT
+
+    def __post_init__(self) -> None:
+        check_positive("block_size", self.block_size, upper=MAX_TOKENS)
+        if self.kernel_block_size is not None:
+            check_positive("kernel_block_size", self.kernel_block_size, upper=MAX_TOKENS)
+            if self.block_size % self.kernel_block_size:
+                raise PlanError(
+                    f"kernel_block_size: {self.kernel_block_size} does not divide block_size "
+                    f"{self.block_size}; choose a divisor of the block size"
+                )
+        if self.state_block_size is not None:
+            check_positive("state_block_size", self.state_block_size, upper=MAX_TOKENS)
+        check_positive("chunk_alignment", self.chunk_alignment)
+        if self.pool_ratios is not None:
+            object.__setattr__(self, "pool_ratios", _check_ratios(self.pool_ratios))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "kernel_block_size": self.kernel_block_size,
+            "state_block_size": self.state_block_size,
+            "pool_ratios": None if self.pool_ratios is None else list(self.pool_ratios),
+            "chunk_alignment": self.chunk_alignment,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PlanOptions:
+        ratios = data.get("pool_ratios")
+        return cls(
+            block_size=int(data["block_size"]),
+            kernel_block_size=data.get("kernel_block_size"),
+            state_block_size=data.get("state_block_size"),
+            pool_ratios=None if ratios is None else tuple(float(r) for r in ratios),
+            chunk_alignment=int(data.get("chunk_alignment", DEFAULT_CHUNK_ALIGNMENT)),
+        )
+
+
+def _check_ratios(ratios: Sequence[float]) -> tuple[float, ...]:
+    if isinstance(ratios, str | bytes):
+        raise PlanError(f"pool_ratios: expected a sequence of numbers, got {ratios!r}")
+    out: list[float] = []
+    for r in ratios:
+        if isinstance(r, bool) or not isinstance(r, int | float):
+            raise PlanError(f"pool_ratios: {r!r} is not a number; give positive numbers")
+        if not math.isfinite(r) or r <= 0:
+            raise PlanError(
+                f"pool_ratios: every ratio must be a positive finite number, got {r!r} "
+                f"in {list(ratios)}"
+            )
+        out.append(float(r))
+    if not out:
+        raise PlanError("pool_ratios: empty; give one positive ratio per group")
+    return tuple(out)
+
+
+def kernel_block_size_for(spec: CacheSpec, block_size: int, requested: int | None) -> int:
+    """Kernel block size (tokens) of a group with ``spec`` and manager block ``block_size``.
+
+    * State groups: ``block_size`` (a state block is one slot; kernels address slots by id).
+    * Per-token groups with ``requested`` given: ``requested``, which must divide the block
+      size (else :class:`PlanError` naming both).
+    * Otherwise the block size itself up to 16 tokens, and for larger blocks the largest power
+      of two up to 16 that divides them (``gcd(block_size, 16)``): 16-token pages are what
+      every common paged-attention kernel accepts, so a 64-token manager block becomes four
+      kernel blocks, and a 24-token one three kernel blocks of 8.
+    """
+    if spec.kind is CacheKind.STATE:
+        return block_size
+    if requested is not None:
+        if block_size % requested:
+            raise PlanError(
+                f"kernel_block_size: {requested} does not divide block_size {block_size}; "
+                "choose a divisor of the block size"
+            )
+        return requested
+    if block_size <= KERNEL_BLOCK_LIMIT:
+        return block_size
+    return gcd(block_size, KERNEL_BLOCK_LIMIT)

@@ -1,0 +1,142 @@
+"""The arena strategy: chunk sizing, page padding search and capacity (exact numbers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.errors import PlanError
+from hybridkv.plan import Strategy, make_plan
+from hybridkv.plan.arena import state_page_candidates
+from test_plan_factories import full, model, sliding, state, swa_full_model
+
+
+def test_two_groups_exact_chunk() -> None:
+    # Blocks of 4 tokens: 128-byte pages, 2 members -> 256-byte blocks; chunk = lcm(1024, 256).
+    plan = make_plan(
+        swa_full_model(), memory_bytes=17384, max_model_len=32, block_size=4, chunk_alignment=1024
+    )
+    layout = plan.layout
+    assert plan.strategy is Strategy.ARENA
+    assert layout.arena is not None
+    assert (layout.arena.chunk_bytes, layout.arena.num_chunks) == (1024, 16)
+    assert [(g.block_size, g.page_bytes, g.block_bytes) for g in layout.groups] == [
+        (4, 128, 256),
+        (4, 128, 256),
+    ]
+    cap = plan.capacity
+    # Sliding window 8 needs 4 blocks, full attention 8: N + 2N chunks <= 15 -> N = 5.
+    assert cap.blocks_per_request == (4, 8)
+    assert cap.blocks_per_chunk == (4, 4)
+    assert cap.max_concurrent_requests == 5
+    assert cap.max_resident_tokens == 160
+    assert cap.chunks_in_use == (5, 10)
+    assert cap.num_chunks == 16
+    assert plan.waste.reserved == 1024
+    assert plan.waste.chunk_tails == 1000
+    assert plan.waste.padded_pages == plan.waste.padded_layers == 0
+    assert plan.allocated_bytes == 5 * (4 + 8) * 256
+    assert plan.free_bytes == 0
+    # Sliding layers read 8 tokens, full layers 32, at 32 bytes per token.
+    assert plan.physical_need.per_layer == (1280, 5120, 1280, 5120)
+    assert plan.physical_need.total == 12800
+    assert plan.utilisation == 12800 / 17384
+
+
+def test_hash_and_schedule_granularity() -> None:
+    plan = make_plan(
+        model([full(), state((25,))]),
+        memory_bytes=1 << 20,
+        max_model_len=64,
+        block_size=4,
+        state_block_size=12,
+        chunk_alignment=64,
+    )
+    assert plan.layout.hash_block_size == 4
+    assert plan.layout.schedule_alignment == 12
+
+
+def test_exact_lcm_kept_when_it_meets_the_aim() -> None:
+    # Page 128 (full) and 100 (state): lcm(64, 128, 100) = 3200 bytes, 1000 chunks, 0.1% waste.
+    plan = make_plan(
+        model([full(), state((25,))]),
+        memory_bytes=3_200_000,
+        max_model_len=32,
+        block_size=4,
+        chunk_alignment=64,
+    )
+    assert plan.layout.arena is not None
+    assert plan.layout.arena.chunk_bytes == 3200
+    assert [g.page_bytes for g in plan.layout.groups] == [128, 100]
+    # ceil(8N / 25) + ceil(N / 32) <= 999
+    assert plan.capacity.max_concurrent_requests == 2843
+    assert plan.waste.total == 3200
+
+
+def test_state_page_padding_when_the_lcm_is_too_coarse() -> None:
+    # With 64 000 bytes the exact 3200-byte chunk gives only 20 chunks and 53 requests;
+    # padding the 100-byte state page to 128 makes 128-byte chunks and 55 requests.
+    m = model([full(), state((25,))])
+    plan = make_plan(m, memory_bytes=64000, max_model_len=32, block_size=4, chunk_alignment=64)
+    assert plan.layout.arena is not None
+    assert (plan.layout.arena.chunk_bytes, plan.layout.arena.num_chunks) == (128, 500)
+    assert [g.page_bytes for g in plan.layout.groups] == [128, 128]
+    assert plan.capacity.max_concurrent_requests == 55
+    assert plan.capacity.blocks_per_chunk == (1, 1)
+    assert plan.waste.padded_pages == 55 * (128 - 100)
+    assert plan.waste.reserved == 128
+    assert plan.waste.chunk_tails == 0
+    assert plan.allocated_bytes == 55 * (8 * 128 + 100)
+    assert plan.free_bytes == 4 * 128
+
+
+def test_state_page_candidates() -> None:
+    assert state_page_candidates(100) == [100, 102, 104, 105, 108, 112, 120, 128, 144, 160, 192]
+    assert state_page_candidates(1) == [1, 2]
+
+
+def test_budget_too_small_names_the_need() -> None:
+    # One request: the null chunk + 1 sliding chunk + 2 full chunks = 4 KiB.
+    with pytest.raises(PlanError, match=r"one request needs 4 KiB \(4096 B\)") as err:
+        make_plan(
+            swa_full_model(),
+            memory_bytes=4095,
+            max_model_len=32,
+            block_size=4,
+            chunk_alignment=1024,
+        )
+    assert str(err.value).startswith("memory_bytes: ")
+    assert "max_model_len 32" in str(err.value)
+    assert "cache data alone is 2560 B" in str(err.value)
+    plan = make_plan(
+        swa_full_model(), memory_bytes=4096, max_model_len=32, block_size=4, chunk_alignment=1024
+    )
+    assert plan.capacity.max_concurrent_requests == 1
+
+
+def test_many_window_sizes_and_no_full_attention() -> None:
+    m = model([sliding(8), sliding(16), sliding(8), sliding(32)])
+    plan = make_plan(m, memory_bytes=1 << 16, max_model_len=64, block_size=4, chunk_alignment=256)
+    assert [g.members for g in plan.layout.groups] == [((0, 0), (2, 0)), ((1, 0),), ((3, 0),)]
+    assert plan.capacity.blocks_per_request == (4, 6, 10)
+    assert plan.layout.arena is not None
+    # Blocks of 256, 128 and 128 bytes in 256-byte chunks: 4N + 3N + 5N <= 255.
+    assert plan.capacity.blocks_per_chunk == (1, 2, 2)
+    assert plan.capacity.max_concurrent_requests == 21
+
+
+def test_alignment_is_lowered_only_when_the_aligned_chunk_wastes_too_much() -> None:
+    from hybridkv.models import resolve_model
+
+    # gpt-oss-20b: 384 KiB blocks, 2 MiB-aligned 6 MiB chunks meet the aim
+    gpt = make_plan(resolve_model("gpt-oss-20b"), memory_bytes=40 << 30, max_model_len=131072)
+    assert gpt.layout.arena is not None
+    assert gpt.layout.arena.chunk_bytes == 6 << 20
+    # DeepSeek-V3: 61 MLA layers x 18432 B pages; any 2 MiB-aligned chunk is 61 * 9 * 2 MiB
+    ds = make_plan(resolve_model("DeepSeek-V3"), memory_bytes=40 << 30, max_model_len=131072)
+    assert ds.layout.arena is not None
+    chunk = ds.layout.arena.chunk_bytes
+    assert chunk % (61 * 18432) == 0 and chunk % 4096 == 0
+    assert chunk % (2 << 20) != 0
+    assert chunk < 61 * 9 * (2 << 20)
+    assert ds.waste.total <= 0.01 * (40 << 30)
+    assert any("not multiples of the 2097152 B chunk alignment" in n for n in ds.notes)

@@ -1,0 +1,95 @@
+"""Grouping by spec, block sizes and kernel block sizes (hybridkv.plan.grouping/options)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.errors import PlanError
+from hybridkv.plan import PlanOptions, group_entries
+from hybridkv.plan.grouping import base_group_plans
+from hybridkv.plan.options import kernel_block_size_for
+from test_plan_factories import full, mla, model, sliding, state, swa_full_model
+
+
+def test_groups_in_order_of_first_appearance() -> None:
+    ssm = state((4,))
+    m = model([full(), sliding(8), None, (sliding(8), ssm), full(), sliding(16)])
+    groups = group_entries(m)
+    assert [g.spec for g in groups] == [full(), sliding(8), ssm, sliding(16)]
+    assert [g.members for g in groups] == [
+        ((0, 0), (4, 0)),
+        ((1, 0), (3, 0)),
+        ((3, 1),),
+        ((5, 0),),
+    ]
+
+
+def test_equal_specs_in_any_order_share_a_group() -> None:
+    groups = group_entries(swa_full_model())
+    assert [g.members for g in groups] == [((0, 0), (2, 0)), ((1, 0), (3, 0))]
+
+
+def test_model_without_caching_layers_raises() -> None:
+    with pytest.raises(PlanError, match=r"model: 'tiny' has no caching layers"):
+        group_entries(model([None, None]))
+
+
+def test_base_block_sizes_and_pages() -> None:
+    ssm = state((3, 8), (2, 4, 8))  # 96 + 256 = 352 bytes
+    plans = base_group_plans(group_entries(model([full(), ssm, mla()])), PlanOptions())
+    assert [(p.block_size, p.kernel_block_size, p.page_bytes) for p in plans] == [
+        (16, 16, 16 * 32),
+        (256, 256, 352),
+        (16, 16, 16 * 32),
+    ]
+
+
+def test_state_block_size_option() -> None:
+    plans = base_group_plans(
+        group_entries(model([full(), state((4,))])), PlanOptions(state_block_size=64)
+    )
+    assert [p.block_size for p in plans] == [16, 64]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "requested", "expected"),
+    [(16, None, 16), (8, None, 8), (5, None, 5), (64, None, 16), (24, None, 8), (64, 32, 32)],
+)
+def test_kernel_block_rule(block_size: int, requested: int | None, expected: int) -> None:
+    assert kernel_block_size_for(full(), block_size, requested) == expected
+
+
+def test_state_kernel_block_is_the_block() -> None:
+    assert kernel_block_size_for(state((4,)), 256, 16) == 256
+
+
+def test_kernel_block_must_divide_block() -> None:
+    with pytest.raises(PlanError, match="kernel_block_size: 3 does not divide block_size 16"):
+        kernel_block_size_for(full(), 16, 3)
+    with pytest.raises(PlanError, match="kernel_block_size: 3 does not divide block_size 16"):
+        PlanOptions(block_size=16, kernel_block_size=3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": True}, "block_size"),
+        ({"block_size": 1 << 25}, "block_size"),
+        ({"kernel_block_size": -4}, "kernel_block_size"),
+        ({"state_block_size": 0}, "state_block_size"),
+        ({"chunk_alignment": 0}, "chunk_alignment"),
+        ({"pool_ratios": ()}, "pool_ratios"),
+        ({"pool_ratios": (1.0, 0.0)}, "pool_ratios"),
+        ({"pool_ratios": (1.0, float("nan"))}, "pool_ratios"),
+        ({"pool_ratios": (1.0, "x")}, "pool_ratios"),
+    ],
+)
+def test_bad_options_raise(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(PlanError, match=f"^{field}: "):
+        PlanOptions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_options_round_trip() -> None:
+    options = PlanOptions(block_size=32, kernel_block_size=8, pool_ratios=(1.0, 3.0))
+    assert PlanOptions.from_dict(options.to_dict()) == options

@@ -1,0 +1,64 @@
+"""The pools strategy: a fixed split of the budget, one pool per group."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.errors import PlanError
+from hybridkv.plan import make_plan
+from test_plan_factories import swa_full_model
+
+
+def _pools(memory: int, ratios: tuple[float, ...] | None = None):  # type: ignore[no-untyped-def]
+    return make_plan(
+        swa_full_model(),
+        memory_bytes=memory,
+        max_model_len=32,
+        block_size=4,
+        strategy="pools",
+        pool_ratios=ratios,
+    )
+
+
+def test_split_proportional_to_need() -> None:
+    # Need per request: 4 sliding + 8 full blocks of 256 bytes.  The sliding group also holds a
+    # prefill chunk in flight, capped at max_model_len (32 tokens = 8 blocks): shares 1/2, 1/2.
+    plan = _pools(17384)
+    pools = plan.layout.pools
+    assert [(p.pool_id, p.group_ids, p.block_bytes) for p in pools] == [
+        (0, (0,), 256),
+        (1, (1,), 256),
+    ]
+    assert [p.num_blocks for p in pools] == [8692 // 256, 8692 // 256]  # 33, 33
+    assert plan.capacity.pool_blocks == (33, 33)
+    assert plan.capacity.max_concurrent_requests == 4  # min(32 // 4, 32 // 8)
+    assert plan.waste.reserved == 512
+    assert plan.waste.chunk_tails == 17384 - 66 * 256
+    assert plan.free_bytes == (32 - 16) * 256
+    assert plan.allocated_bytes + plan.waste.total + plan.free_bytes == 17384
+
+
+def test_given_ratios_are_normalised() -> None:
+    plan = _pools(17384, (1.0, 1.0))
+    assert [p.num_blocks for p in plan.layout.pools] == [33, 33]
+    assert plan.capacity.max_concurrent_requests == 4  # min(32 // 4, 32 // 8)
+    assert _pools(17384, (0.5, 0.5)).layout == plan.layout
+
+
+def test_wrong_ratio_count_names_the_groups() -> None:
+    with pytest.raises(
+        PlanError, match=r"pool_ratios: got 3 ratios .* for 2 groups \(0 sliding_window, 1 full"
+    ):
+        _pools(17384, (1.0, 2.0, 3.0))
+
+
+def test_negative_ratio() -> None:
+    with pytest.raises(PlanError, match="pool_ratios: every ratio must be a positive"):
+        _pools(17384, (1.0, -2.0))
+
+
+def test_budget_too_small_names_the_smallest_budget() -> None:
+    # Pool 1 needs (1 + 8) * 256 bytes at 1/2 of the budget: 4608 bytes.
+    with pytest.raises(PlanError, match=r"one request needs 4.5 KiB \(4608 B\)"):
+        _pools(4607)
+    assert _pools(4608).capacity.max_concurrent_requests == 1
