@@ -1,0 +1,319 @@
+"""The storage facade: backing buffers for a :class:`MemoryLayout`, views, tables, descriptors.
+
+>>> from hybridkv.plan import ArenaPlan, GroupPlan, MemoryLayout, Strategy
+>>> from hybridkv.specs import FullAttentionSpec
+>>> spec = FullAttentionSpec(num_kv_heads=2, head_dim=4, dtype="fp16")
+>>> group = GroupPlan(group_id=0, spec=spec, members=((0, 0), (1, 0)), block_size=4,
+...                   kernel_block_size=4, page_bytes=spec.bytes_per_block(4))
+>>> layout = MemoryLayout(strategy=Strategy.ARENA, groups=(group,),
+...                       arena=ArenaPlan(chunk_bytes=4 * 256, num_chunks=2))
+>>> storage = KVCacheStorage(layout)
+>>> tuple(storage.kv_view(1).key.shape)     # [N, block_size, kv_heads, head_dim]
+(8, 4, 2, 4)
+>>> storage.descriptor(0, [1, 2, 3]).ranges  # blocks 1..3 are one contiguous range
+(ByteRange(buffer_id=0, offset=256, length=768),)
+
+Buffers: the arena strategy has one flat ``uint8`` buffer of ``arena.total_bytes``; ``uniform``
+and ``pools`` have one per pool, buffer ``i`` of ``pools[i].total_bytes``.  Where each byte of
+a member page sits is :mod:`hybridkv.storage.placement`'s business; views are built in
+:mod:`hybridkv.storage.views`.  Nothing here mutates buffer contents except the caller writing
+through the views or the transfer functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from hybridkv.errors import StorageError
+from hybridkv.plan import GroupPlan, MemoryLayout
+from hybridkv.specs import CacheKind
+from hybridkv.storage.block_table import BlockTable, kernel_ratio
+from hybridkv.storage.errors import BlockRangeError, LayoutUnsupportedError, ViewKindError
+from hybridkv.storage.ondemand import CpuMmapBackend, OnDemandArena, PageBackend
+from hybridkv.storage.placement import (
+    GroupPlacement,
+    LayoutKind,
+    MemberPlacement,
+    PageOrder,
+    StoragePlacement,
+    place,
+)
+from hybridkv.storage.segments import HEADED_KINDS
+from hybridkv.storage.transfer import BlockLiveness, TransferDescriptor, build_descriptor
+from hybridkv.storage.views import kernel_block_view, segment_tensor
+
+__all__ = ["KVCacheStorage", "KVView"]
+
+
+class KVView(NamedTuple):
+    """Key and value views of one attention layer (same block and token indexing)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+class KVCacheStorage:
+    """Backing memory for ``layout`` with layout ``kind`` on ``device``.
+
+    ``buffers`` (optional) supplies the flat ``uint8`` buffers (e.g. shared memory); they must
+    be at least as long as the layout needs.  Otherwise zero-filled buffers are allocated
+    (``pin_memory`` pins CPU buffers, when CUDA is present).  Raises
+    :class:`LayoutUnsupportedError` when ``kind`` cannot place ``layout`` and
+    :class:`StorageError` for unfit buffers.
+    """
+
+    def __init__(
+        self,
+        layout: MemoryLayout,
+        *,
+        kind: LayoutKind | str = LayoutKind.CROSS_LAYER,
+        page_order: PageOrder | str = PageOrder.NHD,
+        device: torch.device | str = "cpu",
+        buffers: Sequence[torch.Tensor] | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        self.placement: StoragePlacement = place(layout, kind, page_order)
+        self.layout = layout
+        sizes = self.placement.buffer_bytes
+        if buffers is None:
+            self.device = torch.device(device)
+            pin = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+            buffers = [
+                torch.zeros(n, dtype=torch.uint8, device=self.device, pin_memory=pin) for n in sizes
+            ]
+        else:
+            _check_buffers(buffers, sizes)
+            self.device = buffers[0].device
+        self.buffers: tuple[torch.Tensor, ...] = tuple(buffers)
+        self.memory: OnDemandArena | None = None
+
+    @classmethod
+    def on_demand(
+        cls,
+        layout: MemoryLayout,
+        *,
+        kind: LayoutKind | str = LayoutKind.CROSS_LAYER,
+        page_order: PageOrder | str = PageOrder.NHD,
+        device: torch.device | str = "cpu",
+        backend: PageBackend | None = None,
+        populate: bool = False,
+    ) -> KVCacheStorage:
+        """An arena storage whose chunks hold physical memory only while committed.
+
+        The returned storage's :attr:`memory` commits and releases chunks (chunk 0, the null
+        chunk, starts committed).  CPU uses :class:`CpuMmapBackend`, CUDA
+        :class:`hybridkv.storage.cuda_vmm.CudaVMMBackend` (needs ``cuda-bindings``).  Raises
+        :class:`LayoutUnsupportedError` for a layout without an arena.
+        """
+        arena = layout.arena
+        if arena is None:
+            raise LayoutUnsupportedError(
+                f"layout.strategy: on-demand memory needs the arena strategy, got "
+                f"{layout.strategy.value!r}"
+            )
+        placement = place(layout, kind, page_order)
+        dev = torch.device(device)
+        if backend is None:
+            if dev.type == "cuda":
+                from hybridkv.storage.cuda_vmm import CudaVMMBackend
+
+                index = dev.index if dev.index is not None else torch.cuda.current_device()
+                backend = CudaVMMBackend(arena.total_bytes, device=index)
+            else:
+                backend = CpuMmapBackend(arena.total_bytes, populate=populate)
+        memory = OnDemandArena(
+            chunk_bytes=arena.chunk_bytes,
+            num_chunks=arena.num_chunks,
+            backend=backend,
+            chunk_extents=placement.chunk_extents,
+            initial_chunks=(0,),
+        )
+        storage = cls(layout, kind=kind, page_order=page_order, buffers=[memory.tensor])
+        storage.memory = memory
+        return storage
+
+    # ------------------------------------------------------------------ lookups
+
+    @property
+    def kind(self) -> LayoutKind:
+        return self.placement.kind
+
+    @property
+    def members(self) -> tuple[tuple[int, int], ...]:
+        """Every stored ``(layer, slot)``, in group then member order."""
+        return tuple((m.layer, m.slot) for g in self.placement.groups for m in g.members)
+
+    def group(self, group_id: int) -> GroupPlan:
+        return self.layout.groups[self._group(group_id).group_id]
+
+    def group_of(self, layer: int, slot: int = 0) -> GroupPlan:
+        """The group storing ``(layer, slot)``; raises :class:`UnknownLayerError`."""
+        placed, _ = self.placement.member(layer, slot)
+        return self.layout.groups[placed.group_id]
+
+    def num_blocks(self, group_id: int) -> int:
+        """Block ids of group ``group_id`` (null block included): views' first axis."""
+        return self._group(group_id).num_blocks
+
+    # ------------------------------------------------------------------ manager-block views
+
+    def segment_view(self, layer: int, slot: int = 0, *, name: str) -> torch.Tensor:
+        """``[num_blocks, *shape]`` zero-copy view of segment ``name`` of ``(layer, slot)``.
+
+        Raises :class:`UnknownLayerError` / :class:`ViewKindError` naming the valid choices.
+        """
+        group, member = self.placement.member(layer, slot)
+        seg = member.segment(name)
+        return segment_tensor(self.buffers[seg.buffer_id], seg, group.num_blocks)
+
+    def kv_view(self, layer: int, slot: int = 0, *, order: PageOrder | str = "nhd") -> KVView:
+        """K and V of an attention layer: NHD ``[N, block_size, H, D]`` or HND
+        ``[N, H, block_size, D]`` (``D`` = ``head_dim`` for K, ``v_dim`` for V)."""
+        self._expect(layer, slot, HEADED_KINDS, "kv_view")
+        key = self.segment_view(layer, slot, name="k")
+        value = self.segment_view(layer, slot, name="v")
+        if _order(order) is PageOrder.HND:
+            key, value = key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
+        return KVView(key, value)
+
+    def mla_view(self, layer: int, slot: int = 0) -> torch.Tensor:
+        """MLA latent ``[N, block_size, kv_lora_rank + qk_rope_head_dim]``."""
+        self._expect(layer, slot, frozenset({CacheKind.MLA}), "mla_view")
+        return self.segment_view(layer, slot, name="latent")
+
+    def state_views(self, layer: int, slot: int = 0) -> dict[str, torch.Tensor]:
+        """Each state tensor ``name -> [N, *shape]`` in its own dtype (one slot per block)."""
+        _, member = self._expect(layer, slot, frozenset({CacheKind.STATE}), "state_views")
+        return {
+            s.segment.name: self.segment_view(layer, slot, name=s.segment.name)
+            for s in member.segments
+        }
+
+    def block_view(self, layer: int, slot: int = 0, *, name: str, block_id: int) -> torch.Tensor:
+        """Segment ``name`` of one block, ``[*shape]``; raises :class:`BlockRangeError`."""
+        group, _ = self.placement.member(layer, slot)
+        _check_block(group, block_id)
+        return self.segment_view(layer, slot, name=name)[block_id]
+
+    # ------------------------------------------------------------------ kernel-block views
+
+    def kernel_kv_view(
+        self,
+        layer: int,
+        slot: int = 0,
+        *,
+        order: PageOrder | str = "nhd",
+        kernel_block_size: int | None = None,
+    ) -> KVView:
+        """K and V indexed by kernel block id: NHD ``[N * ratio, kbs, H, D]`` or HND
+        ``[N * ratio, H, kbs, D]``.
+
+        Raises :class:`KernelBlockSizeError` when ``kernel_block_size`` does not divide the
+        block size and :class:`KernelViewError` when the layout cannot express the view (see
+        :mod:`hybridkv.storage.views`).
+        """
+        ratio = kernel_ratio(self.group_of(layer, slot), kernel_block_size)
+        kv = self.kv_view(layer, slot, order=order)
+        token_axis = 2 if _order(order) is PageOrder.HND else 1
+        return KVView(
+            kernel_block_view(kv.key, token_axis, ratio),
+            kernel_block_view(kv.value, token_axis, ratio),
+        )
+
+    def kernel_mla_view(
+        self, layer: int, slot: int = 0, *, kernel_block_size: int | None = None
+    ) -> torch.Tensor:
+        """MLA latent indexed by kernel block id: ``[N * ratio, kbs, latent_dim]``."""
+        ratio = kernel_ratio(self.group_of(layer, slot), kernel_block_size)
+        return kernel_block_view(self.mla_view(layer, slot), 1, ratio)
+
+    def block_table(self, group_id: int, *, kernel_block_size: int | None = None) -> BlockTable:
+        """An empty :class:`BlockTable` for ``group_id``, ids bounded by its block count."""
+        placed = self._group(group_id)
+        return BlockTable.for_group(
+            self.layout.groups[group_id],
+            num_blocks=placed.num_blocks,
+            kernel_block_size=kernel_block_size,
+        )
+
+    # ------------------------------------------------------------------ transfer
+
+    def descriptor(
+        self,
+        group_id: int,
+        block_ids: Sequence[int],
+        *,
+        liveness: BlockLiveness | None = None,
+    ) -> TransferDescriptor:
+        """Coalesced byte ranges holding ``block_ids`` of ``group_id`` (see
+        :mod:`hybridkv.storage.transfer`); ``liveness`` refuses freed blocks."""
+        return build_descriptor(self._group(group_id), block_ids, liveness=liveness)
+
+    def check_invariants(self) -> None:
+        """Placement invariants plus buffer sizes (raises :class:`InvariantError`)."""
+        self.placement.check_invariants()
+        _check_buffers(self.buffers, self.placement.buffer_bytes)
+        if self.memory is not None:
+            self.memory.check_invariants()
+
+    # ------------------------------------------------------------------ internals
+
+    def _group(self, group_id: int) -> GroupPlacement:
+        groups = self.placement.groups
+        if isinstance(group_id, bool) or not isinstance(group_id, int):
+            raise StorageError(f"group_id: expected an integer, got {group_id!r}")
+        if not 0 <= group_id < len(groups):
+            raise StorageError(
+                f"group_id: {group_id} is not a group of this plan; valid: 0..{len(groups) - 1}"
+            )
+        return groups[group_id]
+
+    def _expect(
+        self, layer: int, slot: int, kinds: frozenset[CacheKind], what: str
+    ) -> tuple[GroupPlacement, MemberPlacement]:
+        group, member = self.placement.member(layer, slot)
+        kind = self.layout.groups[group.group_id].spec.kind
+        if kind not in kinds:
+            valid = ", ".join(sorted(k.value for k in kinds))
+            raise ViewKindError(
+                f"{what}: layer {layer} slot {slot} is a {kind.value!r} cache; {what} serves "
+                f"{valid} (use segment_view for any kind)"
+            )
+        return group, member
+
+
+def _order(order: PageOrder | str) -> PageOrder:
+    try:
+        return PageOrder(order)
+    except ValueError:
+        valid = ", ".join(o.value for o in PageOrder)
+        raise ViewKindError(f"order: unknown view order {order!r}; valid: {valid}") from None
+
+
+def _check_block(group: GroupPlacement, block_id: int) -> None:
+    if isinstance(block_id, bool) or not isinstance(block_id, int):
+        raise BlockRangeError(f"block_id: expected an integer, got {block_id!r}")
+    if not 0 <= block_id < group.num_blocks:
+        raise BlockRangeError(
+            f"block_id: {block_id} is out of range for group {group.group_id}; valid ids are "
+            f"[0, {group.num_blocks})"
+        )
+
+
+def _check_buffers(buffers: Sequence[torch.Tensor], sizes: tuple[int, ...]) -> None:
+    if len(buffers) != len(sizes):
+        raise StorageError(f"buffers: the layout needs {len(sizes)} buffers, got {len(buffers)}")
+    devices = {b.device for b in buffers}
+    if len(devices) != 1:
+        raise StorageError(f"buffers: all buffers must share one device, got {devices}")
+    for i, (buf, size) in enumerate(zip(buffers, sizes, strict=True)):
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise StorageError(
+                f"buffers[{i}]: need a flat contiguous uint8 tensor, got dtype {buf.dtype}, "
+                f"shape {tuple(buf.shape)}"
+            )
+        if buf.numel() < size:
+            raise StorageError(f"buffers[{i}]: {buf.numel()} bytes, the layout needs {size}")

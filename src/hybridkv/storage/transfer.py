@@ -1,0 +1,262 @@
+"""Transfer descriptors: the byte ranges holding a group's blocks, and copies driven by them.
+
+A :class:`TransferDescriptor` lists ``(buffer_id, offset, length)`` ranges of flat ``uint8``
+buffers.  The data of blocks ``block_ids`` is the concatenation of its ranges, the *stream*:
+for each piece of the group's placement (see :class:`~hybridkv.storage.placement.Piece`), for
+each block in ``block_ids`` order, that block's copy of the piece.  Consecutive stream entries
+that touch in memory are coalesced into one range, so adjacent block ids of a cross-layer
+layout become one range.  Padding (padded members, page tails, alignment gaps) is never part
+of a piece and is never transferred.  State tensors split by alignment gaps are separate
+pieces, hence separate ranges per slot.
+
+Two descriptors *match* when they have the same ``piece_lengths`` and the same number of
+blocks: their streams then have the same length and meaning, and :func:`copy_blocks` can move
+one into the other even if their ranges are cut differently (other block ids, other storage).
+:func:`gather` packs a stream into one contiguous buffer (e.g. pinned host memory) and
+:func:`scatter` unpacks it; both use nothing but the descriptor and flat buffers, so the
+buffers may be another process's shared memory.
+
+Example: a cross-layer group with 1 piece ``(offset 0, length 96, stride 128)`` (32 padding
+bytes per block) and blocks ``[3, 4, 9]`` -> ranges ``(0, 384, 96), (0, 512, 96),
+(0, 1152, 96)``: 4 does not touch 3 because of the padding.  Without padding
+(``length 128``), ``[3, 4, 9]`` -> ``(0, 384, 256), (0, 1152, 128)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from hybridkv.plan import NULL_BLOCK_ID
+from hybridkv.storage.errors import BlockRangeError, FreedBlockError, TransferError
+from hybridkv.storage.placement import GroupPlacement
+
+__all__ = [
+    "BlockLiveness",
+    "ByteRange",
+    "TransferDescriptor",
+    "build_descriptor",
+    "copy_blocks",
+    "gather",
+    "scatter",
+]
+
+
+@runtime_checkable
+class BlockLiveness(Protocol):
+    """Anything that knows whether a group's block is allocated (the cache manager's pools)."""
+
+    def is_allocated(self, group_id: int, block_id: int) -> bool: ...
+
+
+class ByteRange(NamedTuple):
+    """``length`` bytes at ``offset`` of buffer ``buffer_id``."""
+
+    buffer_id: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferDescriptor:
+    """The coalesced byte ranges of ``block_ids`` of group ``group_id`` (see module docs)."""
+
+    group_id: int
+    block_ids: tuple[int, ...]
+    piece_lengths: tuple[int, ...]
+    ranges: tuple[ByteRange, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.length for r in self.ranges)
+
+    def matches(self, other: TransferDescriptor) -> bool:
+        """True when ``other``'s stream has the same length and meaning as this one."""
+        return self.piece_lengths == other.piece_lengths and len(self.block_ids) == len(
+            other.block_ids
+        )
+
+
+def build_descriptor(
+    group: GroupPlacement,
+    block_ids: Sequence[int],
+    *,
+    liveness: BlockLiveness | None = None,
+) -> TransferDescriptor:
+    """Descriptor of ``block_ids`` (in that order) of ``group``.  Pure.
+
+    Raises :class:`BlockRangeError` for an id outside ``[1, num_blocks)`` (the null block 0
+    holds no data), a repeated id, or a non-integer; :class:`FreedBlockError` when
+    ``liveness`` says a block is not allocated to the group.
+    """
+    ids = tuple(block_ids)
+    bad = [
+        b
+        for b in ids
+        if isinstance(b, bool)
+        or not isinstance(b, int | np.integer)
+        or not NULL_BLOCK_ID < b < group.num_blocks
+    ]
+    if bad:
+        raise BlockRangeError(
+            f"block_ids: {bad[:8]} invalid for group {group.group_id}; valid ids are "
+            f"[1, {group.num_blocks}) (block {NULL_BLOCK_ID} is the null block)"
+        )
+    ids = tuple(int(b) for b in ids)
+    if len(set(ids)) != len(ids):
+        dup = sorted({b for b in ids if ids.count(b) > 1})
+        raise BlockRangeError(f"block_ids: group {group.group_id} ids repeat: {dup[:8]}")
+    if liveness is not None:
+        freed = [b for b in ids if not liveness.is_allocated(group.group_id, b)]
+        if freed:
+            raise FreedBlockError(
+                f"block_ids: {freed[:8]} are not allocated to group {group.group_id}; "
+                "descriptors are only made for live blocks"
+            )
+    blocks = np.asarray(ids, dtype=np.int64)
+    starts = np.concatenate(
+        [p.offset + blocks * p.block_stride for p in group.pieces] or [np.zeros(0, np.int64)]
+    )
+    lengths = np.repeat(np.asarray([p.length for p in group.pieces], dtype=np.int64), len(ids))
+    ranges: tuple[ByteRange, ...] = ()
+    if len(starts):
+        breaks = np.flatnonzero(starts[1:] != starts[:-1] + lengths[:-1]) + 1
+        heads = np.concatenate([[0], breaks])
+        totals = np.add.reduceat(lengths, heads)
+        buf = group.buffer_id
+        ranges = tuple(
+            ByteRange(buf, int(starts[h]), int(t))
+            for h, t in zip(heads.tolist(), totals.tolist(), strict=True)
+        )
+    return TransferDescriptor(
+        group_id=group.group_id,
+        block_ids=ids,
+        piece_lengths=tuple(p.length for p in group.pieces),
+        ranges=ranges,
+    )
+
+
+def _flat(buffers: Sequence[torch.Tensor], desc: TransferDescriptor) -> list[torch.Tensor]:
+    flats = []
+    for i, buf in enumerate(buffers):
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise TransferError(
+                f"buffers[{i}]: need a flat contiguous uint8 tensor, got dtype {buf.dtype}, "
+                f"shape {tuple(buf.shape)}"
+            )
+        flats.append(buf)
+    for r in desc.ranges:
+        if not 0 <= r.buffer_id < len(flats):
+            raise TransferError(
+                f"descriptor: range {r} names buffer {r.buffer_id}; {len(flats)} buffers given"
+            )
+        if r.offset < 0 or r.offset + r.length > flats[r.buffer_id].numel():
+            raise TransferError(
+                f"descriptor: range {r} leaves buffer {r.buffer_id} of "
+                f"{flats[r.buffer_id].numel()} bytes"
+            )
+    return flats
+
+
+def gather(
+    desc: TransferDescriptor,
+    buffers: Sequence[torch.Tensor],
+    out: torch.Tensor | None = None,
+    *,
+    non_blocking: bool = False,
+) -> torch.Tensor:
+    """Pack the stream of ``desc`` from ``buffers`` into ``out`` and return it.
+
+    ``out`` (flat ``uint8`` of at least ``desc.total_bytes``, any device, e.g. pinned host) is
+    written from its start; by default a new tensor on the first buffer's device.  Mutates only
+    ``out``.  One copy call per range.  Raises :class:`TransferError` on mismatched buffers.
+    """
+    flats = _flat(buffers, desc)
+    total = desc.total_bytes
+    if out is None:
+        device = flats[0].device if flats else torch.device("cpu")
+        out = torch.empty(total, dtype=torch.uint8, device=device)
+    _check_packed(out, total)
+    pos = 0
+    for r in desc.ranges:
+        out[pos : pos + r.length].copy_(
+            flats[r.buffer_id][r.offset : r.offset + r.length], non_blocking=non_blocking
+        )
+        pos += r.length
+    return out
+
+
+def scatter(
+    desc: TransferDescriptor,
+    buffers: Sequence[torch.Tensor],
+    packed: torch.Tensor,
+    *,
+    non_blocking: bool = False,
+) -> None:
+    """Unpack ``packed`` (a stream matching ``desc``) into the ranges of ``desc``.
+
+    Mutates only the bytes of ``buffers`` inside ``desc.ranges``.  Raises
+    :class:`TransferError` when ``packed`` is shorter than ``desc.total_bytes`` or not flat.
+    """
+    flats = _flat(buffers, desc)
+    _check_packed(packed, desc.total_bytes)
+    pos = 0
+    for r in desc.ranges:
+        flats[r.buffer_id][r.offset : r.offset + r.length].copy_(
+            packed[pos : pos + r.length], non_blocking=non_blocking
+        )
+        pos += r.length
+
+
+def copy_blocks(
+    src: TransferDescriptor,
+    src_buffers: Sequence[torch.Tensor],
+    dst: TransferDescriptor,
+    dst_buffers: Sequence[torch.Tensor],
+    *,
+    non_blocking: bool = False,
+) -> int:
+    """Copy the stream of ``src`` into the ranges of ``dst``; return the bytes copied.
+
+    The descriptors must :meth:`~TransferDescriptor.matches`; ranges are walked in step and cut
+    where either side's range ends, so one copy call per overlap of a source and a destination
+    range.  Mutates only ``dst``'s ranges.  Raises :class:`TransferError` on a mismatch.
+    """
+    if not src.matches(dst):
+        raise TransferError(
+            f"descriptors: source (pieces {src.piece_lengths}, {len(src.block_ids)} blocks) and "
+            f"destination (pieces {dst.piece_lengths}, {len(dst.block_ids)} blocks) differ"
+        )
+    s_flat, d_flat = _flat(src_buffers, src), _flat(dst_buffers, dst)
+    i = j = 0
+    s_pos = d_pos = 0
+    copied = 0
+    while i < len(src.ranges) and j < len(dst.ranges):
+        s, d = src.ranges[i], dst.ranges[j]
+        n = min(s.length - s_pos, d.length - d_pos)
+        a, b = s.offset + s_pos, d.offset + d_pos
+        d_flat[d.buffer_id][b : b + n].copy_(
+            s_flat[s.buffer_id][a : a + n], non_blocking=non_blocking
+        )
+        copied += n
+        s_pos += n
+        d_pos += n
+        if s_pos == s.length:
+            i, s_pos = i + 1, 0
+        if d_pos == d.length:
+            j, d_pos = j + 1, 0
+    return copied
+
+
+def _check_packed(packed: torch.Tensor, total: int) -> None:
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous():
+        raise TransferError(
+            f"packed: need a flat contiguous uint8 tensor, got dtype {packed.dtype}, shape "
+            f"{tuple(packed.shape)}"
+        )
+    if packed.numel() < total:
+        raise TransferError(f"packed: {packed.numel()} bytes, the descriptor needs {total}")
