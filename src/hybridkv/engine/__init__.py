@@ -1,0 +1,78 @@
+"""The engine: a model runner over hybridkv's paged hybrid cache, exact against transformers.
+
+Modules, one concept each:
+
+* :mod:`~hybridkv.engine.batch`          the step description the runner executes
+* :mod:`~hybridkv.engine.runner`         :class:`ModelRunner`: one step, many requests
+* :mod:`~hybridkv.engine.attention`      paged attention registered with transformers
+* :mod:`~hybridkv.engine.gather`         which cache slots a step writes and reads
+* :mod:`~hybridkv.engine.hf_cache`       the transformers ``Cache`` a forward pass gets
+* :mod:`~hybridkv.engine.probe`          what a model really caches, measured
+* :mod:`~hybridkv.engine.binding`        a memory layout checked against the model
+* :mod:`~hybridkv.engine.views`          the storage seam (:class:`PagedKVViews`)
+* :mod:`~hybridkv.engine.models`         tiny built-in models and checkpoint loading
+* :mod:`~hybridkv.engine.layouts`        a fixed-size layout for tests and demos
+* :mod:`~hybridkv.engine.toy_cache`      a small reference allocator
+* :mod:`~hybridkv.engine.manager_bridge` the real cache manager behind the same interface
+* :mod:`~hybridkv.engine.generate`       greedy decoding, paged and reference
+* :mod:`~hybridkv.engine.demo`           ``hybridkv run``
+
+Quick start (a tiny hybrid model, end to end, checked against transformers)::
+
+    >>> from hybridkv.engine.demo import run_demo
+    >>> run_demo("lfm3").matches_reference
+    True
+"""
+
+from __future__ import annotations
+
+from hybridkv.engine.attention import PAGED_ATTENTION, register_paged_attention
+from hybridkv.engine.batch import RequestStep, SlotCopy, StateIO, StepBatch
+from hybridkv.engine.errors import (
+    BatchError,
+    BindingError,
+    EngineError,
+    ModelSourceError,
+    NoActiveStepError,
+)
+from hybridkv.engine.generate import Generation, PagedGenerator, reference_generate
+from hybridkv.engine.layouts import fixed_layout
+from hybridkv.engine.manager_bridge import ManagerCache, request_step
+from hybridkv.engine.models import DEFAULT_TINY_MODEL, TINY_MODELS, load_model, reference_copy
+from hybridkv.engine.probe import ModelProbe, probe_model, probe_model_spec
+from hybridkv.engine.runner import ModelRunner, StepOutput
+from hybridkv.engine.toy_cache import ToyCache
+from hybridkv.engine.views import DenseKVViews, PagedKVViews, StorageViews
+
+__all__ = [
+    "DEFAULT_TINY_MODEL",
+    "PAGED_ATTENTION",
+    "TINY_MODELS",
+    "BatchError",
+    "BindingError",
+    "DenseKVViews",
+    "EngineError",
+    "Generation",
+    "ManagerCache",
+    "ModelProbe",
+    "ModelRunner",
+    "ModelSourceError",
+    "NoActiveStepError",
+    "PagedGenerator",
+    "PagedKVViews",
+    "RequestStep",
+    "SlotCopy",
+    "StateIO",
+    "StepBatch",
+    "StepOutput",
+    "StorageViews",
+    "ToyCache",
+    "fixed_layout",
+    "load_model",
+    "probe_model",
+    "probe_model_spec",
+    "reference_copy",
+    "reference_generate",
+    "register_paged_attention",
+    "request_step",
+]

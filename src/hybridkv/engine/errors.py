@@ -1,0 +1,36 @@
+"""Typed errors of the engine layer, all :class:`hybridkv.errors.HybridKVError` subclasses."""
+
+from __future__ import annotations
+
+from hybridkv.errors import ConfigError, HybridKVError, RequestError
+
+__all__ = [
+    "BatchError",
+    "BindingError",
+    "EngineError",
+    "ModelSourceError",
+    "NoActiveStepError",
+]
+
+
+class EngineError(HybridKVError, RuntimeError):
+    """The model runner cannot carry out a step (its inputs or the model do not fit)."""
+
+
+class BatchError(RequestError):
+    """A step batch is malformed: bad lengths, block tables, state slots or copies.
+
+    Raised before anything is written, so a rejected batch changes nothing.
+    """
+
+
+class BindingError(ConfigError):
+    """A memory layout does not fit the model it should serve (kind, window, shape, members)."""
+
+
+class ModelSourceError(ConfigError):
+    """A model cannot be loaded: unknown tiny model name, missing checkpoint files."""
+
+
+class NoActiveStepError(EngineError):
+    """The paged attention function was called outside :meth:`ModelRunner.execute`."""

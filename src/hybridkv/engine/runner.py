@@ -1,0 +1,313 @@
+"""The model runner: execute a :class:`~hybridkv.engine.batch.StepBatch` on a transformers model
+over hybridkv's paged hybrid cache.
+
+How a step runs
+---------------
+1. **Check** the whole batch against the layout (block tables, slots, lengths, write
+   conflicts) and compute every request's gather indices (:mod:`hybridkv.engine.gather`).  A
+   bad batch raises :class:`BatchError` here, before anything is written.
+2. **Zero and copy** state slots (``zero_before``, then ``copies_before``, of every request
+   in batch order).
+3. **Forward passes.**  A model without recurrent layers runs the whole step as one packed
+   sequence ``[1, total_tokens]``: per-request ``position_ids``, one segment per request, and
+   attention that only mixes tokens of the same request (each request gathers its own keys).
+   Recurrent layers scan along the sequence, so a model with them runs one pass per *bucket*
+   of requests with the same number of new tokens and the same "has a cached state" flag, as
+   an unpadded ``[B, T]`` batch (padding would leak into the recurrent state).
+4. **Store** the final states into ``write_slot`` s, then do ``copies_after``.
+
+Attention layers write the new K/V into their group's views during the pass; MLA layers write
+the latent.  If a pass raises, the state slots are restored to their state before the step
+(zeroing and ``copies_before`` undone); K/V and latent slots of the step's *new* tokens may
+have been written, which changes no computed token.
+
+Logits: for every request, the float32 logits of its last new token.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import torch
+
+from hybridkv.engine.attention import PAGED_ATTENTION, active_step, register_paged_attention
+from hybridkv.engine.batch import RequestStep, StateIO, StepBatch
+from hybridkv.engine.binding import ModelBinding, RouteKind, bind_layout
+from hybridkv.engine.errors import BatchError
+from hybridkv.engine.forward_pass import ForwardPass, Segment
+from hybridkv.engine.gather import SegmentIndex, segment_index
+from hybridkv.engine.hf_cache import (
+    LatentLayer,
+    PassThroughLayer,
+    build_cache,
+    collect_states,
+    dummy_layer,
+    load_states,
+)
+from hybridkv.engine.probe import ModelProbe, probe_model
+from hybridkv.engine.views import PagedKVViews
+from hybridkv.plan import NULL_BLOCK_ID, MemoryLayout
+
+__all__ = ["ModelRunner", "StepOutput"]
+
+logger = logging.getLogger(__name__)
+
+
+class StepOutput(NamedTuple):
+    """Result of one step: ``request id -> float32 logits [vocab]`` of its last new token, and
+    how many forward passes the step took."""
+
+    logits: dict[str, torch.Tensor]
+    num_passes: int
+
+
+class ModelRunner:
+    """Runs steps of a transformers causal LM over paged hybrid cache views.
+
+    ``model`` is put in eval mode and switched to the paged attention implementation
+    (:data:`~hybridkv.engine.attention.PAGED_ATTENTION`); ``layout`` is checked against what
+    the model really caches (:func:`~hybridkv.engine.probe.probe_model`, or ``probe`` if given)
+    and ``views`` must serve every member of it.  Raises
+    :class:`~hybridkv.engine.errors.BindingError` when the layout does not fit the model.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layout: MemoryLayout,
+        views: PagedKVViews,
+        *,
+        probe: ModelProbe | None = None,
+    ) -> None:
+        register_paged_attention()
+        model.eval()
+        config: Any = getattr(model, "config", None)
+        if config is not None and config._attn_implementation != PAGED_ATTENTION:
+            model.set_attn_implementation(PAGED_ATTENTION)  # type: ignore[operator]
+        self.model = model
+        self.layout = layout
+        self.views = views
+        self.probe = probe if probe is not None else probe_model(model)
+        self.binding: ModelBinding = bind_layout(self.probe, layout)
+        self.device = next(model.parameters()).device
+
+    # ----------------------------------------------------------------- checks
+
+    def _check_request(self, r: RequestStep) -> dict[int, SegmentIndex]:
+        token_groups = self.binding.token_groups()
+        state_groups = self.binding.state_groups()
+        owner = f"request {r.request_id!r}"
+        if set(r.block_tables) != set(token_groups):
+            raise BatchError(
+                f"{owner}: block_tables has groups {sorted(r.block_tables)}; the model's token "
+                f"groups are {sorted(token_groups)}"
+            )
+        if set(r.states) != set(state_groups):
+            raise BatchError(
+                f"{owner}: states has groups {sorted(r.states)}; the model's state groups are "
+                f"{sorted(state_groups)}"
+            )
+        for gid, io in r.states.items():
+            num_ids = state_groups[gid][1]
+            for slot in io.slots:
+                if not NULL_BLOCK_ID < slot < num_ids:
+                    raise BatchError(
+                        f"{owner}: states[{gid}] names slot {slot}; valid slots are "
+                        f"1..{num_ids - 1} (0 is the null block)"
+                    )
+            if r.num_computed == 0 and io.read_slot is not None:
+                raise BatchError(
+                    f"{owner}: states[{gid}].read_slot is {io.read_slot} but num_computed is 0; "
+                    "a request with no computed tokens starts from the zero state (read_slot=None)"
+                )
+        return {
+            gid: segment_index(
+                group,
+                r.block_tables[gid],
+                num_computed=r.num_computed,
+                num_new=r.num_new,
+                num_block_ids=num_ids,
+                request_id=r.request_id,
+                device=self.device,
+            )
+            for gid, (group, num_ids) in token_groups.items()
+        }
+
+    def _check_conflicts(self, batch: StepBatch) -> None:
+        written: dict[tuple[int, int], str] = {}
+        for r in batch.requests:
+            for gid, table in r.block_tables.items():
+                size = self.layout.groups[gid].block_size
+                for i in range(r.num_computed // size, -(-r.end // size)):
+                    other = written.setdefault((gid, table[i]), r.request_id)
+                    if other != r.request_id:
+                        raise BatchError(
+                            f"block_tables[{gid}]: requests {other!r} and {r.request_id!r} both "
+                            f"write new tokens into block {table[i]}"
+                        )
+        slots: dict[tuple[int, int], str] = {}
+        for r in batch.requests:
+            for gid, io in r.states.items():
+                other = slots.setdefault((gid, io.write_slot), r.request_id)
+                if other != r.request_id:
+                    raise BatchError(
+                        f"states[{gid}]: requests {other!r} and {r.request_id!r} both write "
+                        f"slot {io.write_slot}"
+                    )
+
+    # ----------------------------------------------------------------- passes
+
+    @property
+    def packed(self) -> bool:
+        """True when a step runs as one packed sequence (no state, no cache-length reads)."""
+        return not (self.binding.has_state or self.probe.reads_cache_length)
+
+    def _buckets(self, batch: StepBatch) -> list[list[int]]:
+        if self.packed:
+            return [list(range(len(batch.requests)))]
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(batch.requests):
+            key: tuple[int, ...] = (r.num_new, r.num_computed > 0)
+            if self.probe.reads_cache_length:
+                key += (r.num_computed,)
+            buckets.setdefault(key, []).append(i)
+        return list(buckets.values())
+
+    def _copy_slots(self, copies: list[tuple[int, StateIO]], *, after: bool) -> None:
+        for gid, io in copies:
+            for route in self.binding.states.values():
+                if route.group.group_id != gid:
+                    continue
+                for t in route.tensors:
+                    tensor = self.views.state(route.layer, route.slot, t.name)
+                    if not after:
+                        for slot in io.zero_before:
+                            tensor[slot] = 0
+                    for c in io.copies_after if after else io.copies_before:
+                        tensor[c.dst] = tensor[c.src]
+
+    def _snapshot(self, batch: StepBatch) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        saved = []
+        for r in batch.requests:
+            for gid, io in r.states.items():
+                for route in self.binding.states.values():
+                    if route.group.group_id != gid:
+                        continue
+                    for t in route.tensors:
+                        tensor = self.views.state(route.layer, route.slot, t.name)
+                        for dst in (*io.zero_before, *(c.dst for c in io.copies_before)):
+                            saved.append((tensor, dst, tensor[dst].clone()))
+        return saved
+
+    def _layout_pass(
+        self, requests: list[RequestStep]
+    ) -> tuple[list[Segment], list[list[int]], list[list[int]]]:
+        """Segments, token ids and positions of one pass: one packed row, or a row each."""
+        if not self.packed:
+            segments = [Segment(n, n, 0, r.num_new) for n, r in enumerate(requests)]
+            return (
+                segments,
+                [list(r.token_ids) for r in requests],
+                [list(r.rope_positions) for r in requests],
+            )
+        segments, start = [], 0
+        for n, r in enumerate(requests):
+            segments.append(Segment(n, 0, start, r.num_new))
+            start += r.num_new
+        ids = [[t for r in requests for t in r.token_ids]]
+        return segments, ids, [[p for r in requests for p in r.rope_positions]]
+
+    def _cache_layers(self, requests: list[RequestStep], step: ForwardPass) -> list[Any]:
+        """One transformers cache layer per model layer (see :mod:`hybridkv.engine.hf_cache`)."""
+        # Only read by models that call get_seq_length(), whose passes share num_computed.
+        seq_length = 0 if self.packed else requests[0].num_computed
+        resuming = requests[0].num_computed > 0
+        layers: list[Any] = []
+        for layer in range(self.binding.num_layers):
+            token_route = self.binding.tokens.get(layer)
+            state_route = self.binding.states.get(layer)
+            if token_route is not None and token_route.kind is RouteKind.ATTENTION:
+                layers.append(PassThroughLayer(seq_length))
+            elif token_route is not None:
+                layers.append(LatentLayer(layer, step, seq_length))
+            elif state_route is not None:
+                gid = state_route.group.group_id
+                slots = [int(r.states[gid].read_slot or 0) for r in requests]
+                layers.append(
+                    load_states(
+                        state_route, slots if resuming else None, self.views, device=self.device
+                    )
+                )
+            else:
+                layers.append(dummy_layer())
+        return layers
+
+    def _run_pass(
+        self,
+        batch: StepBatch,
+        members: list[int],
+        index: list[dict[int, SegmentIndex]],
+        pending: list[tuple[torch.Tensor, int, torch.Tensor]],
+    ) -> dict[str, torch.Tensor]:
+        """Run one forward pass; queue its final states in ``pending``; return its logits."""
+        requests = [batch.requests[i] for i in members]
+        segments, ids, pos = self._layout_pass(requests)
+        per_group = {gid: [index[i][gid] for i in members] for gid in self.binding.token_groups()}
+        step = ForwardPass(self.binding, self.views, segments, per_group, len(ids))
+        layers = self._cache_layers(requests, step)
+        keep: int | torch.Tensor = 1
+        if self.packed:
+            ends = [s.start + s.length - 1 for s in segments]
+            keep = torch.tensor(ends, device=self.device)
+        with torch.no_grad(), active_step(step):
+            out = self.model(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+                position_ids=torch.tensor(pos, dtype=torch.long, device=self.device),
+                past_key_values=build_cache(layers),
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+        logits = out.logits[0] if self.packed else out.logits[:, -1]
+        for layer, route in self.binding.states.items():
+            produced = collect_states(route, layers[layer])
+            for row, r in enumerate(requests):
+                slot = r.states[route.group.group_id].write_slot
+                for t in route.tensors:
+                    target = self.views.state(route.layer, route.slot, t.name)
+                    pending.append((target, slot, produced[t.name][row]))
+        return {r.request_id: logits[n].float() for n, r in enumerate(requests)}
+
+    # ----------------------------------------------------------------- public
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        """Run one step (see the module docstring) and return the logits.
+
+        Mutates the cache views: K/V (or latent) slots of the new tokens, state slots named by
+        ``write_slot`` and copy destinations.  Raises :class:`BatchError` for a batch that
+        does not fit the layout (nothing written) and :class:`EngineError` when the model and
+        the views disagree.
+        """
+        index = [self._check_request(r) for r in batch.requests]
+        self._check_conflicts(batch)
+        copies = [(gid, io) for r in batch.requests for gid, io in r.states.items()]
+        saved = self._snapshot(batch)
+        self._copy_slots(copies, after=False)
+        logits: dict[str, torch.Tensor] = {}
+        pending: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        buckets = self._buckets(batch)
+        try:
+            for members in buckets:
+                logits.update(self._run_pass(batch, members, index, pending))
+        except BaseException:
+            for tensor, slot, value in reversed(saved):
+                tensor[slot] = value
+            raise
+        for tensor, slot, value in pending:
+            tensor[slot] = value.to(device=tensor.device, dtype=tensor.dtype)
+        self._copy_slots(copies, after=True)
+        ordered = {r.request_id: logits[r.request_id] for r in batch.requests}
+        logger.debug(
+            "step: %d requests, %d tokens, %d passes", len(ordered), batch.num_tokens, len(buckets)
+        )
+        return StepOutput(logits=ordered, num_passes=len(buckets))
