@@ -1,1 +1,72 @@
-"""hybridkv.cache."""
+"""Cache-manager runtime: block pools, per-kind managers, the hybrid coordinator.  No torch.
+
+Entry point: :class:`KVCacheManager` (``hybridkv.cache.manager``).  Layers, bottom to top:
+
+* :mod:`~hybridkv.cache.hashing`, :mod:`~hybridkv.cache.request`: chained block hashes at the
+  layout's finest block size, extended as tokens are appended;
+* :mod:`~hybridkv.cache.pool_base`, :mod:`~hybridkv.cache.pool_shared`,
+  :mod:`~hybridkv.cache.pool_arena`: block pools for the ``uniform``, ``pools`` and ``arena``
+  strategies (ref counts, LRU of cached free blocks, per-group hash maps);
+* :mod:`~hybridkv.cache.kinds`: one manager per cache kind (full/MLA, sliding window, chunked
+  local, recurrent state);
+* :mod:`~hybridkv.cache.coordinator`: fixed-point hits and atomic allocation across groups;
+* :mod:`~hybridkv.cache.manager`: the facade, with validation, statistics and KV events.
+"""
+
+from __future__ import annotations
+
+from hybridkv.cache.errors import (
+    DuplicateRequestError,
+    FinishedRequestError,
+    LayoutMismatchError,
+    RequestLengthError,
+    StaleComputedBlocksError,
+    UnknownRequestError,
+)
+from hybridkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from hybridkv.cache.hashing import (
+    BlockHasher,
+    BuiltinHasher,
+    HasherError,
+    Sha256Hasher,
+    make_hasher,
+)
+from hybridkv.cache.manager import KVCacheManager
+from hybridkv.cache.request import MultiModalItem, Request
+from hybridkv.cache.stats import PrefixCacheStats
+from hybridkv.cache.types import (
+    AllocationResult,
+    BlockHash,
+    BlockId,
+    ComputedBlocks,
+    StateCopy,
+    StateSlot,
+)
+
+__all__ = [
+    "AllBlocksCleared",
+    "AllocationResult",
+    "BlockHash",
+    "BlockHasher",
+    "BlockId",
+    "BlockRemoved",
+    "BlockStored",
+    "BuiltinHasher",
+    "ComputedBlocks",
+    "DuplicateRequestError",
+    "FinishedRequestError",
+    "HasherError",
+    "KVCacheManager",
+    "KVEvent",
+    "LayoutMismatchError",
+    "MultiModalItem",
+    "PrefixCacheStats",
+    "Request",
+    "RequestLengthError",
+    "Sha256Hasher",
+    "StaleComputedBlocksError",
+    "StateCopy",
+    "StateSlot",
+    "UnknownRequestError",
+    "make_hasher",
+]

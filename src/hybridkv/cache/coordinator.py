@@ -1,0 +1,323 @@
+"""The hybrid coordinator: every group of a layout behind one set of calls.
+
+* **Cache hits** by a fixed point over groups: each group proposes the longest hit it can
+  serve below the current bound; the bound drops to the minimum; groups whose hit is not
+  prefix-closed re-check at the lower bound until every group agrees.  Prefix-closed groups
+  (full attention, MLA) are scanned once.  The hit is a multiple of the layout's
+  ``schedule_alignment`` and leaves at least the last prompt token to compute.
+* **Allocation** is planned for every group, checked against the pool as a whole
+  (:meth:`BlockPool.fits` is exact), then applied: all groups or none, and a refused call
+  changes nothing at all.
+* **Free / preempt** publish what is computed and drop every reference, tail first.
+
+No validation of caller input happens here; :class:`hybridkv.cache.manager.KVCacheManager`
+does it before calling in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from hybridkv.cache.events import EventLog
+from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan, manager_class
+from hybridkv.cache.pools import make_block_pool
+from hybridkv.cache.request import Request
+from hybridkv.cache.types import AllocationResult, BlockId
+from hybridkv.errors import InvariantError
+from hybridkv.plan.layout import MemoryLayout
+from hybridkv.specs import CacheKind
+
+__all__ = ["HitResult", "HybridCoordinator", "RequestState"]
+
+
+class RequestState:
+    """A request's per-group states plus the token bounds of its last allocation.
+
+    ``num_slots``: token slots allocated (lookahead included); ``min_computed``: the computed
+    length the last allocation started from (windowed kinds released below it); ``marks``:
+    the request's hit and junction, whose windows and checkpoints are re-aged (with the
+    computed end's) when it is freed.
+    """
+
+    __slots__ = ("groups", "marks", "min_computed", "num_slots", "request")
+
+    def __init__(self, request: Request, groups: list[GroupState], marks: tuple[int, ...]) -> None:
+        self.request = request
+        self.groups = groups
+        self.num_slots = 0
+        self.min_computed = 0
+        #: Token positions where later requests are likely to hit (its hit and junction).
+        self.marks = marks
+
+
+class HitResult:
+    """Outcome of the fixed point: hit length, per-group standalone hits, junction."""
+
+    __slots__ = ("alone", "junction", "length")
+
+    def __init__(self, length: int, alone: list[int], junction: int) -> None:
+        self.length = length
+        self.alone = alone
+        self.junction = junction
+
+
+class HybridCoordinator:
+    """Managers of every group of ``layout`` over one block pool."""
+
+    def __init__(
+        self,
+        layout: MemoryLayout,
+        *,
+        events: EventLog,
+        max_model_len: int | None = None,
+        arena_eviction: str = "chunk_lru",
+    ) -> None:
+        self.layout = layout
+        self.events = events
+        self.pool = make_block_pool(layout, events, arena_eviction=arena_eviction)
+        self.hash_block_size = layout.hash_block_size
+        self.alignment = layout.schedule_alignment
+        self.max_model_len = max_model_len
+        self.managers: list[KindManager] = [
+            manager_class(g.spec.kind)(
+                g,
+                self.pool,
+                hash_block_size=self.hash_block_size,
+                alignment=self.alignment,
+                events=events,
+            )
+            for g in layout.groups
+        ]
+        self.num_groups = len(self.managers)
+        self._closed = [m for m in self.managers if m.prefix_closed]
+        self._open = [m for m in self.managers if not m.prefix_closed]
+        self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
+        self.requests: dict[str, RequestState] = {}
+        self._nothing = AllocationResult(((),) * self.num_groups, (), (), ())
+
+    # -- hits -------------------------------------------------------------------------------
+    def find_hit(self, request: Request) -> HitResult:
+        """The longest hit every group can serve (see module doc).  Reads only."""
+        hashes = request.block_hashes
+        bound = request.num_tokens - 1
+        if self.max_model_len is not None and bound > self.max_model_len:
+            bound = self.max_model_len
+        bound -= bound % self.alignment
+        alone = [0] * self.num_groups
+        if bound <= 0:
+            return HitResult(0, alone, 0)
+        cur = bound
+        for m in self._closed:
+            h = m.longest_hit(hashes, bound)
+            alone[m.group_id] = h
+            if h < cur:
+                cur = h
+        for m in self._open:
+            h = m.longest_hit(hashes, bound)
+            alone[m.group_id] = h
+            if h < cur:
+                cur = h
+        hits = list(alone)
+        again = True
+        while again and cur:
+            again = False
+            for m in self._open:
+                g = m.group_id
+                if hits[g] > cur:
+                    h = m.longest_hit(hashes, cur)
+                    hits[g] = h
+                    if h < cur:
+                        cur = h
+                        again = True
+        if self._closed:  # prefix-closed groups define where the cached prefix ends
+            junction = min(alone[m.group_id] for m in self._closed)
+        else:
+            junction = max((alone[g] for g in self._attention), default=cur)
+        return HitResult(cur, alone, junction)
+
+    def hit_blocks(self, request: Request, length: int) -> tuple[tuple[BlockId, ...], ...]:
+        """Every group's blocks for a hit of ``length`` tokens (which all groups serve)."""
+        if not length:
+            return ((),) * self.num_groups
+        hashes = request.block_hashes
+        return tuple(
+            cast(tuple[BlockId, ...], tuple(m.hit_blocks(hashes, length))) for m in self.managers
+        )
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(
+        self,
+        rs: RequestState | None,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        hit: Sequence[Sequence[int]] | None,
+        num_lookahead_tokens: int,
+        junction: int = 0,
+    ) -> AllocationResult | None:
+        """Allocate slots for one step of ``request`` (validated by the caller).
+
+        ``rs`` is None on the request's first allocation (``hit`` and ``junction``, from
+        :meth:`find_hit`, only then).  Returns None, changing nothing, when the pool cannot
+        serve every group.
+        """
+        computed = request.num_computed_tokens
+        num_computed = computed + num_new_computed_tokens
+        step_end = num_computed + num_new_tokens
+        total = step_end + num_lookahead_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            total = max(self.max_model_len, step_end)
+        managers = self.managers
+        if rs is None:
+            plans = [
+                m.plan(
+                    None, request, computed, num_computed, step_end, total, hit[i] if hit else None
+                )
+                for i, m in enumerate(managers)
+            ]
+        else:
+            plans = [
+                m.plan(st, request, computed, num_computed, step_end, total, None)
+                for m, st in zip(managers, rs.groups, strict=True)
+            ]
+            if not any(plans):  # the common decode step: nothing to publish, free or take
+                if total > rs.num_slots:
+                    rs.num_slots = total
+                rs.min_computed = num_computed
+                return self._nothing
+        if not self._fits(plans):
+            return None
+        if rs is None:
+            marks = tuple(x for x in (num_new_computed_tokens, junction) if x)
+            rs = RequestState(request, [m.new_state() for m in managers], marks)
+            self.requests[request.request_id] = rs
+        groups = rs.groups
+        for i, p in enumerate(plans):
+            if p is not None:
+                managers[i].apply_release(groups[i], p, hit[i] if hit else None, request)
+        for i, p in enumerate(plans):
+            if p is not None and p.touch:
+                managers[i].apply_touch(groups[i], p)
+        out = StepOutputs()
+        new_ids: list[tuple[BlockId, ...]] = []
+        pool = self.pool
+        for i, p in enumerate(plans):
+            if p is None or not p.need:
+                new_ids.append(())
+                continue
+            added = managers[i].apply_new(groups[i], p, pool.allocate(i, p.need), out)
+            new_ids.append(cast(tuple[BlockId, ...], tuple(added)))
+        if total > rs.num_slots:
+            rs.num_slots = total
+        rs.min_computed = num_computed
+        return AllocationResult(
+            tuple(new_ids),
+            tuple(out.copies_before),
+            tuple(out.zero_before),
+            tuple(out.copies_after),
+        )
+
+    def _fits(self, plans: list[StepPlan | None]) -> bool:
+        for p in plans:
+            if p is not None and (p.need or p.release or p.touch):
+                break
+        else:
+            return True
+        pool = self.pool
+        if pool.reads_cached_hint:
+            cached = [{b for _, b, _ in p.cache} if p and p.cache else None for p in plans]
+        else:
+            cached = [None] * len(plans)
+        return pool.fits(
+            cached,
+            [p.release if p else None for p in plans],
+            [p.touch if p else None for p in plans],
+            [p.need if p else 0 for p in plans],
+        )
+
+    # -- free ---------------------------------------------------------------------------------
+    def release(self, request_id: str) -> RequestState | None:
+        """Publish computed blocks and drop every reference of ``request_id`` (None if none)."""
+        rs = self.requests.pop(request_id, None)
+        if rs is None:
+            return None
+        end = rs.request.num_computed_tokens
+        marks = (*rs.marks, end - end % self.alignment)
+        for m, st in zip(self.managers, rs.groups, strict=True):
+            m.release_all(st, rs.request)
+            m.protect(rs.request.block_hashes, marks)
+        return rs
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; refused (False, no change) while any block is referenced."""
+        if self.requests:
+            return False
+        if not self.pool.reset_cache():
+            return False
+        if self.events.enabled:
+            self.events.cleared()
+        return True
+
+    # -- introspection ------------------------------------------------------------------------
+    def block_ids(self, rs: RequestState) -> tuple[list[int], ...]:
+        return tuple(list(m.table(st)) for m, st in zip(self.managers, rs.groups, strict=True))
+
+    def check_invariants(self) -> None:
+        """Pool invariants, each request's per-group invariants, and ref counts == holders."""
+        self.pool.check_invariants()
+        expected: dict[int, list[int]] = {}
+        for rs in self.requests.values():
+            request = rs.request
+            for m, st in zip(self.managers, rs.groups, strict=True):
+                m.check_request(st, request)
+                g = m.group_id
+                refs = self.pool.refs[g]
+                counts = expected.setdefault(id(refs), [0] * len(refs))
+                for b in m.held_blocks(st):
+                    counts[b] += 1
+                    if not self.pool.is_allocated(g, b):
+                        raise InvariantError(
+                            f"request {request.request_id} holds block {b} of group {g}, "
+                            "which the pool does not count as allocated to that group"
+                        )
+                if m.spec.kind is not CacheKind.STATE:
+                    want = -(-rs.num_slots // m.block_size)
+                    if len(st.table) != want:
+                        raise InvariantError(
+                            f"request {request.request_id}, group {g}: table has "
+                            f"{len(st.table)} entries for {rs.num_slots} slots (want {want})"
+                        )
+        for g in range(self.num_groups):
+            refs = self.pool.refs[g]
+            want_refs = expected.get(id(refs))
+            if want_refs is None:
+                if any(refs):
+                    raise InvariantError(f"group {g}: blocks referenced with no live request")
+            elif want_refs != refs:
+                bad = [b for b, (c, r) in enumerate(zip(want_refs, refs, strict=True)) if c != r]
+                raise InvariantError(
+                    f"group {g}: ref counts differ from table references at blocks {bad[:10]}"
+                )
+
+    def snapshot(self) -> Any:
+        """A deep, comparable copy of every structure (pool, tables, cursors, events)."""
+        reqs = {
+            rid: (
+                rs.num_slots,
+                rs.min_computed,
+                [
+                    (
+                        list(st.table),
+                        st.num_cached,
+                        st.released,
+                        st.pending,
+                        st.pending_index,
+                        st.source,
+                    )
+                    for st in rs.groups
+                ],
+            )
+            for rid, rs in self.requests.items()
+        }
+        return (self.pool.snapshot(), reqs, len(self.events))

@@ -1,0 +1,81 @@
+"""KV-cache events for an external router (a prefix-aware load balancer).
+
+A router mirrors which prefixes an engine holds by replaying these events in order:
+:class:`BlockStored` adds hashes, :class:`BlockRemoved` drops them, :class:`AllBlocksCleared`
+drops everything.  Hashes are the manager's group-level block hashes
+(:mod:`hybridkv.cache.hashing`); a group with block size ``k * hash_block_size`` stores the
+hash of the last hash block of each of its blocks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from hybridkv.cache.types import BlockHash
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventLog", "KVEvent"]
+
+
+class BlockStored(NamedTuple):
+    """Consecutive blocks of group ``group_id`` entered the prefix cache.
+
+    ``block_hashes`` in prefix order; ``parent_block_hash`` is the group-level hash of the block
+    just before the first one (``None`` when the first is the request's first block);
+    ``token_count`` tokens are covered (``len(block_hashes) * block_size``).
+    """
+
+    group_id: int
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_count: int
+    block_size: int
+
+
+class BlockRemoved(NamedTuple):
+    """Blocks of group ``group_id`` left the prefix cache (evicted)."""
+
+    group_id: int
+    block_hashes: tuple[BlockHash, ...]
+
+
+class AllBlocksCleared(NamedTuple):
+    """The whole prefix cache was reset."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventLog:
+    """An append-only buffer of events; :meth:`take` drains it.  Disabled logs record nothing."""
+
+    __slots__ = ("_events", "enabled")
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self._events: list[KVEvent] = []
+
+    def stored(
+        self,
+        group_id: int,
+        block_hashes: tuple[BlockHash, ...],
+        parent: BlockHash | None,
+        block_size: int,
+    ) -> None:
+        self._events.append(
+            BlockStored(group_id, block_hashes, parent, len(block_hashes) * block_size, block_size)
+        )
+
+    def removed(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
+        self._events.append(BlockRemoved(group_id, block_hashes))
+
+    def cleared(self) -> None:
+        self._events.append(AllBlocksCleared())
+
+    def take(self) -> list[KVEvent]:
+        """Every event since the last call, oldest first; the log is empty afterwards."""
+        out = self._events
+        self._events = []
+        return out
+
+    def __len__(self) -> int:
+        return len(self._events)

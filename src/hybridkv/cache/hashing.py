@@ -1,0 +1,137 @@
+"""Chained block hashes of token prefixes.
+
+The hash of block ``i`` (tokens ``[i*B, (i+1)*B)`` at the hash block size ``B``) is
+``H(parent, tokens, extra)`` where ``parent`` is the hash of block ``i-1`` (or the hasher's
+seeded root for block 0) and ``extra`` is a tuple of integers carrying the request's extra keys
+(LoRA identity, cache salt, multimodal items; see :mod:`hybridkv.cache.request`).  Because the
+parent is chained in, one hash identifies the whole prefix up to the end of its block.
+
+Two hashers:
+
+* :class:`Sha256Hasher` (default): SHA-256 over a stable little-endian byte encoding; identical
+  across processes, machines and Python versions.  Hashes are ints below ``2**256``.
+* :class:`BuiltinHasher`: CPython's tuple hash of ``(parent, tokens, extra)``.  Integers and
+  tuples of integers are not salted by ``PYTHONHASHSEED``, so the value is identical across
+  processes of the same CPython version on 64-bit platforms; it is ~5x faster but only 64 bits
+  wide (an accidental collision merges two prefixes with probability ~n**2 / 2**65).
+
+Strings (LoRA names, salts, multimodal ids) enter as :func:`stable_code` integers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Sequence
+from typing import ClassVar
+
+from hybridkv.cache.types import BlockHash
+from hybridkv.errors import HybridKVError
+
+__all__ = [
+    "HASHERS",
+    "BlockHasher",
+    "BuiltinHasher",
+    "HasherError",
+    "Sha256Hasher",
+    "make_hasher",
+    "stable_code",
+]
+
+_MASK64 = (1 << 64) - 1
+
+
+class HasherError(HybridKVError, ValueError):
+    """An unknown hasher name or a bad seed."""
+
+
+def stable_code(text: str) -> int:
+    """A 63-bit non-negative integer for ``text``, identical in every process (BLAKE2b)."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class BlockHasher(ABC):
+    """Computes chained block hashes.  Stateless after construction; safe to share."""
+
+    name: ClassVar[str]
+
+    def __init__(self, seed: int = 0) -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63:
+            raise HasherError(f"BlockHasher.seed: must be an integer in [0, 2**63), got {seed!r}")
+        self.seed = seed
+
+    @abstractmethod
+    def hash_block(
+        self, parent: BlockHash | None, tokens: Sequence[int], extra: tuple[int, ...]
+    ) -> BlockHash:
+        """Hash of one block of ``tokens`` after the prefix hashed as ``parent``.
+
+        ``parent`` is ``None`` for the first block.  ``extra`` holds integers in
+        ``[-2**63, 2**63)``; tokens are integers in ``[0, 2**63)``.
+        """
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, BlockHasher) and type(other) is type(self) and other.seed == self.seed
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.seed))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed})"
+
+
+class Sha256Hasher(BlockHasher):
+    """SHA-256 over ``parent (32 bytes) | n_tokens, n_extra (int64) | tokens | extra``."""
+
+    name: ClassVar[str] = "sha256"
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        root = hashlib.sha256(b"hybridkv/block-hash-root/" + seed.to_bytes(8, "little"))
+        self._root = root.digest()
+
+    def hash_block(
+        self, parent: BlockHash | None, tokens: Sequence[int], extra: tuple[int, ...]
+    ) -> BlockHash:
+        h = hashlib.sha256(self._root if parent is None else parent.to_bytes(32, "big"))
+        h.update(array("q", (len(tokens), len(extra))))
+        h.update(array("q", tokens))
+        if extra:
+            h.update(array("q", extra))
+        return BlockHash(int.from_bytes(h.digest(), "big"))
+
+
+class BuiltinHasher(BlockHasher):
+    """CPython tuple hash; fast, 64-bit, stable across processes of one CPython version."""
+
+    name: ClassVar[str] = "builtin"
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        # A str would be salted by PYTHONHASHSEED: derive the root from a digest instead.
+        self._root = stable_code(f"hybridkv/block-hash-root/{seed}")
+
+    def hash_block(
+        self, parent: BlockHash | None, tokens: Sequence[int], extra: tuple[int, ...]
+    ) -> BlockHash:
+        base = self._root if parent is None else parent
+        return BlockHash(hash((base, tuple(tokens), extra)) & _MASK64)
+
+
+#: Hashers by name (``--hasher`` values).
+HASHERS: dict[str, type[BlockHasher]] = {
+    Sha256Hasher.name: Sha256Hasher,
+    BuiltinHasher.name: BuiltinHasher,
+}
+
+
+def make_hasher(name: str = "sha256", seed: int = 0) -> BlockHasher:
+    """A hasher by name (``"sha256"`` or ``"builtin"``).  Raises :class:`HasherError`."""
+    cls = HASHERS.get(name)
+    if cls is None:
+        raise HasherError(f"hasher: unknown name {name!r}; valid: {', '.join(HASHERS)}")
+    return cls(seed)

@@ -1,0 +1,269 @@
+"""The per-kind manager contract: one manager per group, one rule per cache kind.
+
+A manager owns nothing but rules; the per-request data lives in a :class:`GroupState` the
+coordinator keeps, and every block goes through the group's :class:`BlockPool`.  Each manager
+answers four questions:
+
+* how many blocks ``n`` more token slots need (:meth:`KindManager.plan`);
+* the longest cache hit below a bound, by its own rule (:meth:`KindManager.longest_hit`);
+* what to release as tokens age out (the plan's ``release``);
+* what to publish to the prefix cache (the plan's ``cache``).
+
+An allocation is planned for every group first (no mutation), checked against the pool as a
+whole, then applied in three phases over all groups: (1) cache and release, (2) touch hit
+blocks, (3) allocate new blocks.  A block is published only once its tokens are computed,
+i.e. below ``request.num_computed_tokens`` as the scheduler reports it at the next call (or at
+``free``), so a hit never reads KV that a running step is still writing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+from hybridkv.cache.events import EventLog
+from hybridkv.cache.pool_base import BlockPool
+from hybridkv.cache.request import Request
+from hybridkv.cache.types import StateCopy, StateSlot
+from hybridkv.errors import InvariantError
+from hybridkv.plan.layout import GroupPlan
+from hybridkv.specs import CacheKind
+
+__all__ = ["GroupState", "KindManager", "StepOutputs", "StepPlan"]
+
+
+class GroupState:
+    """One request's data in one group: its block table and bookkeeping cursors.
+
+    ``table[j]`` is the block of tokens ``[j*block_size, (j+1)*block_size)`` (attention kinds;
+    0 where the kind keeps nothing) or ``[running slot]`` (state kinds).  ``num_cached``:
+    table entries already offered to the prefix cache.  ``released``: table entries below it
+    that the kind may have nulled.  ``pending`` / ``pending_index`` / ``source``: state kinds'
+    checkpoint awaiting publication (index of the block it ends) and hit checkpoint awaiting
+    its copy (0 = none).
+    """
+
+    __slots__ = ("num_cached", "pending", "pending_index", "released", "source", "table")
+
+    def __init__(self, released: int = 0) -> None:
+        self.table: list[int] = []
+        self.num_cached = 0
+        self.released = released
+        self.pending = 0
+        self.pending_index = 0
+        self.source = 0
+
+
+class StepPlan(NamedTuple):
+    """What one group will do in one allocation (computed without mutating anything).
+
+    ``cache``: ``(table index, block, hash)`` to publish; ``cache_upto``: the new
+    ``num_cached``; ``release``: blocks to drop a reference from, in order;
+    ``release_upto``: the new ``released``; ``touch``: hit blocks to reference; ``need``:
+    fresh blocks to allocate; ``checkpoint``: state kinds only, the number of blocks the
+    step ends at when it saves a checkpoint there (0: none).
+    """
+
+    cache: list[tuple[int, int, int]] | None
+    cache_upto: int
+    release: list[int] | None
+    release_upto: int
+    touch: list[int] | None
+    need: int
+    checkpoint: int
+
+
+class StepOutputs:
+    """Accumulates the per-call outputs the coordinator turns into an AllocationResult."""
+
+    __slots__ = ("copies_after", "copies_before", "zero_before")
+
+    def __init__(self) -> None:
+        self.copies_before: list[StateCopy] = []
+        self.zero_before: list[StateSlot] = []
+        self.copies_after: list[StateCopy] = []
+
+
+class KindManager(ABC):
+    """Rules of one cache kind, bound to one group and its pool."""
+
+    kinds: ClassVar[tuple[CacheKind, ...]]
+    #: True when a hit of n tokens implies hits of every shorter aligned length.
+    prefix_closed: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        group: GroupPlan,
+        pool: BlockPool,
+        *,
+        hash_block_size: int,
+        alignment: int,
+        events: EventLog,
+    ) -> None:
+        g = group.group_id
+        self.group = group
+        self.group_id = g
+        self.spec = group.spec
+        self.block_size = group.block_size
+        #: Hash blocks per block: block j is named by ``hashes[(j + 1) * stride - 1]``.
+        self.stride = group.block_size // hash_block_size
+        #: Blocks per schedule-alignment step (hits are multiples of it).
+        self.align_blocks = alignment // group.block_size
+        self.alignment = alignment
+        self.hash_block_size = hash_block_size
+        self.pool = pool
+        self.events = events
+        self.refs = pool.refs[g]
+        self.block_hashes = pool.hashes[g]
+        self.map = pool.maps[g]
+        self._configure()
+
+    def _configure(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
+        """Hook for subclasses: read kind-specific fields of ``self.spec``."""
+
+    # -- prefix-cache hits --------------------------------------------------------------------
+    @abstractmethod
+    def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
+        """Largest ``L <= bound``, a multiple of the alignment, this group can serve (tokens).
+
+        ``hashes`` are the request's block hashes; ``bound`` a multiple of the alignment.
+        Reads the prefix cache only.
+        """
+
+    @abstractmethod
+    def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
+        """What this group holds for a hit of ``length`` tokens (which it must serve)."""
+
+    def hit_error(self, hashes: Sequence[int], length: int, blocks: Sequence[int]) -> str | None:
+        """Why ``blocks`` are not a valid hit of ``length`` tokens now (None when they are)."""
+        try:
+            expected = self.hit_blocks(hashes, length)
+        except (KeyError, IndexError):
+            return f"group {self.group_id} no longer caches a hit of {length} tokens"
+        if list(blocks) != expected:
+            return (
+                f"group {self.group_id}: blocks {list(blocks)[:8]}... are not the cached hit "
+                f"of {length} tokens"
+            )
+        return None
+
+    # -- allocation ---------------------------------------------------------------------------
+    def new_state(self) -> GroupState:
+        return GroupState()
+
+    @abstractmethod
+    def plan(
+        self,
+        st: GroupState | None,
+        request: Request,
+        computed: int,
+        num_computed: int,
+        step_end: int,
+        total: int,
+        hit: Sequence[int] | None,
+    ) -> StepPlan | None:
+        """Plan one allocation for this group (None: nothing to do).  Mutates nothing.
+
+        ``st`` is None for a request's first allocation; ``computed``: tokens computed by
+        earlier steps (``request.num_computed_tokens``); ``num_computed``: plus the hit;
+        ``step_end``: computed length after this step; ``total``: token slots needed,
+        lookahead included; ``hit``: this group's hit blocks (first allocation only).
+        """
+
+    def apply_release(
+        self, st: GroupState, plan: StepPlan, hit: Sequence[int] | None, request: Request
+    ) -> None:
+        """Phase 1: install a hit table, publish ``plan.cache``, release ``plan.release``."""
+        if hit:
+            st.table = list(hit)
+            st.num_cached = len(hit)
+        if plan.cache:
+            self._publish(plan.cache, request)
+        if plan.cache_upto > st.num_cached:
+            st.num_cached = plan.cache_upto
+        if plan.release_upto > st.released:
+            table = st.table
+            for j in range(st.released, min(plan.release_upto, len(table))):
+                table[j] = 0
+            st.released = plan.release_upto
+        if plan.release:
+            self.pool.release(self.group_id, plan.release)
+
+    def apply_touch(self, st: GroupState, plan: StepPlan) -> None:
+        """Phase 2: reference the hit blocks."""
+        if plan.touch:
+            self.pool.touch(self.group_id, plan.touch)
+
+    def apply_new(
+        self, st: GroupState, plan: StepPlan, new: list[int], out: StepOutputs
+    ) -> Sequence[int]:
+        """Phase 3: append freshly allocated blocks; returns the table's new entries."""
+        if new:
+            st.table.extend(new)
+        return new
+
+    def _publish(self, items: list[tuple[int, int, int]], request: Request) -> None:
+        pool, g = self.pool, self.group_id
+        for _, b, h in items:
+            pool.cache(g, b, h)
+        if self.events.enabled:
+            self._emit_stored(items, request.block_hashes)
+
+    def _emit_stored(self, items: list[tuple[int, int, int]], hashes: Sequence[int]) -> None:
+        """One BlockStored per run of consecutive table indices."""
+        run: list[Any] = []
+        first = prev = -2
+        for j, _, h in items:
+            if j != prev + 1 and run:
+                self._stored_event(first, run, hashes)
+                run = []
+            if not run:
+                first = j
+            run.append(h)
+            prev = j
+        if run:
+            self._stored_event(first, run, hashes)
+
+    def _stored_event(self, first: int, run: list[Any], hashes: Sequence[int]) -> None:
+        parent: Any = hashes[first * self.stride - 1] if first else None
+        self.events.stored(self.group_id, tuple(run), parent, self.block_size)
+
+    # -- free ---------------------------------------------------------------------------------
+    @abstractmethod
+    def release_all(self, st: GroupState, request: Request) -> None:
+        """Publish what is computed, then drop every reference ``st`` holds (tail first)."""
+
+    def protect(self, hashes: Sequence[int], marks: Sequence[int]) -> None:  # noqa: B027
+        """After a free: re-age the cached blocks a hit at each position in ``marks`` needs.
+
+        Windowed and state kinds act (full attention keeps every block until the free, so its
+        blocks are already recent): their blocks leave the request (and enter the LRU) long
+        before it ends, so without this the window or checkpoint at a shared prefix's end
+        would be evicted long before the prefix itself.  ``marks`` are the request's hit,
+        its junction and its computed end.
+        """
+
+    @abstractmethod
+    def held_blocks(self, st: GroupState) -> list[int]:
+        """Every block ``st`` references (one entry per reference)."""
+
+    def table(self, st: GroupState) -> list[int]:
+        """The block table the model runner uses for this group."""
+        return st.table
+
+    def check_request(self, st: GroupState, request: Request) -> None:
+        """Raise InvariantError when ``st`` is inconsistent with ``request``."""
+        if st.num_cached > len(st.table):
+            raise InvariantError(
+                f"group {self.group_id}, request {request.request_id}: num_cached "
+                f"{st.num_cached} > table length {len(st.table)}"
+            )
+        hashes = request.block_hashes
+        for j, b in enumerate(st.table[: st.num_cached]):
+            h = self.block_hashes[b] if b else None
+            if h is not None and h != hashes[(j + 1) * self.stride - 1]:
+                raise InvariantError(
+                    f"group {self.group_id}, request {request.request_id}: block {b} at "
+                    f"index {j} holds another prefix's hash"
+                )

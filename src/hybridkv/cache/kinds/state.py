@@ -1,0 +1,182 @@
+"""Recurrent-state kinds (Mamba1/2, gated DeltaNet, KDA, short conv): running state + checkpoints.
+
+One block of a state group is one state slot (every member layer's state tensors).  A request
+holds exactly one *running* slot, ``table == [running]``, that its steps read and overwrite.
+*Checkpoints* are separate slots holding the state after ``L`` tokens, cached under the hash
+of the block ending at ``L``; only boundaries that are multiples of the schedule alignment
+are checkpointed, since no hit can land anywhere else.
+
+Contract for the model runner, per ``allocate_slots`` result ``R`` of one step:
+
+1. before the step, for each ``StateSlot(g, b)`` in ``R.zero_before``: zero slot ``b`` (a
+   fresh request, or one resumed with no state hit);
+2. before the step, for each ``StateCopy(g, src, dst)`` in ``R.copies_before``: copy slot
+   ``src`` onto ``dst`` (restores a cached checkpoint into the running slot at the hit);
+3. run the step: state layers read and write the running slot ``get_block_ids(id)[g][0]``;
+4. after the step, for each ``StateCopy(g, src, dst)`` in ``R.copies_after``: copy ``src``
+   (running) onto ``dst`` (a checkpoint of the state after ``num_computed + num_new_tokens``
+   tokens, which is a block boundary).
+
+A checkpoint is published at the next ``allocate_slots`` / ``free`` / ``preempt`` of the
+request once ``request.num_computed_tokens`` has reached its boundary (else it is dropped), and
+becomes unreferenced and evictable.  The hit checkpoint stays referenced until that next call,
+so it cannot be evicted before the runner copied it.  Lookahead tokens allocate nothing here:
+the runner must not advance the running state past the step's ``num_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from hybridkv.cache.kinds.base import GroupState, KindManager, StepOutputs, StepPlan
+from hybridkv.cache.request import Request
+from hybridkv.cache.types import BlockId, StateCopy, StateSlot
+from hybridkv.errors import InvariantError
+from hybridkv.specs import CacheKind
+
+__all__ = ["StateManager"]
+
+
+class StateManager(KindManager):
+    """Running state per request, checkpoints at aligned block boundaries."""
+
+    kinds: ClassVar[tuple[CacheKind, ...]] = (CacheKind.STATE,)
+
+    def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
+        bs, k, ab, m = self.block_size, self.stride, self.align_blocks, self.map
+        j = bound // bs
+        j -= j % ab
+        while j > 0:
+            if hashes[j * k - 1] in m:
+                return j * bs
+            j -= ab
+        return 0
+
+    def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
+        if not length:
+            return []
+        return [self.map[hashes[(length // self.block_size) * self.stride - 1]]]
+
+    def _checkpoint_hash(self, request: Request, end: int) -> int | None:
+        """Hash of the block ending at token ``end``, or None when its tokens are unknown."""
+        idx = end // self.hash_block_size - 1
+        hashes = request.block_hashes
+        return hashes[idx] if 0 <= idx < len(hashes) else None
+
+    def _settle(
+        self, st: GroupState, request: Request, computed: int
+    ) -> tuple[list[tuple[int, int, int]] | None, list[int] | None]:
+        """What to publish and release of the pending checkpoint and hit source."""
+        cache = None
+        release: list[int] | None = None
+        if st.pending:
+            end = (st.pending_index + 1) * self.block_size
+            if computed >= end:
+                h = self._checkpoint_hash(request, end)
+                if h is not None and h not in self.map:
+                    cache = [(st.pending_index, st.pending, h)]
+            release = [st.pending]
+        if st.source:
+            release = [*release, st.source] if release else [st.source]
+        return cache, release
+
+    def plan(
+        self,
+        st: GroupState | None,
+        request: Request,
+        computed: int,
+        num_computed: int,
+        step_end: int,
+        total: int,
+        hit: Sequence[int] | None,
+    ) -> StepPlan | None:
+        cache = release = touch = None
+        need = 0
+        if st is None:
+            need = 1
+            if hit:
+                touch = list(hit)
+        elif st.pending or st.source:
+            cache, release = self._settle(st, request, computed)
+        checkpoint = 0
+        if step_end > num_computed and step_end % self.alignment == 0:
+            h = self._checkpoint_hash(request, step_end)
+            if h is not None and h not in self.map:
+                checkpoint = step_end // self.block_size
+                need += 1
+        if not (need or release):
+            return None
+        return StepPlan(cache, 0, release, 0, touch, need, checkpoint)
+
+    def apply_release(
+        self, st: GroupState, plan: StepPlan, hit: Sequence[int] | None, request: Request
+    ) -> None:
+        if plan.cache:
+            self._publish(plan.cache, request)
+        st.pending = st.source = 0
+        if plan.release:
+            self.pool.release(self.group_id, plan.release)
+
+    def apply_touch(self, st: GroupState, plan: StepPlan) -> None:
+        if plan.touch:
+            self.pool.touch(self.group_id, plan.touch)
+            st.source = plan.touch[0]
+
+    def apply_new(
+        self, st: GroupState, plan: StepPlan, new: list[int], out: StepOutputs
+    ) -> Sequence[int]:
+        g = self.group_id
+        added: Sequence[int] = ()
+        if not st.table:
+            running = new[0]
+            st.table = [running]
+            added = st.table
+            if st.source:
+                out.copies_before.append(StateCopy(g, BlockId(st.source), BlockId(running)))
+            else:
+                out.zero_before.append(StateSlot(g, BlockId(running)))
+        if plan.checkpoint:
+            st.pending = new[-1]
+            st.pending_index = plan.checkpoint - 1
+            out.copies_after.append(StateCopy(g, BlockId(st.table[0]), BlockId(st.pending)))
+        return added
+
+    def release_all(self, st: GroupState, request: Request) -> None:
+        cache, release = self._settle(st, request, request.num_computed_tokens)
+        if cache:
+            self._publish(cache, request)
+        blocks = list(st.table)
+        if release:
+            blocks += release
+        if blocks:
+            self.pool.release(self.group_id, blocks)
+        st.table = []
+        st.pending = st.source = 0
+
+    def protect(self, hashes: Sequence[int], marks: Sequence[int]) -> None:
+        hb, m = self.hash_block_size, self.map
+        blocks = []
+        for mark in marks:
+            idx = mark // hb - 1
+            if mark % self.alignment == 0 and 0 <= idx < len(hashes):
+                b = m.get(hashes[idx])
+                if b is not None:
+                    blocks.append(b)
+        if blocks:
+            self.pool.refresh(self.group_id, blocks)
+
+    def held_blocks(self, st: GroupState) -> list[int]:
+        return [b for b in (*st.table, st.pending, st.source) if b]
+
+    def check_request(self, st: GroupState, request: Request) -> None:
+        where = f"group {self.group_id}, request {request.request_id}"
+        if len(st.table) > 1 or (st.table and not st.table[0]):
+            raise InvariantError(f"{where}: state table {st.table} is not one running slot")
+        if (st.pending or st.source) and not st.table:
+            raise InvariantError(f"{where}: checkpoint held without a running slot")
+        held = self.held_blocks(st)
+        if len(set(held)) != len(held):
+            raise InvariantError(f"{where}: one slot used twice: {held}")
+        if st.pending and self.block_hashes[st.pending] is not None:
+            raise InvariantError(f"{where}: pending checkpoint {st.pending} is already cached")

@@ -1,0 +1,349 @@
+"""The public cache manager: what an engine's scheduler calls.
+
+Shaped like vLLM v1's ``KVCacheManager``, generalised to any number of groups::
+
+    mgr = KVCacheManager(layout)
+    req = mgr.make_request("r0", prompt_token_ids)
+    hit = mgr.get_computed_blocks(req)                      # reads only
+    res = mgr.allocate_slots(req, req.num_tokens - hit.num_computed_tokens,
+                             num_new_computed_tokens=hit.num_computed_tokens,
+                             new_computed_blocks=hit)       # None: not enough blocks
+    # ... run the step (see hybridkv.cache.kinds.state for state copies), then:
+    req.num_computed_tokens += hit.num_computed_tokens + num_new_tokens
+    req.append_token_ids([sampled])
+    res = mgr.allocate_slots(req, 1)                        # decode
+    mgr.free(req.request_id)                                # finished
+
+Request lifecycle: a :class:`Request` is *known* from its first successful
+``allocate_slots`` until ``free``.  ``preempt`` drops its blocks (publishing what is computed)
+and resets ``num_computed_tokens`` to 0; it may then be admitted again from
+``get_computed_blocks``.  ``free`` marks it finished for good.
+
+Every call that raises leaves all state unchanged; ``allocate_slots`` returning None also
+changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridkv.cache.coordinator import HybridCoordinator
+from hybridkv.cache.errors import (
+    DuplicateRequestError,
+    FinishedRequestError,
+    LayoutMismatchError,
+    RequestLengthError,
+    StaleComputedBlocksError,
+    UnknownRequestError,
+)
+from hybridkv.cache.events import EventLog, KVEvent
+from hybridkv.cache.hashing import BlockHasher, make_hasher
+from hybridkv.cache.pool_base import BlockPool
+from hybridkv.cache.request import MultiModalItem, Request
+from hybridkv.cache.stats import PrefixCacheStats, StatsCollector
+from hybridkv.cache.types import AllocationResult, ComputedBlocks
+from hybridkv.errors import InvariantError, RequestError
+from hybridkv.plan.layout import MemoryLayout
+
+__all__ = ["KVCacheManager"]
+
+
+def _count(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RequestLengthError(f"{name}: must be an integer >= 0, got {value!r}")
+    return value
+
+
+class KVCacheManager:
+    """Block bookkeeping and prefix caching for every group of a :class:`MemoryLayout`.
+
+    ``hasher``: a :class:`BlockHasher` or a name (``"sha256"`` default, ``"builtin"``).
+    ``enable_kv_events``: record :mod:`hybridkv.cache.events` for :meth:`take_events`.
+    ``max_model_len``: slots are never allocated past it (lookahead is clipped).
+    ``arena_eviction``: ``"chunk_lru"`` (default) or ``"own_first"`` for arena layouts (see
+    :mod:`hybridkv.cache.pool_arena`).
+    """
+
+    def __init__(
+        self,
+        layout: MemoryLayout,
+        *,
+        hasher: BlockHasher | str = "sha256",
+        enable_kv_events: bool = False,
+        max_model_len: int | None = None,
+        arena_eviction: str = "chunk_lru",
+    ) -> None:
+        if not isinstance(layout, MemoryLayout):
+            raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
+        if max_model_len is not None:
+            _count("max_model_len", max_model_len)
+        self.layout = layout
+        self.hasher = make_hasher(hasher) if isinstance(hasher, str) else hasher
+        self.max_model_len = max_model_len
+        self._events = EventLog(enabled=enable_kv_events)
+        self._coord = HybridCoordinator(
+            layout, events=self._events, max_model_len=max_model_len, arena_eviction=arena_eviction
+        )
+        self._stats = StatsCollector(len(layout.groups))
+        self._known: dict[str, Request] = {}
+        self.hash_block_size = layout.hash_block_size
+        self.schedule_alignment = layout.schedule_alignment
+        self.num_groups = len(layout.groups)
+
+    # -- requests ---------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | tuple[int, ...],
+        *,
+        lora_id: int | str | None = None,
+        cache_salt: str | None = None,
+        mm_items: tuple[MultiModalItem, ...] = (),
+    ) -> Request:
+        """A :class:`Request` hashed the way this manager expects (nothing is allocated)."""
+        return Request(
+            request_id,
+            prompt_token_ids,
+            hash_block_size=self.hash_block_size,
+            hasher=self.hasher,
+            lora_id=lora_id,
+            cache_salt=cache_salt,
+            mm_items=mm_items,
+        )
+
+    def _check_request(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise RequestError(f"request: expected a Request, got {type(request).__name__}")
+        rid = request.request_id
+        if request.is_finished:
+            raise FinishedRequestError(f"request {rid!r} was freed (finished); make a new one")
+        if request.hash_block_size != self.hash_block_size:
+            raise LayoutMismatchError(
+                f"request {rid!r}: hash_block_size {request.hash_block_size} differs from the "
+                f"layout's {self.hash_block_size}; build requests with make_request()"
+            )
+        if request.hasher is not self.hasher and request.hasher != self.hasher:
+            raise LayoutMismatchError(
+                f"request {rid!r}: hashed with {request.hasher!r}, the manager uses "
+                f"{self.hasher!r}; build requests with make_request()"
+            )
+        known = self._known.get(rid)
+        if known is not None and known is not request:
+            raise DuplicateRequestError(f"request id {rid!r} already names another Request")
+
+    # -- the scheduler's calls --------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest prefix-cache hit for ``request``'s tokens.
+
+        Mutates no ref count or cache (only the statistics count the query).  The hit is a
+        multiple of ``schedule_alignment`` and below ``request.num_tokens``.  Raises
+        :class:`RequestError` subclasses for a finished or mismatched request.
+        """
+        self._check_request(request)
+        hit = self._coord.find_hit(request)
+        self._stats.record_query(request.num_tokens, hit.length, hit.alone)
+        return ComputedBlocks(self._coord.hit_blocks(request, hit.length), hit.length, hit.junction)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        *,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: ComputedBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> AllocationResult | None:
+        """Reserve slots for a step computing ``num_new_tokens`` more tokens of ``request``.
+
+        Slots cover ``request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        + num_lookahead_tokens`` tokens (lookahead: speculative draft positions).  On a
+        request's first allocation, ``new_computed_blocks`` (from :meth:`get_computed_blocks`,
+        with ``num_new_computed_tokens`` equal to its ``num_computed_tokens``) is taken as the
+        cached prefix.  Windowed kinds release blocks no future query can see before new ones
+        are taken; computed blocks are published to the prefix cache.
+
+        Returns None, changing nothing, when the blocks do not fit.  Raises (changing nothing)
+        :class:`RequestLengthError` for counts that do not match the request,
+        :class:`FinishedRequestError`, :class:`LayoutMismatchError`,
+        :class:`StaleComputedBlocksError` or :class:`DuplicateRequestError`.
+        """
+        _count("num_new_tokens", num_new_tokens)
+        _count("num_new_computed_tokens", num_new_computed_tokens)
+        _count("num_lookahead_tokens", num_lookahead_tokens)
+        self._check_request(request)
+        rid = request.request_id
+        coord = self._coord
+        rs = coord.requests.get(rid)
+        computed = request.num_computed_tokens
+        hit: tuple[tuple[int, ...], ...] | None = None
+        if rs is None:
+            if computed:
+                raise RequestLengthError(
+                    f"request {rid!r}: num_computed_tokens is {computed} but it holds no blocks "
+                    "(new or preempted requests start from 0)"
+                )
+            hit = self._check_hit(request, num_new_computed_tokens, new_computed_blocks)
+        else:
+            if num_new_computed_tokens or (
+                new_computed_blocks is not None and new_computed_blocks.num_computed_tokens
+            ):
+                raise RequestLengthError(
+                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens}; cache "
+                    "hits are only taken on a request's first allocation"
+                )
+            if not rs.min_computed <= computed <= rs.num_slots:
+                raise RequestLengthError(
+                    f"request {rid!r}: num_computed_tokens {computed} must lie in "
+                    f"[{rs.min_computed}, {rs.num_slots}] (last allocation's start, its slots)"
+                )
+        end = computed + num_new_computed_tokens + num_new_tokens
+        if end > request.num_tokens:
+            raise RequestLengthError(
+                f"request {rid!r}: num_computed_tokens {computed} + num_new_computed_tokens "
+                f"{num_new_computed_tokens} + num_new_tokens {num_new_tokens} = {end} exceeds "
+                f"its {request.num_tokens} tokens"
+            )
+        if self.max_model_len is not None and end > self.max_model_len:
+            raise RequestLengthError(
+                f"request {rid!r}: {end} tokens exceed max_model_len {self.max_model_len}"
+            )
+        junction = new_computed_blocks.junction_tokens if new_computed_blocks else 0
+        result = coord.allocate(
+            rs,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+            junction,
+        )
+        if result is not None and rs is None:
+            self._known[rid] = request
+        return result
+
+    def _check_hit(
+        self, request: Request, length: int, blocks: ComputedBlocks | None
+    ) -> tuple[tuple[int, ...], ...] | None:
+        rid = request.request_id
+        if blocks is None:
+            if length:
+                raise RequestLengthError(
+                    f"request {rid!r}: num_new_computed_tokens={length} needs the "
+                    "new_computed_blocks get_computed_blocks returned"
+                )
+            return None
+        if blocks.num_computed_tokens != length:
+            raise RequestLengthError(
+                f"request {rid!r}: num_new_computed_tokens={length} but new_computed_blocks "
+                f"covers {blocks.num_computed_tokens} tokens"
+            )
+        if not length:
+            return None
+        if len(blocks.blocks) != self.num_groups:
+            raise LayoutMismatchError(
+                f"request {rid!r}: new_computed_blocks has {len(blocks.blocks)} groups, the "
+                f"layout {self.num_groups}"
+            )
+        if length % self.schedule_alignment or length >= request.num_tokens:
+            raise RequestLengthError(
+                f"request {rid!r}: a hit of {length} tokens must be a multiple of "
+                f"{self.schedule_alignment} below the request's {request.num_tokens} tokens"
+            )
+        hashes = request.block_hashes
+        for m, group_blocks in zip(self._coord.managers, blocks.blocks, strict=True):
+            err = m.hit_error(hashes, length, group_blocks)
+            if err is not None:
+                raise StaleComputedBlocksError(f"request {rid!r}: {err}")
+        return blocks.blocks
+
+    def free(self, request_id: str) -> None:
+        """Finish ``request_id``: publish its computed blocks, drop its references, mark the
+        Request finished.  Raises :class:`UnknownRequestError` for an id with no allocation."""
+        rs = self._coord.release(request_id)
+        request = rs.request if rs is not None else self._known.get(request_id)
+        if request is None:
+            raise UnknownRequestError(f"free: no allocated request has id {request_id!r}")
+        del self._known[request_id]
+        request.is_finished = True
+
+    def preempt(self, request_id: str) -> None:
+        """Drop every block of ``request_id`` (publishing computed ones) and set its
+        ``num_computed_tokens`` to 0 so it can be admitted again.  Raises
+        :class:`UnknownRequestError` when it holds no blocks."""
+        rs = self._coord.release(request_id)
+        if rs is None:
+            raise UnknownRequestError(f"preempt: request {request_id!r} holds no blocks")
+        rs.request.num_computed_tokens = 0
+        self._stats.record_preemption()
+
+    # -- queries ------------------------------------------------------------------------------
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Per group, a copy of the request's block table (state groups: ``[running slot]``)."""
+        rs = self._coord.requests.get(request_id)
+        if rs is not None:
+            return self._coord.block_ids(rs)
+        if request_id in self._known:
+            return tuple([] for _ in range(self.num_groups))
+        raise UnknownRequestError(f"get_block_ids: no allocated request has id {request_id!r}")
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool (read-only use: ref counts, hashes, chunk owners for storage)."""
+        return self._coord.pool
+
+    def has_blocks(self, request_id: str) -> bool:
+        """True while ``request_id`` holds blocks (allocated, not freed or preempted)."""
+        return request_id in self._coord.requests
+
+    @property
+    def usage(self) -> float:
+        """Fraction of allocatable memory held by referenced blocks (0.0 .. 1.0)."""
+        return self._coord.pool.usage
+
+    @property
+    def num_free_blocks(self) -> tuple[int, ...]:
+        """Per group, blocks it alone could take now (free, evictable or in free chunks)."""
+        pool = self._coord.pool
+        return tuple(pool.num_free(g) for g in range(self.num_groups))
+
+    def is_allocated(self, group_id: int, block_id: int) -> bool:
+        """True iff block ``block_id`` of group ``group_id`` is referenced by some request."""
+        return self._coord.pool.is_allocated(group_id, block_id)
+
+    def chunk_owner(self, chunk: int) -> int | None:
+        """Arena layouts: the group holding ``chunk``, None when free."""
+        return self._coord.pool.chunk_owner(chunk)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix.  Only while no request holds blocks; returns False
+        (changing nothing) otherwise.  Emits AllBlocksCleared."""
+        ok = self._coord.reset_prefix_cache()
+        if ok:
+            self._stats.record_reset()
+        return ok
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """Prefix-cache statistics since the manager was built."""
+        return self._stats.total()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache statistics since the previous call (starts a new interval)."""
+        return self._stats.take()
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the KV events recorded since the last call (empty when events are off)."""
+        return self._events.take()
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` if any structure is inconsistent (a hybridkv bug)."""
+        self._coord.check_invariants()
+        for rid in self._coord.requests:
+            request = self._known.get(rid)
+            if request is None or request.is_finished:
+                raise InvariantError(f"request {rid!r} holds blocks but is not known and live")
+
+    def snapshot(self) -> Any:
+        """A deep, comparable copy of all state (a testing aid for atomicity checks)."""
+        known = sorted((rid, r.num_computed_tokens) for rid, r in self._known.items())
+        return (self._coord.snapshot(), known, self._stats.total())

@@ -1,0 +1,313 @@
+"""The block-pool contract every strategy implements, and the free-list pool it builds on.
+
+A pool hands out block ids per group, keeps a reference count per block, and keeps each
+group's prefix cache: a ``hash -> block`` map plus the hash each cached block holds.  Blocks
+with no references are *free*; a free block that still holds a hash is *cached* and can be
+revived by a hit (:meth:`BlockPool.touch`) until it is evicted to serve an allocation.
+
+Free blocks wait in two queues: uncached ones in a LIFO (reused first, so recently freed
+memory is recycled before cached data is evicted) and cached ones in an LRU (the least
+recently freed is evicted first).  A request frees its blocks in reverse order, so its tail
+enters the LRU first and is evicted before its prefix.  All queue operations are O(1)
+(``dict`` / ``OrderedDict``).
+
+Hot-path access: managers read ``refs[g]``, ``hashes[g]`` and ``maps[g]`` directly (the lists
+and dicts group ``g`` indexes); only the pool mutates them.  The null block (id 0) is never
+allocated, counted or queued.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from hybridkv.cache.events import EventLog
+from hybridkv.errors import InvariantError
+from hybridkv.plan.layout import NULL_BLOCK_ID, MemoryLayout, Strategy
+
+__all__ = ["BlockPool", "FreeListPool"]
+
+#: Per-group optional lists handed to :meth:`BlockPool.fits` (``None`` = nothing).
+GroupLists = Sequence[Sequence[int] | None]
+
+
+class BlockPool(ABC):
+    """Blocks of every group of one layout.
+
+    Mutating calls assume the caller checked feasibility with :meth:`fits`; they raise
+    :class:`InvariantError` only on a bookkeeping bug.
+    """
+
+    strategy: ClassVar[Strategy]
+    #: Whether :meth:`fits` reads its ``cached`` argument (callers may pass Nones otherwise).
+    reads_cached_hint: ClassVar[bool] = False
+
+    refs: list[list[int]]
+    hashes: list[list[int | None]]
+    maps: list[dict[int, int]]
+
+    def __init__(self, layout: MemoryLayout, events: EventLog) -> None:
+        if layout.strategy is not self.strategy:
+            raise InvariantError(f"{type(self).__name__} built for a {layout.strategy} layout")
+        self.layout = layout
+        self.events = events
+        self.num_groups = len(layout.groups)
+
+    # -- mutation ---------------------------------------------------------------------------
+    @abstractmethod
+    def allocate(self, group_id: int, n: int) -> list[int]:
+        """Take ``n`` free blocks for ``group_id`` (ref count 1 each), evicting if needed."""
+
+    @abstractmethod
+    def touch(self, group_id: int, blocks: Sequence[int]) -> None:
+        """Add one reference to each (cached) block; a free one leaves the free queues."""
+
+    @abstractmethod
+    def release(self, group_id: int, blocks: Sequence[int]) -> None:
+        """Drop one reference from each block, in order; at zero it joins the free queues."""
+
+    @abstractmethod
+    def refresh(self, group_id: int, blocks: Sequence[int]) -> None:
+        """Move each unreferenced cached block to the most-recently-used end of eviction."""
+
+    def cache(self, group_id: int, block: int, block_hash: int) -> None:
+        """Publish a referenced, uncached block under ``block_hash`` (which must be unmapped)."""
+        self.maps[group_id][block_hash] = block
+        self.hashes[group_id][block] = block_hash
+
+    @abstractmethod
+    def reset_cache(self) -> bool:
+        """Drop every cached hash if no block is referenced; False (no change) otherwise."""
+
+    # -- queries ----------------------------------------------------------------------------
+    @abstractmethod
+    def fits(
+        self,
+        cached: Sequence[set[int] | None],
+        releases: GroupLists,
+        touches: GroupLists,
+        needs: Sequence[int],
+    ) -> bool:
+        """Whether one call can, in this order, release ``releases[g]`` (after caching the
+        blocks in ``cached[g]``), touch ``touches[g]`` for every group, then allocate
+        ``needs[g]`` blocks per group in group order.  Exact: True iff those calls succeed.
+        Mutates nothing."""
+
+    @abstractmethod
+    def num_free(self, group_id: int) -> int:
+        """Blocks ``group_id`` alone could allocate now (free, evictable, or in free chunks)."""
+
+    @property
+    @abstractmethod
+    def usage(self) -> float:
+        """Referenced bytes / allocatable bytes (the null block and chunk 0 excluded)."""
+
+    def num_used(self, group_id: int) -> int:
+        """Blocks of ``group_id`` with a reference."""
+        return sum(1 for r in self.refs[group_id] if r)
+
+    def is_allocated(self, group_id: int, block_id: int) -> bool:
+        """True iff ``block_id`` of ``group_id`` is referenced by some request."""
+        refs = self.refs[group_id]
+        return 0 < block_id < len(refs) and refs[block_id] > 0
+
+    def chunk_owner(self, chunk: int) -> int | None:
+        """Arena only: the group holding ``chunk`` (None when free)."""
+        raise InvariantError(f"chunk_owner: the {self.strategy} strategy has no chunks")
+
+    @abstractmethod
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` on any inconsistency of the pool's own structures."""
+
+    @abstractmethod
+    def snapshot(self) -> Any:
+        """A deep, comparable copy of every structure (for atomicity tests)."""
+
+
+class FreeListPool:
+    """``num_blocks`` blocks shared by ``group_ids``; a block belongs to one group at a time.
+
+    The building block of the ``uniform`` strategy (one instance for all groups) and the
+    ``pools`` strategy (one instance per group).  ``owner[b]`` is the group whose table or
+    prefix cache holds block ``b`` (-1 for an uncached free block).
+    """
+
+    __slots__ = (
+        "events",
+        "free_cached",
+        "free_uncached",
+        "group_ids",
+        "hashes",
+        "maps",
+        "num_blocks",
+        "num_used",
+        "owner",
+        "refs",
+    )
+
+    def __init__(self, num_blocks: int, group_ids: Sequence[int], events: EventLog) -> None:
+        self.num_blocks = num_blocks
+        self.group_ids = tuple(group_ids)
+        self.events = events
+        self.refs = [0] * num_blocks
+        self.hashes: list[int | None] = [None] * num_blocks
+        self.owner = [-1] * num_blocks
+        self.maps: dict[int, dict[int, int]] = {g: {} for g in self.group_ids}
+        # LIFO: popitem() takes the last inserted; inserted high to low so 1 comes out first.
+        self.free_uncached: dict[int, None] = dict.fromkeys(range(num_blocks - 1, 0, -1))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
+        self.num_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_uncached) + len(self.free_cached)
+
+    def allocate(self, group_id: int, n: int) -> list[int]:
+        refs, owner = self.refs, self.owner
+        fu = self.free_uncached
+        out: list[int] = []
+        take = min(n, len(fu))
+        for _ in range(take):
+            b = fu.popitem()[0]
+            refs[b] = 1
+            owner[b] = group_id
+            out.append(b)
+        if take < n:
+            self._allocate_evicting(group_id, n - take, out)
+        self.num_used += n
+        return out
+
+    def _allocate_evicting(self, group_id: int, n: int, out: list[int]) -> None:
+        fc, refs, owner, hashes, maps = (
+            self.free_cached,
+            self.refs,
+            self.owner,
+            self.hashes,
+            self.maps,
+        )
+        if n > len(fc):
+            raise InvariantError(f"FreeListPool.allocate: {n} blocks wanted, {len(fc)} evictable")
+        evicted: list[tuple[int, int]] = []
+        for _ in range(n):
+            b = fc.popitem(last=False)[0]
+            h = hashes[b]
+            assert h is not None
+            old = owner[b]
+            del maps[old][h]
+            hashes[b] = None
+            evicted.append((old, h))
+            refs[b] = 1
+            owner[b] = group_id
+            out.append(b)
+        if self.events.enabled:
+            for old, h in evicted:
+                self.events.removed(old, (h,))  # type: ignore[arg-type]
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        refs, fc = self.refs, self.free_cached
+        for b in blocks:
+            r = refs[b]
+            if not r:
+                del fc[b]
+                self.num_used += 1
+            refs[b] = r + 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        refs, hashes = self.refs, self.hashes
+        fu, fc = self.free_uncached, self.free_cached
+        for b in blocks:
+            r = refs[b] - 1
+            refs[b] = r
+            if r:
+                continue
+            self.num_used -= 1
+            if hashes[b] is None:
+                self.owner[b] = -1
+                fu[b] = None
+            else:
+                fc[b] = None
+
+    def refresh(self, blocks: Sequence[int]) -> None:
+        refs, fc = self.refs, self.free_cached
+        for b in blocks:
+            if not refs[b] and b in fc:
+                fc.move_to_end(b)
+
+    def free_delta(self, releases: Sequence[int] | None, touches: Sequence[int] | None) -> int:
+        """Change of the free count if ``releases`` then ``touches`` were applied."""
+        refs = self.refs
+        delta = 0
+        if releases:
+            for b in releases:
+                if refs[b] == 1:
+                    delta += 1
+        if touches:
+            for b in touches:
+                if not refs[b]:
+                    delta -= 1
+        return delta
+
+    def reset_cache(self) -> bool:
+        if self.num_used:
+            return False
+        # In place: managers hold references to these lists and dicts.
+        self.hashes[:] = [None] * self.num_blocks
+        self.owner[:] = [-1] * self.num_blocks
+        for m in self.maps.values():
+            m.clear()
+        self.free_uncached.clear()
+        self.free_uncached.update(dict.fromkeys(range(self.num_blocks - 1, 0, -1)))
+        self.free_cached.clear()
+        return True
+
+    def check_invariants(self) -> None:
+        refs, hashes, owner = self.refs, self.hashes, self.owner
+        fu, fc = self.free_uncached, self.free_cached
+        if refs[NULL_BLOCK_ID] or hashes[NULL_BLOCK_ID] is not None:
+            raise InvariantError("null block has a reference count or a hash")
+        if NULL_BLOCK_ID in fu or NULL_BLOCK_ID in fc:
+            raise InvariantError("null block is in a free queue")
+        used = 0
+        for b in range(1, self.num_blocks):
+            r = refs[b]
+            if r < 0:
+                raise InvariantError(f"block {b} has ref count {r}")
+            in_fu, in_fc = b in fu, b in fc
+            if r:
+                used += 1
+                if in_fu or in_fc:
+                    raise InvariantError(f"block {b} has {r} references but is in a free queue")
+                if owner[b] not in self.maps:
+                    raise InvariantError(f"referenced block {b} has owner {owner[b]}")
+            elif in_fu == in_fc:
+                raise InvariantError(f"free block {b} is in {int(in_fu) + int(in_fc)} free queues")
+            elif in_fu and (hashes[b] is not None or owner[b] != -1):
+                raise InvariantError(f"block {b} is in the uncached queue but holds a hash")
+            elif in_fc and hashes[b] is None:
+                raise InvariantError(f"block {b} is in the cached LRU but holds no hash")
+            h = hashes[b]
+            if h is not None and self.maps.get(owner[b], {}).get(h) != b:
+                raise InvariantError(f"block {b} holds hash {h:#x} but group map disagrees")
+        if used != self.num_used:
+            raise InvariantError(f"num_used {self.num_used} != {used} referenced blocks")
+        mapped = 0
+        for g, m in self.maps.items():
+            for h, b in m.items():
+                if hashes[b] != h or owner[b] != g:
+                    raise InvariantError(f"group {g} maps hash {h:#x} to block {b} that lacks it")
+            mapped += len(m)
+        if mapped != sum(1 for h in hashes if h is not None):
+            raise InvariantError("cached blocks and hash-map entries differ in number")
+
+    def snapshot(self) -> Any:
+        return (
+            list(self.refs),
+            list(self.hashes),
+            list(self.owner),
+            {g: list(m.items()) for g, m in self.maps.items()},
+            list(self.free_uncached),
+            list(self.free_cached),
+            self.num_used,
+        )

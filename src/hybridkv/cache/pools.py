@@ -1,0 +1,31 @@
+"""Block pools by strategy: the registry :func:`make_block_pool` dispatches on."""
+
+from __future__ import annotations
+
+from hybridkv.cache.events import EventLog
+from hybridkv.cache.pool_arena import ArenaPool
+from hybridkv.cache.pool_base import BlockPool
+from hybridkv.cache.pool_shared import PerGroupPools, UniformPool
+from hybridkv.plan.layout import MemoryLayout, Strategy
+
+__all__ = ["POOL_CLASSES", "make_block_pool"]
+
+#: Pool class per layout strategy.
+POOL_CLASSES: dict[Strategy, type[BlockPool]] = {
+    Strategy.ARENA: ArenaPool,
+    Strategy.UNIFORM: UniformPool,
+    Strategy.POOLS: PerGroupPools,
+}
+
+
+def make_block_pool(
+    layout: MemoryLayout, events: EventLog, *, arena_eviction: str = "chunk_lru"
+) -> BlockPool:
+    """The pool for ``layout.strategy``, with every block free and nothing cached.
+
+    ``arena_eviction`` picks the arena's policy (see :mod:`hybridkv.cache.pool_arena`);
+    other strategies ignore it.  Raises PlanError for an unknown policy.
+    """
+    if layout.strategy is Strategy.ARENA:
+        return ArenaPool(layout, events, eviction=arena_eviction)
+    return POOL_CLASSES[layout.strategy](layout, events)

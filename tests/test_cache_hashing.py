@@ -1,0 +1,144 @@
+"""Chained block hashes and the Request object: reproducibility, extra keys, incremental growth."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as hst
+
+from hybridkv.cache import (
+    BuiltinHasher,
+    HasherError,
+    MultiModalItem,
+    Request,
+    Sha256Hasher,
+    make_hasher,
+)
+from hybridkv.cache.errors import RequestLengthError
+from hybridkv.cache.request import block_extra_keys
+from hybridkv.errors import RequestError
+
+_SNIPPET = (
+    "from hybridkv.cache import Request, make_hasher;"
+    "r = Request('x', list(range(40)), hash_block_size=8, hasher=make_hasher('{name}'),"
+    " lora_id='a', cache_salt='s', mm_items=[('img', 3, 9)]);"
+    "print(r.block_hashes)"
+)
+
+
+@pytest.mark.parametrize("name", ["sha256", "builtin"])
+def test_hashes_are_identical_across_processes(name: str) -> None:
+    outs = set()
+    for seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        proc = subprocess.run(
+            [sys.executable, "-c", _SNIPPET.format(name=name)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        outs.add(proc.stdout)
+    here = Request(
+        "x",
+        range(40),
+        hash_block_size=8,
+        hasher=make_hasher(name),
+        lora_id="a",
+        cache_salt="s",
+        mm_items=[MultiModalItem("img", 3, 9)],
+    )
+    assert outs == {f"{here.block_hashes}\n"}
+
+
+def test_sha256_known_value_and_chaining() -> None:
+    h = Sha256Hasher()
+    first = h.hash_block(None, [1, 2, 3, 4], ())
+    assert first == h.hash_block(None, (1, 2, 3, 4), ())
+    assert first.bit_length() <= 256
+    assert h.hash_block(first, [5, 6, 7, 8], ()) != h.hash_block(None, [5, 6, 7, 8], ())
+    assert Sha256Hasher(seed=1).hash_block(None, [1, 2, 3, 4], ()) != first
+    assert h.hash_block(None, [1, 2, 3, 4], (1, 9)) != first
+    assert BuiltinHasher().hash_block(None, [1, 2, 3, 4], ()) < 2**64
+
+
+def test_make_hasher_rejects_unknown_names_and_seeds() -> None:
+    with pytest.raises(HasherError, match="valid: sha256, builtin"):
+        make_hasher("md5")
+    with pytest.raises(HasherError, match="seed"):
+        Sha256Hasher(seed=-1)
+    assert make_hasher("builtin", 3) == BuiltinHasher(3) != BuiltinHasher(4)
+    assert Sha256Hasher(3) != BuiltinHasher(3)
+
+
+def test_request_hashes_full_blocks_only_and_extends_incrementally() -> None:
+    r = Request("a", range(10), hash_block_size=4)
+    assert len(r.block_hashes) == 2 and r.num_tokens == 10 and r.num_prompt_tokens == 10
+    r.append_token_ids([10, 11])
+    assert len(r.block_hashes) == 3
+    whole = Request("b", range(12), hash_block_size=4)
+    assert r.block_hashes == whole.block_hashes
+    assert r.token_ids == list(range(12))
+
+
+@given(
+    tokens=hst.lists(hst.integers(0, 50), min_size=1, max_size=40),
+    cuts=hst.lists(hst.integers(1, 7), max_size=8),
+    block=hst.sampled_from([1, 2, 4, 8]),
+)
+def test_incremental_hashing_equals_batch(tokens: list[int], cuts: list[int], block: int) -> None:
+    grown = Request("g", tokens[:1], hash_block_size=block, hasher=BuiltinHasher())
+    pos = 1
+    for c in cuts:
+        grown.append_token_ids(tokens[pos : pos + c])
+        pos += c
+    grown.append_token_ids(tokens[pos:])
+    batch = Request("b", tokens, hash_block_size=block, hasher=BuiltinHasher())
+    assert grown.block_hashes == batch.block_hashes
+    assert len(batch.block_hashes) == len(tokens) // block
+
+
+def test_extra_keys_salt_first_block_lora_every_block_mm_overlapping() -> None:
+    keys = [block_extra_keys(i, 4, lora_code=5, salt_code=9, mm=[(77, 6, 3)]) for i in range(4)]
+    assert keys[0] == (1, 5, 2, 9)  # LoRA, salt
+    assert keys[1] == (1, 5, 3, 77, -2)  # item [6, 9) overlaps block [4, 8): block starts 2 early
+    assert keys[2] == (1, 5, 3, 77, 2)  # block [8, 12) starts 2 tokens into the item
+    assert keys[3] == (1, 5)
+
+
+def test_salt_lora_and_images_change_hashes_from_where_they_apply() -> None:
+    plain = Request("p", range(16), hash_block_size=4).block_hashes
+    salted = Request("s", range(16), hash_block_size=4, cache_salt="x").block_hashes
+    assert all(a != b for a, b in zip(plain, salted, strict=True))  # chained from block 0
+    image = Request("i", range(16), hash_block_size=4, mm_items=[MultiModalItem("cat", 9, 2)])
+    other = Request("j", range(16), hash_block_size=4, mm_items=[MultiModalItem("dog", 9, 2)])
+    assert image.block_hashes[:2] == plain[:2] == other.block_hashes[:2]
+    assert image.block_hashes[2] != other.block_hashes[2] != plain[2]
+    lora = Request("l", range(16), hash_block_size=4, lora_id=3).block_hashes
+    assert (
+        lora[0] != plain[0]
+        and lora != Request("m", range(16), hash_block_size=4, lora_id="3").block_hashes
+    )
+
+
+def test_request_validation() -> None:
+    with pytest.raises(RequestError, match="request_id"):
+        Request("", [1], hash_block_size=4)
+    with pytest.raises(RequestLengthError, match="must not be empty"):
+        Request("a", [], hash_block_size=4)
+    with pytest.raises(RequestError, match=">= 0, got -3"):
+        Request("a", [1, -3], hash_block_size=4)
+    with pytest.raises(RequestError, match="integers"):
+        Request("a", [1, 2.5], hash_block_size=4)  # type: ignore[list-item]
+    with pytest.raises(RequestError, match="hash_block_size"):
+        Request("a", [1], hash_block_size=0)
+    with pytest.raises(RequestLengthError, match=r"spans \[2, 12\) but the prompt has 4"):
+        Request("a", [1, 2, 3, 4], hash_block_size=4, mm_items=[MultiModalItem("x", 2, 10)])
+    r = Request("a", [1, 2], hash_block_size=4)
+    with pytest.raises(RequestError):
+        r.append_token_ids([2**63])
+    assert r.token_ids == [1, 2]

@@ -1,0 +1,205 @@
+"""Block pools: allocation order, LRU eviction, arena chunks, and exact feasibility checks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as hst
+
+from hybridkv.cache.events import BlockRemoved, EventLog
+from hybridkv.cache.pool_arena import ArenaPool
+from hybridkv.cache.pool_base import BlockPool
+from hybridkv.cache.pools import make_block_pool
+from hybridkv.errors import InvariantError, PlanError
+from test_cache_factories import (
+    STRATEGIES,
+    arena,
+    eviction_for,
+    full,
+    groups,
+    layout_for,
+    pools,
+    spec_items,
+    state,
+    uniform,
+)
+
+
+def test_uniform_reuses_uncached_first_then_evicts_least_recent() -> None:
+    pool = make_block_pool(uniform(groups(full(), full()), 8), EventLog(enabled=True))
+    assert pool.allocate(0, 3) == [1, 2, 3]
+    assert pool.allocate(1, 2) == [4, 5]
+    pool.cache(0, 1, 101)
+    pool.cache(0, 2, 102)
+    pool.release(0, [3, 2, 1])  # tail first: LRU = [2, 1]; block 3 is uncached
+    assert pool.num_free(0) == 5 and pool.usage == pytest.approx(2 / 7)
+    assert pool.allocate(1, 3) == [3, 6, 7]  # uncached first, the last freed first
+    assert pool.allocate(1, 1) == [2]  # then the least recently used cached block
+    assert pool.events.take() == [BlockRemoved(0, (102,))]  # type: ignore[arg-type]
+    assert pool.maps[0] == {101: 1}
+    pool.touch(0, [1])  # a hit revives block 1
+    assert pool.refs[0][1] == 1 and pool.num_free(0) == 0
+    assert pool.is_allocated(0, 1) and not pool.is_allocated(1, 1)
+    pool.check_invariants()
+
+
+def test_pools_evict_only_within_their_group() -> None:
+    pool = make_block_pool(pools(groups(full(), full()), 3), EventLog(enabled=False))
+    assert pool.allocate(0, 2) == [1, 2] and pool.allocate(1, 2) == [1, 2]
+    pool.cache(1, 1, 7)
+    pool.release(1, [1])
+    assert pool.num_free(0) == 0 and pool.num_free(1) == 1
+    assert not pool.fits([None, None], [None, None], [None, None], [1, 0])
+    assert pool.fits([None, None], [None, None], [None, None], [0, 1])
+    assert pool.allocate(1, 1) == [1] and pool.maps[1] == {}
+    pool.check_invariants()
+
+
+def test_arena_chunks_are_carved_returned_and_reclaimed() -> None:
+    # Group 0: 128-byte blocks (4 per 512-byte chunk); group 1: 256-byte blocks (2 per chunk).
+    layout = arena(groups(full(), (full(), 8)), 4)
+    assert layout.arena is not None and layout.arena.chunk_bytes == 512
+    pool = ArenaPool(layout, EventLog(enabled=True))
+    assert pool.allocate(0, 1) == [4]  # chunk 1 -> group 0, blocks 4..7
+    assert pool.allocate(1, 1) == [4]  # chunk 2 -> group 1, blocks 4..5
+    assert [pool.chunk_owner(c) for c in range(4)] == [None, 0, 1, None]
+    pool.cache(0, 4, 111)
+    pool.release(0, [4])  # chunk 1 keeps a cached block: idle, still group 0's
+    pool.release(1, [4])  # chunk 2 is all free and uncached: back to the arena
+    assert [pool.chunk_owner(c) for c in range(4)] == [None, 0, None, None]
+    pool.check_invariants()
+    assert pool.num_free(1) == 3 * 2
+    assert pool.allocate(1, 4) == [4, 5, 6, 7]  # chunks 2 and 3
+    assert pool.allocate(1, 1) == [2]  # no free chunk: group 0's idle chunk 1 is reclaimed
+    assert pool.events.take() == [BlockRemoved(0, (111,))]  # type: ignore[arg-type]
+    assert [pool.chunk_owner(c) for c in range(4)] == [None, 1, 1, 1]
+    assert pool.maps[0] == {} and pool.is_allocated(1, 2) and not pool.is_allocated(0, 4)
+    pool.check_invariants()
+
+
+def test_arena_reopens_its_own_idle_chunk_lowest_cached_block_first() -> None:
+    pool = ArenaPool(arena(groups(full()), 2, blocks_per_chunk=4), EventLog(enabled=False))
+    assert pool.allocate(0, 4) == [4, 5, 6, 7]
+    pool.cache(0, 5, 55)
+    pool.cache(0, 7, 77)
+    pool.release(0, [7, 6, 5, 4])  # chunk 1 idle: 5 and 7 cached
+    assert pool.chunk_owner(1) == 0 and pool.num_free(0) == 4
+    assert pool.allocate(0, 3) == [4, 6, 5]  # uncached blocks, then evict 5 (lowest first)
+    assert pool.maps[0] == {77: 7}
+    pool.check_invariants()
+    assert pool.allocate(0, 1) == [7]
+    with pytest.raises(InvariantError):
+        pool.allocate(0, 1)
+
+
+def test_arena_own_first_evicts_its_own_blocks_before_other_groups_chunks() -> None:
+    layout = arena(groups(full(), full()), 3, blocks_per_chunk=2)
+    for policy, expected in (("chunk_lru", [2]), ("own_first", [5])):
+        pool = ArenaPool(layout, EventLog(enabled=False), eviction=policy)
+        assert pool.allocate(0, 2) == [2, 3]  # chunk 1: group 0
+        assert pool.allocate(1, 2) == [4, 5]  # chunk 2: group 1
+        pool.cache(0, 2, 20)
+        pool.release(0, [3, 2])  # chunk 1 idle (older)
+        pool.cache(1, 5, 50)
+        pool.release(1, [5])  # group 1's cached block 5 in its active chunk
+        assert pool.allocate(1, 1) == expected
+        pool.check_invariants()
+    with pytest.raises(PlanError, match="valid: chunk_lru, own_first"):
+        ArenaPool(layout, EventLog(enabled=False), eviction="fifo")
+
+
+def test_arena_touch_revives_an_idle_chunk() -> None:
+    pool = ArenaPool(arena(groups(full(), state()), 3), EventLog(enabled=False))
+    assert pool.allocate(0, 2) == [2, 3]
+    pool.cache(0, 2, 9)
+    pool.release(0, [3, 2])
+    assert pool.chunk_owner(1) == 0 and pool.free_cached[0] == {}
+    pool.touch(0, [2])
+    assert pool.refs[0][2] == 1 and list(pool.free_uncached[0]) == [3]
+    pool.check_invariants()
+    with pytest.raises(InvariantError):
+        pool.chunk_owner(3)
+
+
+def _apply(
+    pool: BlockPool,
+    cached: list[dict[int, int]],
+    releases: list[list[int]],
+    touches: list[list[int]],
+    needs: list[int],
+) -> list[list[int]]:
+    for g, items in enumerate(cached):
+        for b, h in items.items():
+            pool.cache(g, b, h)
+    for g, rel in enumerate(releases):
+        pool.release(g, rel)
+    for g, tch in enumerate(touches):
+        pool.touch(g, tch)
+    return [pool.allocate(g, n) if n else [] for g, n in enumerate(needs)]
+
+
+@given(
+    strategy=hst.sampled_from(STRATEGIES),
+    items=hst.lists(spec_items(), min_size=1, max_size=3),
+    capacity=hst.integers(2, 8),
+    data=hst.data(),
+)
+def test_fits_is_exact(strategy: str, items: list, capacity: int, data: hst.DataObject) -> None:
+    """fits() predicts exactly whether releasing, touching, then allocating succeeds."""
+    layout = layout_for(strategy, groups(*items), capacity)
+    pool = make_block_pool(layout, EventLog(enabled=False), arena_eviction=eviction_for(strategy))
+    num_groups = len(items)
+    held: list[list[int]] = [[] for _ in range(num_groups)]  # one entry per reference
+    next_hash = 1
+    for _ in range(data.draw(hst.integers(1, 12), label="steps")):
+        releases: list[list[int]] = []
+        cached: list[dict[int, int]] = []
+        touches: list[list[int]] = []
+        for g in range(num_groups):
+            distinct = sorted(set(held[g]))
+            rel = (
+                data.draw(hst.lists(hst.sampled_from(distinct), unique=True), label="rel")
+                if distinct
+                else []
+            )
+            releases.append(rel)
+            to_cache = {}
+            for b in rel:
+                if pool.hashes[g][b] is None and data.draw(hst.booleans(), label="cache"):
+                    to_cache[b] = next_hash
+                    next_hash += 1
+            cached.append(to_cache)
+            free_cached = sorted(b for b in pool.maps[g].values() if not pool.refs[g][b])
+            touches.append(
+                data.draw(hst.lists(hst.sampled_from(free_cached), unique=True), label="touch")
+                if free_cached
+                else []
+            )
+        needs = [data.draw(hst.integers(0, 6), label="need") for _ in range(num_groups)]
+        predicted = pool.fits([set(c) for c in cached], releases, touches, needs)
+        trial = copy.deepcopy(pool)
+        try:
+            new = _apply(trial, cached, releases, touches, needs)
+            ok = True
+        except (InvariantError, AssertionError, KeyError):
+            ok = False
+        assert predicted == ok
+        if not ok:
+            continue
+        pool = trial
+        pool.check_invariants()
+        for g in range(num_groups):
+            for b in releases[g]:
+                held[g].remove(b)
+            held[g] += touches[g] + new[g]
+            for b in (
+                data.draw(hst.lists(hst.sampled_from(held[g]), unique=True), label="pub")
+                if held[g]
+                else []
+            ):
+                if pool.hashes[g][b] is None:
+                    pool.cache(g, b, next_hash)
+                    next_hash += 1
+        pool.check_invariants()

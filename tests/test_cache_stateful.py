@@ -1,0 +1,183 @@
+"""Stateful hypothesis tests, one machine per strategy (arena both policies, uniform, pools).
+
+Requests arrive, get cache hits, prefill in chunks (sometimes ending at the junction),
+decode with lookahead, finish, get preempted, and the prefix cache is reset; after every step
+``check_invariants()`` runs, refused allocations are checked to change nothing (full
+snapshots), hits are checked against the brute-force oracle, and a router's mirror of the KV
+events is checked to equal the cached hashes.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as hst
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from hybridkv.cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheManager,
+    Request,
+)
+from test_cache_factories import (
+    cached_hashes,
+    eviction_for,
+    groups,
+    layout_for,
+    oracle,
+    spec_items,
+    tokens,
+)
+
+BASE = tokens(48, start=10)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    strategy = "uniform"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr: KVCacheManager | None = None
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.count = 0
+        self.mirror: list[set[int]] = []
+
+    @initialize(
+        items=hst.lists(spec_items(), min_size=1, max_size=3),
+        capacity=hst.integers(3, 10),
+        events=hst.booleans(),
+    )
+    def setup(self, items: list, capacity: int, events: bool) -> None:
+        layout = layout_for(self.strategy, groups(*items), capacity)
+        self.mgr = KVCacheManager(
+            layout,
+            hasher="builtin",
+            enable_kv_events=events,
+            arena_eviction=eviction_for(self.strategy),
+        )
+        self.mirror = [set() for _ in layout.groups]
+
+    def _m(self) -> KVCacheManager:
+        assert self.mgr is not None
+        return self.mgr
+
+    @rule(prefix=hst.integers(0, 40), tail=hst.lists(hst.integers(0, 2), min_size=1, max_size=8))
+    def arrive(self, prefix: int, tail: list[int]) -> None:
+        if self.mgr is None:
+            return
+        self.count += 1
+        self.waiting.append(self._m().make_request(f"r{self.count}", BASE[:prefix] + tail))
+
+    @precondition(lambda self: self.waiting)
+    @rule(which=hst.integers(0, 7), budget=hst.integers(1, 24), to_junction=hst.booleans())
+    def admit(self, which: int, budget: int, to_junction: bool) -> None:
+        mgr = self._m()
+        req = self.waiting[which % len(self.waiting)]
+        hit = mgr.get_computed_blocks(req)
+        want, _, blocks = oracle(mgr, req)
+        assert hit.num_computed_tokens == want
+        assert [list(b) for b in hit.blocks] == blocks
+        n = min(budget, req.num_tokens - hit.num_computed_tokens)
+        if to_junction and hit.junction_tokens > hit.num_computed_tokens:
+            n = min(n, hit.junction_tokens - hit.num_computed_tokens)
+        before = mgr.snapshot()
+        res = mgr.allocate_slots(
+            req, n, num_new_computed_tokens=hit.num_computed_tokens, new_computed_blocks=hit
+        )
+        if res is None:
+            assert mgr.snapshot() == before
+            return
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.num_computed_tokens = hit.num_computed_tokens + n
+
+    @precondition(lambda self: self.running)
+    @rule(which=hst.integers(0, 7), budget=hst.integers(1, 16), lookahead=hst.integers(0, 3))
+    def advance(self, which: int, budget: int, lookahead: int) -> None:
+        mgr = self._m()
+        req = self.running[which % len(self.running)]
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_token_ids([req.num_tokens % 3])
+        n = min(budget, req.num_tokens - req.num_computed_tokens)
+        before = mgr.snapshot()
+        res = mgr.allocate_slots(req, n, num_lookahead_tokens=lookahead)
+        if res is None:
+            assert mgr.snapshot() == before
+            return
+        req.num_computed_tokens += n
+
+    @precondition(lambda self: self.running)
+    @rule(which=hst.integers(0, 7))
+    def finish(self, which: int) -> None:
+        req = self.running.pop(which % len(self.running))
+        self._m().free(req.request_id)
+        assert req.is_finished
+
+    @precondition(lambda self: self.running)
+    @rule(which=hst.integers(0, 7))
+    def preempt(self, which: int) -> None:
+        req = self.running.pop(which % len(self.running))
+        self._m().preempt(req.request_id)
+        assert req.num_computed_tokens == 0
+        self.waiting.append(req)
+
+    @rule()
+    def reset(self) -> None:
+        if self.mgr is None:
+            return
+        assert self.mgr.reset_prefix_cache() == (not self.running)
+
+    @invariant()
+    def consistent(self) -> None:
+        if self.mgr is None:
+            return
+        mgr = self.mgr
+        mgr.check_invariants()
+        for event in mgr.take_events():
+            if isinstance(event, BlockStored):
+                self.mirror[event.group_id] |= set(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.mirror[event.group_id] -= set(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.mirror = [set() for _ in self.mirror]
+        if mgr._events.enabled:
+            assert self.mirror == cached_hashes(mgr)
+        for req in self.running:
+            assert mgr.has_blocks(req.request_id)
+
+
+class ArenaMachine(CacheMachine):
+    strategy = "arena"
+
+
+class ArenaOwnFirstMachine(CacheMachine):
+    strategy = "arena_own"
+
+
+class UniformMachine(CacheMachine):
+    strategy = "uniform"
+
+
+class PoolsMachine(CacheMachine):
+    strategy = "pools"
+
+
+_settings = {"stateful_step_count": 30}
+ArenaMachine.TestCase.settings = ArenaMachine.TestCase.settings.__class__(
+    ArenaMachine.TestCase.settings, **_settings
+)
+ArenaOwnFirstMachine.TestCase.settings = ArenaMachine.TestCase.settings
+UniformMachine.TestCase.settings = ArenaMachine.TestCase.settings
+PoolsMachine.TestCase.settings = ArenaMachine.TestCase.settings
+
+TestArena = ArenaMachine.TestCase
+TestArenaOwnFirst = ArenaOwnFirstMachine.TestCase
+TestUniform = UniformMachine.TestCase
+TestPools = PoolsMachine.TestCase
