@@ -16,6 +16,10 @@ the full-attention pool), ``arena`` (1500 chunks of 4 blocks; chunk 0 reserved; 
 LRU across groups) and ``arena_own`` (the same arena, each group evicting its own blocks
 first).
 
+Each configuration is replayed ``--repeat`` times (the replay is deterministic, so hit rates
+do not change) and the fastest replay's timings are reported, to damp interference from other
+processes on a shared machine.
+
 Usage::
 
     python benchmarks/bench_manager.py                        # synthetic, all layouts x strategies
@@ -31,7 +35,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +65,9 @@ from workloads import (
 BLOCK_SIZE = 16
 LAYERS_PER_GROUP = 4
 _ATTN = {"num_kv_heads": 8, "head_dim": 128, "dtype": DType.BF16}
+#: ``wall``: elapsed time (what an engine waits); ``cpu``: this thread's CPU time, which
+#: leaves out time the OS gave to other processes (use it on a shared machine).
+CLOCKS: dict[str, Callable[[], int]] = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
 #: SGLang's default static split, relative to the full-attention pool.
 POOL_WEIGHTS = {CacheKind.FULL: 1.0, CacheKind.SLIDING: 0.8, CacheKind.STATE: 0.9}
 
@@ -160,13 +167,15 @@ def simulate(
     *,
     budget: int = 8192,
     max_steps: int = 1_000_000,
+    clock: Callable[[], int] = time.perf_counter_ns,
 ) -> RunResult:
-    """Run ``workload`` to completion through ``mgr``; time every manager call."""
+    """Run ``workload`` to completion through ``mgr``; time every manager call with ``clock``
+    (nanoseconds; the clock's own cost is subtracted from every sample)."""
     res = RunResult()
     split = any(g.spec.kind is CacheKind.STATE for g in mgr.layout.groups)
     align = mgr.schedule_alignment
     t_gcb, t_alloc, t_free, t_pre = (res.times[k] for k in res.times)
-    clock = time.perf_counter_ns
+    overhead = _clock_overhead(clock)
     pending = deque(sorted((r for r in workload if r.parent is None), key=lambda r: r.arrival_step))
     children: dict[str, list[WorkloadRequest]] = {}
     for r in workload:
@@ -259,7 +268,19 @@ def simulate(
         step += 1
     res.steps = step
     res.wall_s = time.perf_counter() - start
+    for samples in res.times.values():
+        samples[:] = [max(0, t - overhead) for t in samples]
     return res
+
+
+def _clock_overhead(clock: Callable[[], int], n: int = 20_000) -> int:
+    """Median cost of reading ``clock`` twice back to back (ns)."""
+    samples = []
+    for _ in range(n):
+        t0 = clock()
+        samples.append(clock() - t0)
+    samples.sort()
+    return samples[n // 2]
 
 
 def _summary(ns: list[int]) -> dict[str, float]:
@@ -280,14 +301,20 @@ def run_one(
     kind = "arena" if strategy.startswith("arena") else strategy
     layout = build_layout(model, kind, args.num_blocks, args.chunk_blocks)
     eviction = "own_first" if strategy == "arena_own" else "chunk_lru"
-    mgr = KVCacheManager(layout, hasher=args.hasher, arena_eviction=eviction)
-    gc.collect()
-    gc.disable()
-    try:
-        res = simulate(mgr, workload, budget=args.budget)
-    finally:
-        gc.enable()
-    mgr.check_invariants()
+    best: tuple[RunResult, KVCacheManager] | None = None
+    for _ in range(args.repeat):  # the replay is deterministic: repeats differ only in timing
+        mgr = KVCacheManager(layout, hasher=args.hasher, arena_eviction=eviction)
+        gc.collect()
+        gc.disable()
+        try:
+            res = simulate(mgr, workload, budget=args.budget, clock=CLOCKS[args.clock])
+        finally:
+            gc.enable()
+        mgr.check_invariants()
+        if best is None or res.wall_s < best[0].wall_s:
+            best = (res, mgr)
+    assert best is not None
+    res, mgr = best
     stats = mgr.stats
     return {
         "model": model,
@@ -310,7 +337,7 @@ def run_one(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="full+swa,full+state,full+swa+state")
-    p.add_argument("--strategies", default="uniform,pools,arena")
+    p.add_argument("--strategies", default="uniform,pools,arena,arena_own")
     p.add_argument("--num-requests", type=int, default=200, help="synthetic workload size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, default=6000)
@@ -321,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=None, help="Mooncake trace (JSONL) instead")
     p.add_argument("--requests", type=int, default=300, help="trace requests to replay")
     p.add_argument("--ms-per-step", type=float, default=50.0, help="trace time per step")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="replays per configuration; the fastest is kept"
+    )
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="per-call timer")
     p.add_argument("--out", type=Path, default=Path("results/bench_manager.json"))
     args = p.parse_args(argv)
 

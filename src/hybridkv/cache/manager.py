@@ -5,13 +5,14 @@ Shaped like vLLM v1's ``KVCacheManager``, generalised to any number of groups::
     mgr = KVCacheManager(layout)
     req = mgr.make_request("r0", prompt_token_ids)
     hit = mgr.get_computed_blocks(req)                      # reads only
-    res = mgr.allocate_slots(req, req.num_tokens - hit.num_computed_tokens,
-                             num_new_computed_tokens=hit.num_computed_tokens,
+    n = req.num_tokens - hit.num_computed_tokens            # or a chunk of it
+    res = mgr.allocate_slots(req, n, num_new_computed_tokens=hit.num_computed_tokens,
                              new_computed_blocks=hit)       # None: not enough blocks
-    # ... run the step (see hybridkv.cache.kinds.state for state copies), then:
-    req.num_computed_tokens += hit.num_computed_tokens + num_new_tokens
+    req.num_computed_tokens = hit.num_computed_tokens       # the scheduler counts the hit
+    # ... run the step (state copies: hybridkv.cache.kinds.state), then:
+    req.num_computed_tokens += n
     req.append_token_ids([sampled])
-    res = mgr.allocate_slots(req, 1)                        # decode
+    res = mgr.allocate_slots(req, 1)                        # decode one token
     mgr.free(req.request_id)                                # finished
 
 Request lifecycle: a :class:`Request` is *known* from its first successful
@@ -25,6 +26,7 @@ changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hybridkv.cache.coordinator import HybridCoordinator
@@ -94,11 +96,11 @@ class KVCacheManager:
     def make_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int] | tuple[int, ...],
+        prompt_token_ids: Iterable[int],
         *,
         lora_id: int | str | None = None,
         cache_salt: str | None = None,
-        mm_items: tuple[MultiModalItem, ...] = (),
+        mm_items: Sequence[MultiModalItem | tuple[str, int, int]] = (),
     ) -> Request:
         """A :class:`Request` hashed the way this manager expects (nothing is allocated)."""
         return Request(
@@ -167,13 +169,22 @@ class KVCacheManager:
         :class:`FinishedRequestError`, :class:`LayoutMismatchError`,
         :class:`StaleComputedBlocksError` or :class:`DuplicateRequestError`.
         """
-        _count("num_new_tokens", num_new_tokens)
-        _count("num_new_computed_tokens", num_new_computed_tokens)
-        _count("num_lookahead_tokens", num_lookahead_tokens)
-        self._check_request(request)
-        rid = request.request_id
+        if not (
+            type(num_new_tokens) is int
+            and type(num_new_computed_tokens) is int
+            and type(num_lookahead_tokens) is int
+            and num_new_tokens >= 0
+            and num_new_computed_tokens >= 0
+            and num_lookahead_tokens >= 0
+        ):
+            _count("num_new_tokens", num_new_tokens)
+            _count("num_new_computed_tokens", num_new_computed_tokens)
+            _count("num_lookahead_tokens", num_lookahead_tokens)
         coord = self._coord
-        rs = coord.requests.get(rid)
+        rs = coord.requests.get(getattr(request, "request_id", ""))
+        if rs is None or rs.request is not request or request.is_finished:
+            self._check_request(request)  # raises for anything but a first allocation
+        rid = request.request_id
         computed = request.num_computed_tokens
         hit: tuple[tuple[int, ...], ...] | None = None
         if rs is None:

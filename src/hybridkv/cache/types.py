@@ -50,10 +50,12 @@ class ComputedBlocks(NamedTuple):
     state kind the one checkpoint block to restore (empty when the hit is 0).
     ``num_computed_tokens`` is a multiple of the layout's ``schedule_alignment`` and smaller
     than the request's token count.  ``junction_tokens`` (>= ``num_computed_tokens``) is where
-    this prompt leaves the prefix the attention groups already cache: a scheduler that ends a
-    step exactly there lets state groups checkpoint at the point the next request sharing the
-    prefix needs.  Nothing is referenced: pass the object back to ``allocate_slots``
-    before any other allocation, or call ``get_computed_blocks`` again.
+    this prompt leaves the cached prefix: the shortest standalone hit of the prefix-closed
+    groups (full attention, MLA), or without those the longest standalone hit of the other
+    attention groups.  A scheduler that ends a step exactly there lets state groups checkpoint
+    where the next request sharing the prefix needs it.  Nothing is referenced: pass the
+    object back to ``allocate_slots`` before any other allocation, or call
+    ``get_computed_blocks`` again.
     """
 
     blocks: tuple[tuple[BlockId, ...], ...]

@@ -6,11 +6,12 @@ future query can see with the null block (id 0) and release them before taking n
 
 Hit rules (``L`` = hit length in tokens, a multiple of the schedule alignment):
 
-* full / MLA: every block below ``L`` cached.  Prefix-closed; scanned left to right.
+* full / MLA: every block below ``L`` cached.  Prefix-closed; scanned left to right up to
+  the first miss.
 * windowed (sliding window, chunked local): every block overlapping
   ``spec.kept_tokens(L)`` cached (for a window ``W``: the ``cdiv(W - 1, bs)`` blocks before
-  ``L`` plus the sink blocks); scanned right to left, jumping below each miss, so each block
-  hash is looked up at most once.
+  ``L`` plus the sink blocks); candidates scanned right to left over a byte string of
+  cached flags (one C-level lookup pass), jumping below each miss.
 """
 
 from __future__ import annotations
@@ -73,17 +74,22 @@ class FullAttentionManager(_AttentionManager):
     prefix_closed: ClassVar[bool] = True
 
     def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
-        k, m = self.stride, self.map
+        # Left to right in slices of 64 blocks, each looked up at C speed, up to the first miss.
+        k, contains = self.stride, self.map.__contains__
+        end = bound // self.block_size
         n = 0
-        for h in hashes[k - 1 : (bound // self.block_size) * k : k]:
-            if h not in m:
+        while n < end:
+            hi = min(end, n + 64)
+            miss = bytes(map(contains, hashes[(n + 1) * k - 1 : hi * k : k])).find(0)
+            if miss >= 0:
+                n += miss
                 break
-            n += 1
+            n = hi
         return (n - n % self.align_blocks) * self.block_size
 
     def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
-        k, m = self.stride, self.map
-        return [m[h] for h in hashes[k - 1 : (length // self.block_size) * k : k]]
+        k = self.stride
+        return list(map(self.map.__getitem__, hashes[k - 1 : (length // self.block_size) * k : k]))
 
     def plan(
         self,
@@ -127,28 +133,32 @@ class _WindowedManager(_AttentionManager):
     def new_state(self) -> GroupState:
         return GroupState(released=self.sink_blocks)
 
+    def _flags(self, hashes: Sequence[int], top: int) -> bytes:
+        """``flags[i] == 1`` iff block ``i`` (< ``top``) of the request is cached here."""
+        k = self.stride
+        return bytes(map(self.map.__contains__, hashes[k - 1 : top * k : k]))
+
     def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
-        bs, k, ab, m = self.block_size, self.stride, self.align_blocks, self.map
+        # Candidates right to left; a miss at block z rules out every candidate whose window
+        # holds z, so the next candidate is the largest aligned one <= z.
+        bs, ab, sb = self.block_size, self.align_blocks, self.sink_blocks
         j = bound // bs
         j -= j % ab
-        sb = self.sink_blocks
-        if sb and j:
-            lead = 0
-            top = min(sb, j)
-            while lead < top and hashes[(lead + 1) * k - 1] in m:
-                lead += 1
-            if lead < top:
-                return (lead - lead % ab) * bs
-            if j <= sb:
-                return j * bs
+        if not j:
+            return 0
+        flags = self._flags(hashes, j)
+        if sb:
+            miss = flags.find(0, 0, min(sb, j))
+            if miss >= 0:  # a missing sink block caps the hit below it
+                return (miss - miss % ab) * bs
         while j > 0:
             lo = max(self.first_kept_block(j * bs), sb)
-            i = j - 1
-            while i >= lo and hashes[(i + 1) * k - 1] in m:
-                i -= 1
-            if i < lo:
+            if lo >= j:
                 return j * bs
-            j = i - i % ab
+            miss = flags.rfind(0, lo, j)
+            if miss < 0:
+                return j * bs
+            j = miss - miss % ab
         return 0
 
     def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
@@ -237,25 +247,40 @@ class SlidingWindowManager(_WindowedManager):
         self.reach = -(-(spec.window - 1) // self.block_size)
 
     def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
-        if self.sink_blocks:
-            return super().longest_hit(hashes, bound)
-        # One pass right to left over block hashes, tracking the run of cached blocks
-        # [i, top): the best aligned j <= top with j - reach >= i (or i == 0) is the hit.
-        bs, k, ab, m, reach = self.block_size, self.stride, self.align_blocks, self.map, self.reach
-        top = bound // bs
-        top -= top % ab
+        # A hit of j blocks needs the sinks and blocks [max(sb, j - reach), j).  Jump over runs
+        # of misses (to just above the last cached block) and over runs of hits (to below the
+        # last miss inside the window), so each step costs one C-level scan.
+        bs, ab, sb, reach = self.block_size, self.align_blocks, self.sink_blocks, self.reach
+        j = bound // bs
+        j -= j % ab
+        if not j:
+            return 0
+        k, m = self.stride, self.map
+        if all(
+            hashes[(i + 1) * k - 1] in m
+            for i in (*range(min(sb, j)), *range(max(j - reach, sb), j))
+        ):
+            return j * bs  # the top candidate holds (a re-sent conversation): no scan
+        flags = self._flags(hashes, j)
+        if sb:
+            miss = flags.find(0, 0, min(sb, j))
+            if miss >= 0:
+                return (miss - miss % ab) * bs
         if not reach:
-            return top * bs
-        best = top
-        for i in range(top - 1, -1, -1):
-            if hashes[(i + 1) * k - 1] in m:
-                if best - i >= reach:
-                    return best * bs
-            else:
-                best = i - i % ab
-                if not best:
-                    return 0
-        return best * bs
+            return j * bs
+        while j > 0:
+            last = flags.rfind(1, 0, j)
+            if last + 1 < j:
+                j = last + 1 - (last + 1) % ab
+                continue
+            lo = max(j - reach, sb)
+            if lo >= j:
+                return j * bs
+            miss = flags.rfind(0, lo, j)
+            if miss < 0:
+                return j * bs
+            j = miss - miss % ab
+        return 0
 
     def first_kept_token(self, num_computed: int) -> int:
         start = num_computed - self.window + 1

@@ -44,14 +44,12 @@ class StateManager(KindManager):
     kinds: ClassVar[tuple[CacheKind, ...]] = (CacheKind.STATE,)
 
     def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
-        bs, k, ab, m = self.block_size, self.stride, self.align_blocks, self.map
-        j = bound // bs
-        j -= j % ab
-        while j > 0:
-            if hashes[j * k - 1] in m:
-                return j * bs
-            j -= ab
-        return 0
+        # One C-level pass over the aligned boundaries below the bound; the last cached wins.
+        bs, ab = self.block_size, self.align_blocks
+        step = ab * self.stride
+        top = bound // bs // ab  # aligned candidates 1..top
+        flags = bytes(map(self.map.__contains__, hashes[step - 1 : top * step : step]))
+        return (flags.rfind(1) + 1) * ab * bs
 
     def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
         if not length:
