@@ -1,0 +1,351 @@
+"""Head to head: hybridkv's KVCacheManager vs vLLM 0.33's own KVCacheManager.
+
+Both managers are driven by the same scheduler loop (``vllm_driver.run_minimal_scheduler``:
+running requests first, FCFS admission with a prefix lookup, chunked prefill under a token
+budget, preemption by recompute, and for recurrent-state models vLLM's "align" mode chunk
+splits at block boundaries and at the shared-prefix junction) over the same requests, at the
+same memory bytes.  Printed per model and system: token hit rate, preemptions, peak memory,
+manager microseconds per step (get_computed_blocks + allocate_slots + free + end-of-step
+bookkeeping; request hashing reported apart), and the ratios hybridkv / vLLM.
+
+vLLM is optional: see docs/vllm.md for the CPU install recipe.  Without it the script prints
+one line and exits 0.  Run it with the interpreter that has vLLM, e.g.
+
+    /tmp/vllmenv/bin/python benchmarks/compare_vllm.py --requests 2000
+
+hybridkv is imported from this checkout's ``src/`` (no install needed in vLLM's venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import vllm_driver as vd  # noqa: E402
+from hybridkv.cache import ComputedBlocks, KVCacheManager, Request  # noqa: E402
+from hybridkv.models import resolve_model  # noqa: E402
+from hybridkv.plan import make_plan  # noqa: E402
+from hybridkv.specs import (  # noqa: E402
+    AttentionSpec,
+    CacheKind,
+    ChunkedLocalSpec,
+    ModelSpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
+
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MANAGER_OPS = ("get_computed_blocks", "allocate_slots", "free", "end_step")
+
+
+class HybridkvAdapter:
+    """``vllm_driver.ManagerAdapter`` over hybridkv's :class:`KVCacheManager`.
+
+    ``num_used_blocks`` counts bytes (``bytes_per_block`` is 1): arena groups have blocks of
+    different sizes, so bytes are the common unit.  A free of a request the driver is about to
+    requeue is a preemption (``KVCacheManager.preempt``); a free of a finished one is ``free``.
+    """
+
+    def __init__(self, manager: KVCacheManager, *, token_budget: int) -> None:
+        layout = manager.layout
+        self.manager = manager
+        self.token_budget = token_budget
+        self.total_bytes = layout.total_bytes
+        self.scheduler_block_size = layout.schedule_alignment
+        self.hash_block_size = layout.hash_block_size
+        self.mamba_align = any(g.spec.kind is CacheKind.STATE for g in layout.groups)
+        self.partial_hash_hits = False
+        self.bytes_per_block = 1
+        self.timings: dict[str, list[int]] = {op: [] for op in vd.OPS}
+        self._reqs: dict[str, Request] = {}
+        self._pending: dict[str, ComputedBlocks] = {}
+
+    def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        out = fn(*args, **kw)
+        self.timings[op].append(time.perf_counter_ns() - t0)
+        return out
+
+    def add_request(self, req: vd.SimRequest) -> None:
+        self._reqs[req.request_id] = self._timed(
+            "hash", self.manager.make_request, req.request_id, list(req.prompt_token_ids)
+        )
+
+    def new_step(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        self.timings["end_step"].append(0)
+
+    def lookup(self, req: vd.SimRequest) -> int:
+        r = self._reqs[req.request_id]
+        r.num_computed_tokens = 0
+        hit: ComputedBlocks = self._timed(
+            "get_computed_blocks", self.manager.get_computed_blocks, r
+        )
+        self._pending[req.request_id] = hit
+        req.shared_prefix_boundary = hit.junction_tokens
+        return hit.num_computed_tokens
+
+    def allocate(
+        self, req: vd.SimRequest, num_new_tokens: int, num_lookahead_tokens: int = 0, **kw: Any
+    ) -> bool:
+        r = self._reqs[req.request_id]
+        hit = self._pending.get(req.request_id)
+        if hit is not None and not self.manager.has_blocks(req.request_id):
+            if kw.get("full_sequence_must_fit") and not self._full_sequence_fits(req, hit):
+                return False
+            r.num_computed_tokens = 0
+            res = self._timed(
+                "allocate_slots",
+                self.manager.allocate_slots,
+                r,
+                num_new_tokens,
+                num_new_computed_tokens=hit.num_computed_tokens,
+                new_computed_blocks=hit,
+                num_lookahead_tokens=num_lookahead_tokens,
+            )
+        else:
+            r.num_computed_tokens = req.num_computed_tokens
+            res = self._timed(
+                "allocate_slots",
+                self.manager.allocate_slots,
+                r,
+                num_new_tokens,
+                num_lookahead_tokens=num_lookahead_tokens,
+            )
+        if res is not None:
+            self._pending.pop(req.request_id, None)
+        return res is not None
+
+    def _full_sequence_fits(self, req: vd.SimRequest, hit: ComputedBlocks) -> bool:
+        """vLLM's admission gate (``full_sequence_must_fit``), with vLLM's per-kind counts:
+        full attention and MLA the whole sequence, sliding windows ``cdiv(min(W - 1 +
+        token_budget, L), bs) + 1``, chunked local the same with the chunk, states one slot;
+        minus the blocks the hit already holds.  A query: nothing changes."""
+        length = req.num_tokens
+        needs = []
+        for g, held in zip(self.manager.layout.groups, hit.blocks, strict=True):
+            spec, bs = g.spec, g.block_size
+            if spec.kind is CacheKind.STATE:
+                need = 1
+            elif isinstance(spec, SlidingWindowSpec):
+                need = -(-min(spec.window - 1 + self.token_budget, length) // bs) + 1
+            elif isinstance(spec, ChunkedLocalSpec):
+                need = -(-min(spec.chunk_size - 1 + self.token_budget, length) // bs) + 1
+            else:
+                need = -(-length // bs)
+            needs.append(max(0, need - sum(1 for b in held if b)))
+        none: list[None] = [None] * len(needs)
+        return bool(self.manager.pool.fits(none, none, none, needs))
+
+    def append_token(self, req: vd.SimRequest, token_id: int) -> None:
+        r = self._reqs[req.request_id]
+        r.num_computed_tokens = req.num_computed_tokens
+        self._timed("hash", r.append_token_ids, (token_id,))
+
+    def free(self, req: vd.SimRequest) -> None:
+        rid = req.request_id
+        self._pending.pop(rid, None)
+        if req.status in ("finished", "rejected"):
+            if self.manager.has_blocks(rid):
+                r = self._reqs[rid]
+                r.num_computed_tokens = req.num_computed_tokens
+                self._timed("free", self.manager.free, rid)
+            del self._reqs[rid]
+        elif self.manager.has_blocks(rid):
+            self._timed("free", self.manager.preempt, rid)
+
+    def usage(self) -> float:
+        return float(self.manager.usage)
+
+    def num_used_blocks(self) -> int:
+        return int(self.manager.usage * self.total_bytes)
+
+
+def vllm_groups(model: ModelSpec, block_size: int) -> list[vd.GroupDesc]:
+    """vLLM group descriptions of ``model``'s caching layers (attention and Mamba-like)."""
+    out: list[dict[str, Any]] = []
+    counts: dict[Any, int] = {}
+    for _, _, spec in model.entries():
+        counts[spec] = counts.get(spec, 0) + 1
+    for spec, n in counts.items():
+        if isinstance(spec, StateSpec):
+            out.append(
+                {
+                    "kind": "mamba",
+                    "num_layers": n,
+                    "block_size": block_size,
+                    "mamba_shapes": tuple(t.shape for t in spec.tensors),
+                    "mamba_dtype_bytes": tuple(t.dtype.itemsize for t in spec.tensors),
+                }
+            )
+        elif isinstance(spec, AttentionSpec):
+            out.append(
+                {
+                    "kind": "sliding" if isinstance(spec, SlidingWindowSpec) else "full",
+                    "num_layers": n,
+                    "num_kv_heads": spec.num_kv_heads,
+                    "head_dim": spec.head_dim,
+                    "dtype_bytes": spec.dtype.itemsize,
+                    "window": spec.window if isinstance(spec, SlidingWindowSpec) else 0,
+                    "block_size": block_size,
+                }
+            )
+        else:
+            raise SystemExit(f"compare_vllm: no vLLM mapping for {spec.kind.value} layers")
+    return [vd.GroupDesc.from_any(g) for g in out]
+
+
+def _summary(metrics: dict[str, Any], timings: dict[str, list[int]]) -> dict[str, Any]:
+    steps = max(1, metrics["steps"])
+    manager_ns = sum(sum(timings.get(op, ())) for op in MANAGER_OPS)
+    return {
+        "token_hit_rate": metrics["token_hit_rate"],
+        "preemptions": metrics["preemptions"],
+        "peak_used_bytes": metrics["peak_used_bytes"],
+        "finished": metrics["finished"],
+        "rejected": metrics["rejected"],
+        "steps": metrics["steps"],
+        "manager_us_per_step": manager_ns / 1e3 / steps,
+        "hash_us_per_step": sum(timings.get("hash", ())) / 1e3 / steps,
+        "calls": vd.op_stats(timings),
+        "wall_s": metrics["wall_s"],
+    }
+
+
+def compare(
+    name: str,
+    requests: Sequence[vd.WorkloadRequest],
+    *,
+    memory_bytes: int,
+    max_model_len: int,
+    token_budget: int,
+    strategy: str,
+    block_size: int,
+    state_block_size: int | None,
+) -> dict[str, Any]:
+    model = resolve_model(name)
+    setup = vd.build_vllm_manager(
+        vllm_groups(model, block_size),
+        memory_bytes=memory_bytes,
+        max_model_len=max_model_len,
+        token_budget=token_budget,
+    )
+    vllm_adapter = vd.VllmManagerAdapter(setup)
+    v = vd.run_minimal_scheduler(vllm_adapter, requests, token_budget, max_model_len=max_model_len)
+    plan = make_plan(
+        model,
+        memory_bytes=memory_bytes,
+        max_model_len=max_model_len,
+        strategy=strategy,
+        block_size=block_size,
+        state_block_size=state_block_size,
+    )
+    ours = HybridkvAdapter(KVCacheManager(plan.layout, hasher="sha256"), token_budget=token_budget)
+    h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
+    vs, hs = _summary(v, vllm_adapter.timings), _summary(h, ours.timings)
+    return {
+        "model": name,
+        "memory_bytes": memory_bytes,
+        "vllm": {**vs, "groups": setup.groups, "scheduler_block_size": setup.scheduler_block_size},
+        "hybridkv": {
+            **hs,
+            "strategy": strategy,
+            "schedule_alignment": plan.layout.schedule_alignment,
+            "groups": [
+                {"kind": g.spec.kind.value, "layers": g.num_members, "block_size": g.block_size}
+                for g in plan.layout.groups
+            ],
+        },
+        "ratios": {
+            "hit_rate": hs["token_hit_rate"] / vs["token_hit_rate"]
+            if vs["token_hit_rate"]
+            else None,
+            "manager_time": hs["manager_us_per_step"] / vs["manager_us_per_step"]
+            if vs["manager_us_per_step"]
+            else None,
+            "peak_bytes": hs["peak_used_bytes"] / vs["peak_used_bytes"]
+            if vs["peak_used_bytes"]
+            else None,
+        },
+    }
+
+
+def _print(result: dict[str, Any]) -> None:
+    v, h, r = result["vllm"], result["hybridkv"], result["ratios"]
+    gib = float(1 << 30)
+    print(f"\n{result['model']} at {result['memory_bytes'] / gib:.1f} GiB")
+    print(f"  {'':10} {'hit rate':>9} {'preempt':>8} {'peak GiB':>9} {'mgr us/step':>12}")
+    for label, s in (("vLLM 0.33", v), (f"hybridkv/{h['strategy']}", h)):
+        print(
+            f"  {label:10} {s['token_hit_rate']:9.1%} {s['preemptions']:8d} "
+            f"{s['peak_used_bytes'] / gib:9.2f} {s['manager_us_per_step']:12.1f}"
+        )
+    hr = "n/a" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}x"
+    mt = "n/a" if r["manager_time"] is None else f"{r['manager_time']:.2f}x"
+    print(f"  hybridkv / vLLM: hit rate {hr}, manager time {mt}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt-oss-20b,Qwen3-Next-80B-A3B")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--memory", default="16GiB")
+    p.add_argument("--max-model-len", type=int, default=131072)
+    p.add_argument("--token-budget", type=int, default=8192)
+    p.add_argument("--ms-per-step", type=float, default=50.0)
+    p.add_argument("--strategy", default="arena")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--state-block-size", type=int, default=None)
+    p.add_argument("--out", default="results/compare_vllm.json")
+    args = p.parse_args(argv)
+    if not vd.vllm_available():
+        print("compare_vllm: vLLM is not importable here; see docs/vllm.md (skipped)")
+        return 0
+    trace = Path(args.trace)
+    if not trace.is_file():
+        print(f"compare_vllm: trace {trace} not found (skipped)")
+        return 0
+    from hybridkv.units import parse_bytes
+
+    memory = parse_bytes(args.memory, field="--memory")
+    requests, skipped = vd.load_mooncake_trace(
+        trace, args.requests, args.ms_per_step, args.max_model_len
+    )
+    print(f"{len(requests)} requests from {trace.name} ({skipped} longer than max_model_len)")
+    results = []
+    for name in args.models.split(","):
+        t0 = time.perf_counter()
+        res = compare(
+            name,
+            requests,
+            memory_bytes=memory,
+            max_model_len=args.max_model_len,
+            token_budget=args.token_budget,
+            strategy=args.strategy,
+            block_size=args.block_size,
+            state_block_size=args.state_block_size,
+        )
+        res["wall_s"] = time.perf_counter() - t0
+        _print(res)
+        results.append(res)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
