@@ -97,8 +97,8 @@ def _plots(results: list[SimResult], out: Path) -> list[str]:
     gib = float(1 << 30)
     for ax, r in zip(axes[:, 0], results, strict=True):
         t = [p.time_s for p in r.timeline]
-        ax.plot(t, [p.used_bytes / gib for p in r.timeline], label="held by requests")
-        ax.plot(t, [p.need_bytes / gib for p in r.timeline], label="physical need")
+        ax.plot(t, [p.used_bytes / gib for p in r.timeline], label="held by running requests")
+        ax.plot(t, [p.need_bytes / gib for p in r.timeline], label="physical need, nothing shared")
         ax.axhline(r.plan.memory_bytes / gib, color="grey", linestyle="--", label="budget")
         ax.set_ylabel("GiB")
         ax.set_title(f"{r.strategy}: memory held vs needed")
