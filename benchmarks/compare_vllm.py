@@ -130,14 +130,14 @@ class HybridkvAdapter:
     def _full_sequence_fits(self, req: vd.SimRequest, hit: ComputedBlocks) -> bool:
         """vLLM's admission gate (``full_sequence_must_fit``), with vLLM's per-kind counts:
         full attention and MLA the whole sequence, sliding windows ``cdiv(min(W - 1 +
-        token_budget, L), bs) + 1``, chunked local the same with the chunk, states one slot;
+        token_budget, L), bs) + 1``, chunked local the same with the chunk, states two slots;
         minus the blocks the hit already holds.  A query: nothing changes."""
         length = req.num_tokens
         needs = []
         for g, held in zip(self.manager.layout.groups, hit.blocks, strict=True):
             spec, bs = g.spec, g.block_size
             if spec.kind is CacheKind.STATE:
-                need = 1
+                need = 2  # the running slot and the checkpoint its first chunk ends with
             elif isinstance(spec, SlidingWindowSpec):
                 need = -(-min(spec.window - 1 + self.token_budget, length) // bs) + 1
             elif isinstance(spec, ChunkedLocalSpec):

@@ -1,15 +1,14 @@
-"""``hybridkv run``'s engine side: two waves through plan, storage, manager and runner."""
+"""The workload of ``hybridkv run``: shared-prefix prompts admitted in waves."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from hybridkv.engine.demo import add_arguments, run_demo, run_from_args
-from hybridkv.engine.errors import BatchError, ModelSourceError
+from hybridkv.engine import CacheConfig, LLMEngine, PromptError
+from hybridkv.engine.demo import run_in_waves, shared_prefix_prompts
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -20,29 +19,35 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def test_default_run_matches_transformers() -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    report = run_from_args(parser.parse_args(["--requests", "2", "--max-new-tokens", "5"]))
-    assert report.model == "lfm3" and report.strategy == "arena"
-    assert report.num_requests == 4 and report.generated_tokens == 20
-    # the second wave's two requests each hit the 16-token shared prefix
-    assert report.prefix_hit_tokens == 32
-    assert report.matches_reference is True
-    assert report.max_logit_diff is not None and report.max_logit_diff < 1e-4
-    assert [g.split(",")[0] for g in report.groups] == [
-        "group 0: state",
-        "group 1: sliding_window",
-        "group 2: full_attention",
-    ]
-    assert "identical to transformers' greedy tokens" in report.format()
-    assert report.to_dict()["steps"] == report.steps
+def test_shared_prefix_prompts() -> None:
+    prompts = shared_prefix_prompts(6, vocab_size=50, shared_prefix=8, seed=3)
+    assert [len(p) for p in prompts] == [12, 15, 18, 21, 12, 15]
+    assert all(p[:8] == prompts[0][:8] for p in prompts)
+    assert len({tuple(p[8:]) for p in prompts}) == 6
+    assert all(0 <= t < 50 for p in prompts for t in p)
+    assert prompts == shared_prefix_prompts(6, vocab_size=50, shared_prefix=8, seed=3)
+    with pytest.raises(PromptError, match="num_requests must be >= 1"):
+        shared_prefix_prompts(0, vocab_size=50)
 
 
-def test_run_without_check_and_bad_input() -> None:
-    report = run_demo("llama", num_requests=1, max_new_tokens=2, strategy="pools", check=False)
-    assert report.matches_reference is None and "not checked" in report.format()
-    with pytest.raises(BatchError, match="must be >= 1"):
-        run_demo("llama", num_requests=0)
-    with pytest.raises(ModelSourceError, match="neither a tiny model"):
-        run_demo("no-such-model")
+def test_waves_admit_after_the_first_tokens_and_hit_the_cache() -> None:
+    engine = LLMEngine("lfm3", cache=CacheConfig(block_size=4, state_block_size=8))
+    prompts = shared_prefix_prompts(5, vocab_size=engine.vocab_size, shared_prefix=16)
+    seen: list[tuple[int, int]] = []
+    done = run_in_waves(
+        engine, prompts, max_tokens=3, waves=2, progress=lambda d, t: seen.append((d, t))
+    )
+    assert [c.request_id for c in done] == ["r0", "r1", "r2", "r3", "r4"]
+    # waves of 3 and 2: the second finds the 16 shared tokens cached in every group
+    assert [c.num_cached_tokens for c in done] == [0, 0, 0, 16, 16]
+    assert seen[-1] == (15, 15) and all(t == 15 for _, t in seen)
+    assert engine.stats().max_batch_requests == 5  # wave 2 prefills while wave 1 decodes
+
+
+def test_bad_prompts_are_refused_before_anything_runs() -> None:
+    engine = LLMEngine("llama", cache=CacheConfig(block_size=4, max_model_len=16))
+    with pytest.raises(PromptError, match="'r1': the prompt has 16 tokens"):
+        run_in_waves(engine, [[1, 2], list(range(16))], max_tokens=2)
+    assert not engine.has_unfinished() and engine.stats().steps == 0
+    with pytest.raises(PromptError, match="waves and max_tokens must be >= 1"):
+        run_in_waves(engine, [[1]], max_tokens=2, waves=0)

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hybridkv.cli.plan_cmd", "capacity plan for a model and a memory budget"),
     "models": ("hybridkv.cli.models_cmd", "list the built-in model catalog"),
     "simulate": ("hybridkv.cli.simulate_cmd", "replay a workload through the cache manager"),
+    "run": ("hybridkv.cli.run_cmd", "run a model through the paged cache (and check it)"),
 }
 
 

@@ -2,6 +2,9 @@
 
 Modules, one concept each:
 
+* :mod:`~hybridkv.engine.llm_engine`     :class:`LLMEngine`: scheduler + manager + storage + runner
+* :mod:`~hybridkv.engine.metrics`        what the engine measures (:class:`EngineStats`)
+* :mod:`~hybridkv.engine.verify`         finished requests checked against transformers
 * :mod:`~hybridkv.engine.batch`          the step description the runner executes
 * :mod:`~hybridkv.engine.runner`         :class:`ModelRunner`: one step, many requests
 * :mod:`~hybridkv.engine.attention`      paged attention registered with transformers
@@ -14,13 +17,20 @@ Modules, one concept each:
 * :mod:`~hybridkv.engine.layouts`        a fixed-size layout for tests and demos
 * :mod:`~hybridkv.engine.toy_cache`      a small reference allocator
 * :mod:`~hybridkv.engine.manager_bridge` the real cache manager behind the same interface
-* :mod:`~hybridkv.engine.generate`       greedy decoding, paged and reference
-* :mod:`~hybridkv.engine.demo`           ``hybridkv run``
+* :mod:`~hybridkv.engine.generate`       a minimal decoding loop without the scheduler, and the
+  transformers references
+* :mod:`~hybridkv.engine.demo`           the shared-prefix workload of ``hybridkv run``
 
 Quick start (a tiny hybrid model, end to end, checked against transformers)::
 
-    >>> from hybridkv.engine.demo import run_demo
-    >>> run_demo("lfm3").matches_reference
+    >>> from hybridkv.engine import CacheConfig, LLMEngine, reference_copy, verify_completions
+    >>> from hybridkv.engine.models import load_model
+    >>> model = load_model("lfm3")
+    >>> ref = reference_copy(model)
+    >>> engine = LLMEngine(model, cache=CacheConfig(block_size=4, state_block_size=8),
+    ...                    keep_logits=True)
+    >>> done = engine.generate([[1, 2, 3, 4, 5], [6, 7]], max_tokens=4)
+    >>> verify_completions(ref, done).ok
     True
 """
 
@@ -34,14 +44,18 @@ from hybridkv.engine.errors import (
     EngineError,
     ModelSourceError,
     NoActiveStepError,
+    PromptError,
 )
 from hybridkv.engine.generate import Generation, PagedGenerator, reference_generate
 from hybridkv.engine.layouts import fixed_layout
-from hybridkv.engine.manager_bridge import ManagerCache, request_step
+from hybridkv.engine.llm_engine import CacheConfig, Completion, LLMEngine
+from hybridkv.engine.manager_bridge import ManagerCache, request_step, step_from_tables
+from hybridkv.engine.metrics import EngineStats
 from hybridkv.engine.models import DEFAULT_TINY_MODEL, TINY_MODELS, load_model, reference_copy
 from hybridkv.engine.probe import ModelProbe, probe_model, probe_model_spec
 from hybridkv.engine.runner import ModelRunner, StepOutput
 from hybridkv.engine.toy_cache import ToyCache
+from hybridkv.engine.verify import Mismatch, VerifyResult, verify_completions
 from hybridkv.engine.views import DenseKVViews, PagedKVViews, StorageViews
 
 __all__ = [
@@ -50,16 +64,22 @@ __all__ = [
     "TINY_MODELS",
     "BatchError",
     "BindingError",
+    "CacheConfig",
+    "Completion",
     "DenseKVViews",
     "EngineError",
+    "EngineStats",
     "Generation",
+    "LLMEngine",
     "ManagerCache",
+    "Mismatch",
     "ModelProbe",
     "ModelRunner",
     "ModelSourceError",
     "NoActiveStepError",
     "PagedGenerator",
     "PagedKVViews",
+    "PromptError",
     "RequestStep",
     "SlotCopy",
     "StateIO",
@@ -67,6 +87,7 @@ __all__ = [
     "StepOutput",
     "StorageViews",
     "ToyCache",
+    "VerifyResult",
     "fixed_layout",
     "load_model",
     "probe_model",
@@ -75,4 +96,6 @@ __all__ = [
     "reference_generate",
     "register_paged_attention",
     "request_step",
+    "step_from_tables",
+    "verify_completions",
 ]

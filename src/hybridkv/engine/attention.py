@@ -97,30 +97,31 @@ def attend(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one request over its gathered keys.
+    """Attention of one request over its gathered keys, or of a batch of requests.
 
-    ``query`` ``[H, T, D]``, ``key`` ``[Hkv, S, D]``, ``value`` ``[Hkv, S, Dv]``, ``mask``
-    ``[T, S]`` bool (True = may read), ``sinks`` ``[H]``.  Returns ``[T, H, Dv]`` in the query
-    dtype.  Every query must see at least one key.
+    ``query`` ``[*B, H, T, D]``, ``key`` ``[*B, Hkv, S, D]``, ``value`` ``[*B, Hkv, S, Dv]``,
+    ``mask`` ``[*B, T, S]`` bool (True = may read), ``sinks`` ``[H]``; ``*B`` is empty or one
+    batch dimension.  Returns ``[*B, T, H, Dv]`` in the query dtype.  Every query must see at
+    least one key; keys nobody sees (padding) must hold finite values.
     """
-    heads, kv_heads = query.shape[0], key.shape[0]
+    heads, kv_heads = query.shape[-3], key.shape[-3]
     if heads != kv_heads:
         rep = heads // kv_heads
-        key = key.repeat_interleave(rep, dim=0)
-        value = value.repeat_interleave(rep, dim=0)
-    scores = torch.matmul(query, key.transpose(1, 2)) * scaling
+        key = key.repeat_interleave(rep, dim=-3)
+        value = value.repeat_interleave(rep, dim=-3)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
     if sinks is not None:
-        sink = sinks.to(scores.dtype).reshape(heads, 1, 1).expand(heads, scores.shape[1], 1)
+        sink = sinks.to(scores.dtype).reshape(heads, 1, 1).expand(*scores.shape[:-1], 1)
         logits = torch.cat([scores, sink], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     out = torch.matmul(probs.to(value.dtype), value)
-    return out.transpose(0, 1).to(query.dtype)
+    return out.transpose(-3, -2).to(query.dtype)
 
 
 def paged_attention_forward(

@@ -10,6 +10,7 @@ __all__ = [
     "EngineError",
     "ModelSourceError",
     "NoActiveStepError",
+    "PromptError",
 ]
 
 
@@ -34,3 +35,8 @@ class ModelSourceError(ConfigError):
 
 class NoActiveStepError(EngineError):
     """The paged attention function was called outside :meth:`ModelRunner.execute`."""
+
+
+class PromptError(RequestError):
+    """A request the engine cannot serve: empty prompt, token ids outside the vocabulary,
+    ``max_tokens < 1``, or an id already in use."""

@@ -1,10 +1,10 @@
 """A fixed-size memory layout for a model spec: one pool of ``num_blocks`` blocks per group.
 
-The planner (:mod:`hybridkv.plan`) sizes layouts for a memory budget; the runner's tests and
-``hybridkv run`` on a tiny model only need a small layout with chosen block sizes, which
-:func:`fixed_layout` builds directly: cache entries with equal specs form one group (in layer
-order of first appearance), token groups get ``block_size`` / ``kernel_block_size``, state
-groups ``state_block_size`` (the checkpoint interval; kernel size = block size).
+The planner (:mod:`hybridkv.plan`) sizes layouts for a memory budget; the runner's tests only
+need a small layout with chosen block sizes, which :func:`fixed_layout` builds directly: cache
+entries with equal specs form one group (in layer order of first appearance), token groups get
+``block_size`` / ``kernel_block_size``, state groups ``state_block_size`` (the checkpoint
+interval; kernel size = block size).
 """
 
 from __future__ import annotations

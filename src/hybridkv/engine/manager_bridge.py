@@ -8,6 +8,10 @@ table is ``[running slot]``).  :func:`request_step` turns that into a
 :class:`~hybridkv.engine.batch.StateIO` reading and writing the running slot (reading nothing
 when the request has no computed token) with the manager's zeroing and copies.
 
+:func:`step_from_tables` does the same from tables already read (the scheduler's
+:class:`~hybridkv.scheduler.ScheduledRequest` carries them), which is what
+:class:`~hybridkv.engine.llm_engine.LLMEngine` uses.
+
 :class:`ManagerCache` wraps a manager behind the same small interface as
 :class:`~hybridkv.engine.toy_cache.ToyCache`, so :class:`~hybridkv.engine.generate.PagedGenerator`
 can drive the runner with real prefix caching (hash-based hits, eviction, checkpoints).
@@ -22,9 +26,10 @@ from hybridkv.cache import AllocationResult, ComputedBlocks, KVCacheManager, Req
 from hybridkv.engine.batch import RequestStep, SlotCopy, StateIO
 from hybridkv.engine.errors import BatchError
 from hybridkv.errors import AllocationError
+from hybridkv.plan import MemoryLayout
 from hybridkv.specs import CacheKind
 
-__all__ = ["ManagerCache", "request_step"]
+__all__ = ["ManagerCache", "request_step", "step_from_tables"]
 
 
 def request_step(
@@ -37,14 +42,51 @@ def request_step(
     """The runner's description of one request's step after ``allocate_slots`` returned
     ``result``.  ``num_computed`` counts the tokens already in the cache, a prefix hit
     included.  Reads the manager; changes nothing."""
-    tables = manager.get_block_ids(request_id)
+    return step_from_tables(
+        manager.layout,
+        manager.get_block_ids(request_id),
+        request_id=request_id,
+        token_ids=token_ids,
+        num_computed=num_computed,
+        result=result,
+    )
+
+
+def step_from_tables(
+    layout: MemoryLayout,
+    tables: Sequence[Sequence[int]],
+    *,
+    request_id: str,
+    token_ids: Sequence[int],
+    num_computed: int,
+    result: AllocationResult,
+) -> RequestStep:
+    """A :class:`RequestStep` from a request's block tables (one per group of ``layout``, as
+    :meth:`~hybridkv.cache.KVCacheManager.get_block_ids` returns them right after the
+    allocation ``result``) and the state work that allocation ordered.
+
+    Token groups get their tables; a state group gets a :class:`StateIO` reading and writing
+    its running slot ``tables[g][0]`` (reading nothing when ``num_computed`` is 0), with the
+    allocation's zeroing and copies for that group, in the allocation's order.  Raises
+    :class:`BatchError` when ``tables`` does not have one table per group or a state group has
+    no running slot."""
+    if len(tables) != len(layout.groups):
+        raise BatchError(
+            f"request {request_id!r}: {len(tables)} block tables for the layout's "
+            f"{len(layout.groups)} groups"
+        )
     block_tables: dict[int, tuple[int, ...]] = {}
     states: dict[int, StateIO] = {}
-    for group in manager.layout.groups:
+    for group in layout.groups:
         gid = group.group_id
         if group.spec.kind is not CacheKind.STATE:
             block_tables[gid] = tuple(tables[gid])
             continue
+        if len(tables[gid]) != 1:
+            raise BatchError(
+                f"request {request_id!r}: state group {gid} needs one running slot, its table "
+                f"is {list(tables[gid])}"
+            )
         running = tables[gid][0]
         states[gid] = StateIO(
             read_slot=running if num_computed else None,

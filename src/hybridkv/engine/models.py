@@ -265,7 +265,8 @@ def load_model(
     checkpoint in directory ``source`` (``config.json`` + safetensors).
 
     The global torch RNG is left as it was.  Raises :class:`ModelSourceError` when
-    ``source`` is neither a tiny model name nor a directory with a ``config.json``.
+    ``source`` is neither a tiny model name nor a directory with a ``config.json``, or when
+    transformers cannot load the checkpoint (missing weights, unknown architecture).
     """
     from transformers import AutoModelForCausalLM
 
@@ -288,7 +289,12 @@ def load_model(
                 f"model: {name!r} is neither a tiny model ({', '.join(sorted(TINY_MODELS))}) "
                 "nor a directory holding config.json and safetensors weights"
             )
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except (OSError, ValueError, KeyError) as exc:
+            # transformers' own words on a missing weight file or an unknown architecture
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelSourceError(f"model: cannot load {name!r}: {first}") from exc
     return model.eval()
 
 

@@ -1,9 +1,10 @@
 """Linear-attention and short-conv hybrids: qwen3_next / qwen3_5 (gated DeltaNet), kimi_linear
-(KDA + MLA), lfm2 (short convolution + attention).
+(KDA + MLA), lfm2 (short convolution + attention), lfm3 (short convolution + sliding + full).
 
 Layer kinds: ``linear_attention`` (a delta-rule layer with conv + recurrent state), ``conv``
-(LFM2's short convolution, conv state only) and ``full_attention`` (softmax attention, or MLA for
-kimi_linear).  State shapes and dtypes: see :mod:`hybridkv.models.states`.
+(LFM2/LFM3's short convolution, conv state only), ``sliding_attention`` (LFM3) and
+``full_attention`` (softmax attention, or MLA for kimi_linear).  State shapes and dtypes: see
+:mod:`hybridkv.models.states`.
 """
 
 from __future__ import annotations
@@ -147,6 +148,49 @@ def _derive_lfm2(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
     return assemble_layers(cfg, types, table)
 
 
+def _lfm3_default_type(i: int) -> str:
+    # transformers' Lfm3Config rule: full at i % 4 == 2, sliding at i % 4 == 0 (i > 0), else conv.
+    if i % 4 == 2:
+        return "full_attention"
+    return "sliding_attention" if i % 4 == 0 and i > 0 else "conv"
+
+
+def _derive_lfm3(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
+    """LFM3: ``conv`` layers (short conv state), ``sliding_attention`` layers (a window of
+    ``sliding_window`` tokens) and ``full_attention`` layers.
+
+    Layer kinds come from ``layer_types``, else transformers' default pattern (conv, conv, full,
+    conv, sliding, conv, full, ... : full where ``i % 4 == 2``, sliding where ``i % 4 == 0``
+    and ``i > 0``).  Sliding and full layers share one head geometry.
+    """
+    n = cfg.num_layers()
+    types = _types_or(cfg, n, [_lfm3_default_type(i) for i in range(n)])
+    shape = AttentionShape(
+        num_kv_heads=kv_heads(cfg),
+        head_dim=default_head_dim(cfg),
+        window=cfg.opt_int("sliding_window"),
+    )
+    table: dict[str, CacheFactory] = {
+        "conv": lambda: (
+            short_conv_state(
+                ctx,
+                model_type=cfg.model_type,
+                hidden_size=cfg.req_int("hidden_size"),
+                l_cache=cfg.req_int("conv_L_cache"),
+            ),
+        ),
+        "sliding_attention": lambda: (
+            attention_spec(
+                cfg, ctx, "sliding_attention", shape, layer=types.index("sliding_attention")
+            ),
+        ),
+        "full_attention": lambda: (
+            attention_spec(cfg, ctx, "full_attention", shape, layer=types.index("full_attention")),
+        ),
+    }
+    return assemble_layers(cfg, types, table)
+
+
 _GDN_DEFAULTS: dict[str, int] = {
     "head_dim": 256,
     "full_attention_interval": 4,
@@ -185,4 +229,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         "linear-attention",
     ),
     "lfm2": Architecture(_derive_lfm2, {"num_key_value_heads": 8, "conv_L_cache": 3}, "short-conv"),
+    "lfm3": Architecture(
+        _derive_lfm3,
+        {"num_key_value_heads": 4, "head_dim": 128, "conv_L_cache": 7, "sliding_window": 256},
+        "short-conv",
+    ),
 }

@@ -13,9 +13,11 @@ Chunk ends.  When the layout has a recurrent-state group (or ``split_for_state``
 prefill chunk that does not finish the prompt ends on a multiple of the schedule alignment,
 and a chunk that crosses the shared-prefix *junction* (where the request leaves the prefix the
 attention groups already cache) ends there, rounded down to the alignment; the chunk that
-reaches the end of the prompt first stops at the last aligned boundary.  States are only
-checkpointed at chunk ends, so without these splits a later request sharing the prefix would
-find no state to resume from.
+reaches the end of the prompt first stops at the last aligned boundary.  A chunk with no
+boundary in reach waits for a larger share of the budget, unless the token budget (or chunk
+cap) is smaller than the distance to the next boundary: then it ends unaligned, so the request
+still progresses (the next chunk realigns).  States are only checkpointed at chunk ends, so
+without these splits a later request sharing the prefix would find no state to resume from.
 
 The caller runs the step and passes the sampled tokens to :meth:`Scheduler.update`, which
 advances every request, appends tokens, and frees finished requests.
@@ -155,10 +157,24 @@ class Scheduler:
         last_aligned = (total - 1) // a * a
         if end < total:
             aligned = end - end % a
-            return aligned if aligned > start else start
+            if aligned > start:
+                return aligned
+            # No boundary in reach.  Wait for a larger share of the budget, unless even the
+            # whole cap cannot reach the next boundary (a budget or chunk cap below the
+            # alignment): then an unaligned chunk, or the request would never progress.
+            return start if start - start % a + a <= start + self._static_cap(seq) else end
         if start < last_aligned < end:
             return last_aligned
         return end
+
+    def _static_cap(self, seq: SequenceState) -> int:
+        """The most prompt tokens one step could ever give ``seq`` (budget and chunk caps)."""
+        cap = self.config.token_budget
+        if seq.chunk_cap:
+            cap = min(cap, seq.chunk_cap)
+        if self.config.max_prefill_chunk is not None:
+            cap = min(cap, self.config.max_prefill_chunk)
+        return cap
 
     def _preempt_newest(self) -> SequenceState:
         victim = self.running.pop()
@@ -215,6 +231,14 @@ class Scheduler:
                 res = mgr.allocate_slots(req, end - start, num_lookahead_tokens=lookahead)
                 if res is not None:
                     break
+                if end - start <= 1 and self.running == [seq]:
+                    # Refused one token with every other block free or evictable: preempting
+                    # and recomputing would reach this point again and loop forever.
+                    raise SchedulerError(
+                        f"request {req.request_id!r}: the cache cannot hold it past "
+                        f"{start} tokens even alone (no free block, or no free state slot for "
+                        "a checkpoint); the memory budget is too small for it"
+                    )
                 victim = self._preempt_newest()
                 preempted.append(victim.request_id)
                 if victim is seq:

@@ -1,0 +1,457 @@
+"""The engine: scheduler, cache manager, storage and model runner behind one ``step()``.
+
+:class:`LLMEngine` wires the whole stack for one causal LM::
+
+    model --probe--> ModelSpec --make_plan--> MemoryLayout --> KVCacheStorage (bytes)
+                                                          \\-> KVCacheManager (block ids)
+    Scheduler(manager) --ScheduledRequest--> StepBatch --ModelRunner--> logits --argmax-->
+    Scheduler.update --> RequestOutput (streamed)
+
+One :meth:`LLMEngine.step`:
+
+1. ``Scheduler.schedule()`` picks the step's requests (running ones first, then admissions
+   with their prefix hits), allocates their slots and may preempt (recompute later);
+2. every :class:`~hybridkv.scheduler.ScheduledRequest` becomes a
+   :class:`~hybridkv.engine.batch.RequestStep` from its block tables and the state zeroing /
+   copies its allocation ordered (:func:`~hybridkv.engine.manager_bridge.step_from_tables`);
+3. :meth:`ModelRunner.execute` runs them all in one step (one packed forward pass, or one per
+   bucket of equal shapes for recurrent models);
+4. greedy sampling: the argmax of the last logits of every request whose step reaches the end
+   of its known tokens (``samples``);
+5. ``Scheduler.update`` appends the tokens, finishes requests (length, EOS, max length) and
+   frees their blocks; the step returns the streamed :class:`~hybridkv.scheduler.RequestOutput`.
+
+State copies and preemption: the runner performs, per request, ``zero_before`` and
+``copies_before`` before any forward pass of the step and ``copies_after`` after every pass
+wrote its states, which is the order :mod:`hybridkv.cache.kinds.state` prescribes.  Requests of
+one step never share a slot they write (the runner checks), a checkpoint a hit restores from is
+referenced until the restoring step is planned, and a preempted request is not in the step that
+preempted it (the scheduler admits nothing in such a step), so no order *between* requests
+matters.  A re-admitted request restarts from its hit (a checkpoint restored into a fresh
+running slot) or from zero (``zero_before``); tokens it had already generated are recomputed as
+a prefill, and each output token is sampled exactly once.
+
+Example (a tiny built-in hybrid model, random weights)::
+
+    >>> from hybridkv.engine import CacheConfig, LLMEngine
+    >>> engine = LLMEngine("lfm3", cache=CacheConfig(block_size=4, state_block_size=8))
+    >>> [len(c.token_ids) for c in engine.generate([[1, 2, 3], [4, 5]], max_tokens=4)]
+    [4, 4]
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.cache import KVCacheManager
+from hybridkv.engine.batch import StepBatch
+from hybridkv.engine.errors import EngineError, ModelSourceError, PromptError
+from hybridkv.engine.manager_bridge import step_from_tables
+from hybridkv.engine.metrics import CacheTracker, EngineStats, group_labels
+from hybridkv.engine.models import TINY_MODELS, load_model
+from hybridkv.engine.probe import probe_model, probe_model_spec
+from hybridkv.engine.runner import ModelRunner
+from hybridkv.engine.views import StorageViews
+from hybridkv.errors import PlanError
+from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
+from hybridkv.scheduler import (
+    FinishReason,
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+    SequenceState,
+)
+from hybridkv.specs import ModelSpec
+from hybridkv.storage import KVCacheStorage
+
+__all__ = ["DEFAULT_MEMORY_BYTES", "CacheConfig", "Completion", "LLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+#: Cache budget when neither ``memory_bytes`` nor ``num_blocks`` is given: 64 MiB.
+DEFAULT_MEMORY_BYTES = 64 << 20
+#: ``max_model_len`` when none is given: the model's own limit, at most this many tokens.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def _positive(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise PlanError(f"CacheConfig.{name}: must be a positive integer or None, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """How the engine plans its cache (see :func:`hybridkv.plan.make_plan` for the fields it
+    passes on: ``strategy``, ``block_size``, ``kernel_block_size``, ``state_block_size``,
+    ``chunk_alignment``).
+
+    The budget is ``memory_bytes``, or ``num_blocks``: room for that many blocks of every group
+    at once (arena: whole chunks of each group plus the null chunk; pools: one pool of
+    ``num_blocks + 1`` blocks per group; uniform: ``num_blocks + 1`` blocks per group in the
+    shared pool), or
+    :data:`DEFAULT_MEMORY_BYTES`.
+    ``max_model_len`` (tokens) defaults to the model's ``max_position_embeddings``, at most
+    2048.  Raises :class:`~hybridkv.errors.PlanError` when both budgets are given or a count
+    is not positive.
+    """
+
+    strategy: str = "arena"
+    memory_bytes: int | None = None
+    num_blocks: int | None = None
+    block_size: int = 16
+    kernel_block_size: int | None = None
+    state_block_size: int | None = None
+    max_model_len: int | None = None
+    chunk_alignment: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "num_blocks", "max_model_len"):
+            _positive(name, getattr(self, name))
+        if self.memory_bytes is not None and self.num_blocks is not None:
+            raise PlanError(
+                f"CacheConfig: give memory_bytes ({self.memory_bytes}) or num_blocks "
+                f"({self.num_blocks}), not both"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    """A finished request.
+
+    ``token_ids`` are the generated tokens; ``num_cached_tokens`` the prefix-cache hit of its
+    first admission; ``logits[i]`` the float32 logits ``token_ids[i]`` is the argmax of (kept
+    only when the engine was built with ``keep_logits=True``, else empty).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    num_cached_tokens: int
+    num_preemptions: int
+    logits: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass
+class _Live:
+    seq: SequenceState
+    prompt: tuple[int, ...]
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def _default_max_len(model: Any) -> int:
+    text = model.config.get_text_config(decoder=True)
+    limit = getattr(text, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 0:
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    return DEFAULT_MAX_MODEL_LEN
+
+
+class LLMEngine:
+    """Continuous-batching greedy generation over hybridkv's paged hybrid cache.
+
+    ``model``: a tiny built-in model name (:data:`~hybridkv.engine.models.TINY_MODELS`), a
+    checkpoint directory (``config.json`` + safetensors; its architecture must be one
+    :mod:`hybridkv.models` maps, checked before any weight is loaded), or a loaded transformers
+    causal LM (used in place: it is switched to the paged attention implementation, so take a
+    :func:`~hybridkv.engine.models.reference_copy` first if you need the original).  Names and
+    directories are loaded with ``dtype`` and ``seed`` and moved to ``device``; a given model
+    stays where it is and the cache follows it.
+
+    The plan comes from what the model really caches (:func:`probe_model_spec`).
+    ``scheduler`` defaults to :class:`SchedulerConfig` (``collect_block_ids`` is forced on: the
+    runner needs the tables).  ``keep_logits`` keeps every sampled token's logits in its
+    :class:`Completion`.  Finished requests accumulate in :attr:`completions` (request id ->
+    :class:`Completion`) until the caller removes them.
+
+    Raises :class:`~hybridkv.engine.errors.ModelSourceError` (unknown name, no config),
+    :class:`~hybridkv.errors.UnsupportedModelTypeError` (architecture not mapped),
+    :class:`~hybridkv.errors.PlanError` (budget too small, bad sizes) and
+    :class:`~hybridkv.engine.errors.BindingError` (layout does not fit the model).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module,
+        *,
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        keep_logits: bool = False,
+    ) -> None:
+        self.cache_config = cache = cache or CacheConfig()
+        if isinstance(model, torch.nn.Module):
+            net: Any = model
+            name = str(getattr(net.config, "name_or_path", "") or net.config.model_type)
+        else:
+            name = str(model)
+            if name not in TINY_MODELS:
+                _check_architecture(Path(model))
+            net = load_model(model, seed=seed, dtype=dtype).to(device)
+        self.name = name
+        probe = probe_model(net)
+        self.spec: ModelSpec = probe_model_spec(probe, name=name)
+        self.max_model_len = cache.max_model_len or _default_max_len(net)
+        self.plan: Plan = self._make_plan(cache)
+        self.layout = self.plan.layout
+        device = next(net.parameters()).device
+        self.storage = KVCacheStorage(self.layout, device=device)
+        self.runner = ModelRunner(net, self.layout, StorageViews(self.storage), probe=probe)
+        self.model = net
+        self.manager = KVCacheManager(self.layout, max_model_len=self.max_model_len)
+        sched = scheduler or SchedulerConfig()
+        if not sched.collect_block_ids:
+            sched = replace(sched, collect_block_ids=True)
+        self.scheduler = Scheduler(self.manager, sched, max_model_len=self.max_model_len)
+        self.vocab_size = int(net.config.get_text_config(decoder=True).vocab_size)
+        self.keep_logits = keep_logits
+        self.completions: dict[str, Completion] = {}
+        self._live: dict[str, _Live] = {}
+        self._tracker = CacheTracker(self.layout)
+        self._counts = dict.fromkeys(
+            ("steps", "passes", "batch", "step_tokens", "prompt", "computed", "gen"), 0
+        )
+        self._seconds = 0.0
+        self._model_seconds = 0.0
+        self._next_id = 0
+
+    def _make_plan(self, cache: CacheConfig) -> Plan:
+        options: dict[str, Any] = {
+            "max_model_len": self.max_model_len,
+            "strategy": cache.strategy,
+            "block_size": cache.block_size,
+            "kernel_block_size": cache.kernel_block_size,
+            "state_block_size": cache.state_block_size,
+            "chunk_alignment": cache.chunk_alignment,
+        }
+        if cache.num_blocks is None:
+            memory = cache.memory_bytes or DEFAULT_MEMORY_BYTES
+            return make_plan(self.spec, memory_bytes=memory, **options)
+        # The arena planner may pad state pages differently for another budget (other chunk
+        # sizes): size the budget from a plan until the plan it gives agrees.
+        plan = make_plan(self.spec, memory_bytes=1 << 40, **options)
+        if plan.layout.strategy is Strategy.POOLS:
+            # Weights proportional to block bytes give every pool the same number of blocks.
+            options["pool_ratios"] = [g.block_bytes for g in plan.layout.groups]
+        for _ in range(4):
+            memory = _budget_for_blocks(plan.layout, cache.num_blocks)
+            if memory == plan.memory_bytes:
+                break
+            plan = make_plan(self.spec, memory_bytes=memory, **options)
+        return plan
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Queue a request.  Raises :class:`PromptError` for a prompt :meth:`check_prompt`
+        refuses or ``max_tokens < 1``, and :class:`~hybridkv.scheduler.SchedulerError` for a
+        duplicate id.  Nothing is queued when it raises."""
+        prompt = self.check_prompt(request_id, prompt_token_ids)
+        if max_tokens < 1:
+            raise PromptError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        seq = self.scheduler.add_request(
+            request_id, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids
+        )
+        self._live[request_id] = _Live(seq, prompt)
+        self._counts["prompt"] += len(prompt)
+
+    def check_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The prompt as a tuple, if the engine can serve it.  Raises :class:`PromptError`
+        naming ``request_id`` for an empty prompt, a token id outside ``[0, vocab_size)``, or
+        ``max_model_len`` tokens or more (one output token must fit).  Reads only."""
+        prompt = tuple(prompt_token_ids)
+        if not prompt:
+            raise PromptError(f"request {request_id!r}: the prompt is empty")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptError(
+                f"request {request_id!r}: token id {bad[0]!r} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        if len(prompt) >= self.max_model_len:
+            raise PromptError(
+                f"request {request_id!r}: the prompt has {len(prompt)} tokens; prompts must be "
+                f"shorter than max_model_len {self.max_model_len}"
+            )
+        return prompt
+
+    def has_unfinished(self) -> bool:
+        """True while a request is waiting or running."""
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step through the model (see the module docstring) and return the
+        tokens it produced, one :class:`RequestOutput` per sampling request.
+
+        Mutates the scheduler, the manager, the cache storage and :attr:`completions`.  Raises
+        :class:`EngineError` when requests remain but none can be scheduled.  If the runner
+        raises, the step's allocations stay made: the engine cannot continue.
+        """
+        start = time.perf_counter()
+        running = {s.request_id for s in self.scheduler.running}
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if not out.preempted and self.scheduler.has_unfinished():
+                raise EngineError(
+                    f"step: {len(self.scheduler.waiting)} waiting requests but nothing could "
+                    "be scheduled (token budget or cache too small)"
+                )
+            self._seconds += time.perf_counter() - start
+            return []
+        admitted = [i.request_id for i in out.scheduled if i.request_id not in running]
+        self._tracker.record_step(
+            out,
+            admitted,
+            {rid: self._live[rid].seq.request.num_tokens for rid in admitted},
+        )
+        self._tracker.record_holdings(self.manager, [s.request_id for s in self.scheduler.running])
+        batch = StepBatch(
+            requests=tuple(
+                step_from_tables(
+                    self.layout,
+                    item.block_ids,
+                    request_id=item.request_id,
+                    token_ids=item.token_ids,
+                    num_computed=item.start,
+                    result=item.allocation,
+                )
+                for item in out.scheduled
+            )
+        )
+        model_start = time.perf_counter()
+        result = self.runner.execute(batch)
+        self._model_seconds += time.perf_counter() - model_start
+        sampled = {
+            item.request_id: int(result.logits[item.request_id].argmax())
+            for item in out.scheduled
+            if item.samples
+        }
+        outputs = self.scheduler.update(out, sampled)
+        for o in outputs:
+            self._record(o, result.logits[o.request_id])
+        c = self._counts
+        c["steps"] += 1
+        c["passes"] += result.num_passes
+        c["batch"] = max(c["batch"], len(out.scheduled))
+        c["step_tokens"] = max(c["step_tokens"], batch.num_tokens)
+        c["computed"] += batch.num_tokens
+        c["gen"] += len(outputs)
+        self._seconds += time.perf_counter() - start
+        return outputs
+
+    def _record(self, output: RequestOutput, logits: torch.Tensor) -> None:
+        live = self._live[output.request_id]
+        live.tokens.extend(output.new_token_ids)
+        if self.keep_logits:
+            live.logits.append(logits.detach().cpu().clone())  # not a view of the batch
+        if not output.finished or output.finish_reason is None:
+            return
+        rid = output.request_id
+        self.completions[rid] = Completion(
+            request_id=rid,
+            prompt_token_ids=live.prompt,
+            token_ids=tuple(live.tokens),
+            finish_reason=output.finish_reason,
+            num_cached_tokens=live.seq.num_cached_tokens,
+            num_preemptions=live.seq.num_preemptions,
+            logits=tuple(live.logits),
+        )
+        del self._live[rid]
+        self._tracker.forget(rid)
+
+    def run(self) -> None:
+        """Step until no request is waiting or running."""
+        while self.scheduler.has_unfinished():
+            self.step()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]] | Mapping[str, Sequence[int]],
+        max_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+    ) -> list[Completion]:
+        """Add ``prompts`` (a list gets ids ``req-0``, ``req-1``, ...; a mapping names them),
+        run every queued request to completion, and return these prompts' completions in
+        order.  Raises like :meth:`add_request` (requests added before the failing one stay
+        queued) and :meth:`step`."""
+        if isinstance(prompts, Mapping):
+            named = dict(prompts)
+        else:
+            named = {}
+            for p in prompts:
+                named[f"req-{self._next_id}"] = p
+                self._next_id += 1
+        for rid, p in named.items():
+            self.add_request(rid, p, max_tokens=max_tokens, eos_token_ids=eos_token_ids)
+        self.run()
+        return [self.completions[rid] for rid in named]
+
+    # ----------------------------------------------------------------- reporting
+
+    def stats(self) -> EngineStats:
+        """Counters since the engine was built (see :class:`EngineStats`)."""
+        c, t = self._counts, self._tracker
+        manager_stats = self.manager.stats
+        return EngineStats(
+            groups=group_labels(self.layout),
+            steps=c["steps"],
+            forward_passes=c["passes"],
+            max_batch_requests=c["batch"],
+            max_step_tokens=c["step_tokens"],
+            prompt_tokens=c["prompt"],
+            computed_tokens=c["computed"],
+            generated_tokens=c["gen"],
+            seconds=self._seconds,
+            model_seconds=self._model_seconds,
+            admitted_tokens=t.admitted_tokens,
+            prefix_hit_tokens=t.prefix_hit_tokens,
+            query_tokens=manager_stats.query_tokens,
+            group_hit_tokens=manager_stats.group_alone_hit_tokens,
+            peak_blocks=tuple(t.peak_blocks),
+            window_blocks_released=tuple(t.window_released),
+            preemptions=self.scheduler.num_preemptions,
+            peak_usage=t.peak_usage,
+        )
+
+
+def _budget_for_blocks(layout: MemoryLayout, num_blocks: int) -> int:
+    """Bytes holding ``num_blocks`` blocks of every group of ``layout`` at once, null blocks
+    included: whole chunks per group plus the null chunk (arena), or ``num_blocks + 1``
+    blocks of every group (pools, uniform).  Block and chunk sizes do not depend on the
+    budget, except where the arena planner pads state pages differently for it."""
+    if layout.arena is not None:
+        per_group = (-(-num_blocks // layout.blocks_per_chunk(g.group_id)) for g in layout.groups)
+        return (1 + sum(per_group)) * layout.arena.chunk_bytes
+    return (num_blocks + 1) * sum(g.block_bytes for g in layout.groups)
+
+
+def _check_architecture(path: Path) -> None:
+    """Fail before loading weights when ``path`` has no config or an architecture
+    :mod:`hybridkv.models` cannot map (its errors propagate)."""
+    from hybridkv.models import spec_from_config
+
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(
+            f"model: {str(path)!r} is neither a tiny model ({', '.join(sorted(TINY_MODELS))}) "
+            "nor a directory holding config.json and safetensors weights"
+        )
+    spec_from_config(path)

@@ -1,0 +1,172 @@
+"""LLMEngine's API: streaming steps, stop reasons, statistics, budgets, errors, verification."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridkv.engine import (
+    CacheConfig,
+    LLMEngine,
+    ModelSourceError,
+    PromptError,
+    reference_copy,
+    verify_completions,
+)
+from hybridkv.engine.errors import EngineError
+from hybridkv.engine.models import load_model
+from hybridkv.engine.verify import Mismatch, greedy_reference
+from hybridkv.errors import PlanError, UnsupportedModelTypeError
+from hybridkv.scheduler import FinishReason, SchedulerConfig, SchedulerError, SchedulerOutput
+
+SMALL = CacheConfig(block_size=4, state_block_size=8, memory_bytes=1 << 20, max_model_len=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def _models(name: str) -> tuple[Any, Any]:
+    model = load_model(name)
+    return model, reference_copy(model)
+
+
+def test_steps_stream_one_output_per_sampling_request() -> None:
+    engine = LLMEngine(_models("lfm2")[0], cache=SMALL, scheduler=SchedulerConfig(token_budget=8))
+    engine.add_request("a", list(range(1, 12)), max_tokens=2)
+    engine.add_request("b", [5, 6], max_tokens=3)
+    streamed: list[list[tuple[str, int, bool]]] = []
+    while engine.has_unfinished():
+        outs = engine.step()
+        streamed.append([(o.request_id, len(o.new_token_ids), o.finished) for o in outs])
+    # a's 11-token prompt: 8 (aligned chunk, the whole budget) then 3 with b's prefill
+    assert streamed == [
+        [],
+        [("a", 1, False), ("b", 1, False)],
+        [("a", 1, True), ("b", 1, False)],
+        [("b", 1, True)],
+    ]
+    assert {rid: len(c.token_ids) for rid, c in engine.completions.items()} == {"a": 2, "b": 3}
+    stats = engine.stats()
+    assert (stats.steps, stats.generated_tokens, stats.prompt_tokens) == (4, 5, 13)
+    assert stats.computed_tokens == 13 + 3 and stats.max_step_tokens == 8
+    assert stats.tokens_per_second > 0 and 0 < stats.model_seconds <= stats.seconds
+
+
+def test_eos_stops_a_request_and_generate_keeps_order() -> None:
+    model, ref = _models("llama")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    first = [greedy_reference(ref, p, 4).tokens for p in prompts]
+    engine = LLMEngine(model, cache=SMALL, keep_logits=True)
+    eos = first[0][1]  # a's second token
+    done = engine.generate(prompts, max_tokens=4, eos_token_ids=[eos])
+    assert [c.request_id for c in done] == ["req-0", "req-1"]
+    assert done[0].token_ids == tuple(first[0][:2]) and done[0].finish_reason is FinishReason.STOP
+    assert len(done[0].logits) == 2 and done[0].logits[0].shape == (256,)
+    result = verify_completions(ref, done, [eos])
+    assert result.ok and result.num_tokens == len(done[0].token_ids) + len(done[1].token_ids)
+    assert result.max_logit_diff is not None and result.max_logit_diff < 1e-4
+    # named prompts, and the ids continue after the generated ones
+    more = engine.generate({"x": [1, 2, 3]}, max_tokens=1)
+    assert [c.request_id for c in more] == ["x"]
+    assert engine.generate([[7]], max_tokens=1)[0].request_id == "req-2"
+
+
+def test_max_model_len_finishes_a_request() -> None:
+    engine = LLMEngine(_models("llama")[0], cache=CacheConfig(block_size=4, max_model_len=8))
+    (done,) = engine.generate([[1, 2, 3, 4, 5]], max_tokens=10)
+    assert len(done.token_ids) == 3 and done.finish_reason is FinishReason.MAX_MODEL_LEN
+
+
+def test_verify_reports_the_first_difference() -> None:
+    model, ref = _models("llama")
+    engine = LLMEngine(model, cache=SMALL)
+    (done,) = engine.generate([[3, 1, 4]], max_tokens=3)
+    want = greedy_reference(ref, [3, 1, 4], 3).tokens
+    forged = type(done)(**{**done.__dict__, "token_ids": (want[0], want[1] + 1)})
+    result = verify_completions(ref, [forged])
+    assert not result.ok and result.max_logit_diff is None
+    assert result.mismatches == (Mismatch("req-0", 1, want[1] + 1, want[1]),)
+
+
+def test_num_blocks_budget() -> None:
+    model = _models("lfm3")[0]
+    for strategy in ("pools", "uniform", "arena"):
+        cache = CacheConfig(strategy=strategy, block_size=4, num_blocks=9, max_model_len=32)
+        layout = LLMEngine(model, cache=cache).layout
+        if layout.arena is None:
+            # pools: one pool of 10 blocks (null included) per group; uniform: one shared pool
+            sizes = [p.num_blocks for p in layout.pools]
+            assert sizes == ([10] * 3 if strategy == "pools" else [30])
+        else:
+            usable = [
+                (layout.arena.num_chunks - 1) * layout.blocks_per_chunk(g.group_id)
+                for g in layout.groups
+            ]
+            assert all(n >= 9 for n in usable)
+
+
+def test_bad_configuration_and_requests() -> None:
+    with pytest.raises(PlanError, match=r"give memory_bytes .* or num_blocks"):
+        CacheConfig(memory_bytes=1 << 20, num_blocks=4)
+    with pytest.raises(PlanError, match=r"CacheConfig\.num_blocks: must be a positive integer"):
+        CacheConfig(num_blocks=0)
+    engine = LLMEngine(_models("llama")[0], cache=SMALL)
+    with pytest.raises(PromptError, match="'e': the prompt is empty"):
+        engine.add_request("e", [], max_tokens=1)
+    with pytest.raises(PromptError, match="token id 256 is outside the vocabulary"):
+        engine.add_request("v", [1, 256], max_tokens=1)
+    with pytest.raises(PromptError, match="64 tokens; prompts must be shorter"):
+        engine.add_request("long", [1] * 64, max_tokens=1)
+    with pytest.raises(PromptError, match="max_tokens must be >= 1"):
+        engine.add_request("z", [1], max_tokens=0)
+    engine.add_request("a", [1], max_tokens=1)
+    with pytest.raises(SchedulerError, match="already queued"):
+        engine.add_request("a", [2], max_tokens=1)
+    assert engine.stats().prompt_tokens == 1
+
+
+def test_model_sources(tmp_path: Path) -> None:
+    with pytest.raises(ModelSourceError, match="is neither a tiny model"):
+        LLMEngine(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}', encoding="utf-8")
+    with pytest.raises(UnsupportedModelTypeError, match="'bert' is not supported"):
+        LLMEngine(tmp_path)
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8, '
+        '"num_attention_heads": 2}',
+        encoding="utf-8",
+    )
+    with pytest.raises(ModelSourceError, match="cannot load"):
+        LLMEngine(tmp_path)  # a config but no weights
+
+
+class _StuckScheduler:
+    """A scheduler with a waiting request it never schedules."""
+
+    def __init__(self) -> None:
+        self.running: list[Any] = []
+        self.waiting = [object()]
+
+    def schedule(self) -> SchedulerOutput:
+        return SchedulerOutput(step=1, scheduled=())
+
+    def has_unfinished(self) -> bool:
+        return True
+
+
+def test_a_step_that_schedules_nothing_is_an_error() -> None:
+    engine = LLMEngine(_models("llama")[0], cache=SMALL)
+    engine.scheduler = _StuckScheduler()  # type: ignore[assignment]
+    with pytest.raises(EngineError, match="1 waiting requests but nothing could be scheduled"):
+        engine.step()
