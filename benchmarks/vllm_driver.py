@@ -1,0 +1,1135 @@
+"""Drive vLLM 0.33's own ``KVCacheManager`` on CPU: the reference hybridkv is compared against.
+
+Run it with the separate vLLM virtualenv described in ``docs/vllm.md`` (never hybridkv's venv)::
+
+    /tmp/vllmenv/bin/python benchmarks/vllm_driver.py --out results/vllm_driver.json
+    /tmp/vllmenv/bin/python benchmarks/vllm_driver.py --workload driver --cross-check
+    /tmp/vllmenv/bin/python benchmarks/vllm_driver.py --trace PATH --requests 300
+
+Per configuration (full+swa, full+mamba, full+swa+mamba at equal memory) it prints the token
+hit rate, preemptions, peak blocks/bytes and per-call manager times, and writes everything to
+JSON.  ``--cross-check`` replays the same workload through vLLM's real ``Scheduler`` and
+reports whether hits, steps and preemptions are identical to :func:`run_minimal_scheduler`.
+
+Importing this module never imports vLLM; :func:`build_vllm_manager` does and raises
+:class:`VllmUnavailable` when it cannot, so other benchmark scripts can skip cleanly.  The
+workload generator, the fake token stream and :func:`run_minimal_scheduler` are plain Python: a
+hybridkv adapter with the :class:`ManagerAdapter` methods is driven by the very same loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+__all__ = [
+    "GroupDesc",
+    "ManagerAdapter",
+    "SimRequest",
+    "SyntheticWorkloadConfig",
+    "VllmManagerAdapter",
+    "VllmSetup",
+    "VllmUnavailable",
+    "WorkloadRequest",
+    "build_vllm_manager",
+    "fake_output_token",
+    "ideal_hit_tokens",
+    "load_mooncake_trace",
+    "make_synthetic_workload",
+    "run_minimal_scheduler",
+    "run_real_scheduler",
+    "vllm_available",
+]
+
+PROMPT_TOKEN_RANGE = (1_000, 60_000)  # random user-text token ids
+OUTPUT_TOKEN_BASE, OUTPUT_TOKEN_RANGE = 100_000, 50_000  # fake sampled token ids
+TRACE_TOKEN_BASE, TRACE_BLOCK = 1_000_000, 512  # Mooncake hash_id -> tokens (traces/README)
+OPS = ("get_computed_blocks", "allocate_slots", "free", "end_step", "hash")
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM (or a package its import chain needs) cannot be imported in this interpreter."""
+
+
+# ---------------------------------------------------------------------------------- workload
+@dataclass(frozen=True, kw_only=True)
+class WorkloadRequest:
+    """One request.  ``arrival_step`` is in scheduler steps; a follow-up turn (``parent_id``
+    set) becomes eligible only ``think_steps`` steps after its parent finished.  The sampled
+    tokens are ``output_token_ids`` when given, else :func:`fake_output_token`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_output_tokens: int
+    arrival_step: int
+    parent_id: str | None = None
+    think_steps: int = 0
+    output_token_ids: tuple[int, ...] = ()
+
+    def output_token(self, position: int) -> int:
+        """The token this request samples at output ``position`` (0-based)."""
+        if self.output_token_ids:
+            return self.output_token_ids[position]
+        return fake_output_token(self.request_id, position)
+
+
+def fake_output_token(request_id: str, position: int) -> int:
+    """Deterministic "sampled" token: the same (request, output position) gives the same id in
+    every system and process, so two managers see identical token streams."""
+    return OUTPUT_TOKEN_BASE + zlib.crc32(f"{request_id}:{position}".encode()) % OUTPUT_TOKEN_RANGE
+
+
+def from_shared_workload(requests: Sequence[Any]) -> list[WorkloadRequest]:
+    """Requests of ``benchmarks/workloads.py`` (fields ``prompt``, ``output``, ``parent``), the
+    workload hybridkv's own benchmarks replay, as driver requests with the same tokens."""
+    return [
+        WorkloadRequest(
+            request_id=r.request_id,
+            prompt_token_ids=tuple(r.prompt),
+            max_output_tokens=len(r.output),
+            output_token_ids=tuple(r.output),
+            arrival_step=r.arrival_step,
+            parent_id=r.parent,
+            think_steps=r.think_steps,
+        )
+        for r in requests
+    ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyntheticWorkloadConfig:
+    """The anchors.md synthetic workload.  Ranges are inclusive, in tokens or steps."""
+
+    num_requests: int = 200
+    num_prefixes: int = 8
+    zipf_s: float = 1.1
+    prefix_tokens: tuple[int, int] = (256, 2048)
+    prompt_tokens: tuple[int, int] = (500, 4000)
+    output_tokens: tuple[int, int] = (64, 256)
+    followup_prob: float = 0.3
+    turn_tokens: tuple[int, int] = (32, 512)
+    mean_arrival_gap_steps: float = 1.0
+    think_steps: tuple[int, int] = (0, 20)
+    seed: int = 0
+
+
+def make_synthetic_workload(cfg: SyntheticWorkloadConfig) -> list[WorkloadRequest]:
+    """Prompts start with one of ``num_prefixes`` shared prefixes (Zipf popularity) followed by
+    unique text, or re-send an earlier request's prompt + its whole output + a new user turn
+    (probability ``followup_prob``).  Poisson arrivals.  A pure function of ``cfg``."""
+    rng = random.Random(cfg.seed)
+
+    def text(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(n))
+
+    prefixes = [text(rng.randint(*cfg.prefix_tokens)) for _ in range(cfg.num_prefixes)]
+    weights = [1.0 / (k + 1) ** cfg.zipf_s for k in range(cfg.num_prefixes)]
+    out: list[WorkloadRequest] = []
+    clock = 0.0
+    for i in range(cfg.num_requests):
+        if i and cfg.mean_arrival_gap_steps > 0:
+            clock += rng.expovariate(1.0 / cfg.mean_arrival_gap_steps)
+        max_out, turn = rng.randint(*cfg.output_tokens), rng.randint(*cfg.turn_tokens)
+        fits = [
+            r
+            for r in out
+            if len(r.prompt_token_ids) + r.max_output_tokens + turn <= cfg.prompt_tokens[1]
+        ]
+        parent = rng.choice(fits) if fits and rng.random() < cfg.followup_prob else None
+        if parent is not None:
+            pid = parent.request_id
+            reply = tuple(fake_output_token(pid, j) for j in range(parent.max_output_tokens))
+            prompt = parent.prompt_token_ids + reply + text(turn)
+        else:
+            prefix = rng.choices(prefixes, weights)[0]
+            total = rng.randint(max(cfg.prompt_tokens[0], len(prefix) + 32), cfg.prompt_tokens[1])
+            prompt = prefix + text(total - len(prefix))
+        out.append(
+            WorkloadRequest(
+                request_id=f"req-{i:05d}",
+                prompt_token_ids=prompt,
+                max_output_tokens=max_out,
+                arrival_step=int(clock),
+                parent_id=parent.request_id if parent else None,
+                think_steps=rng.randint(*cfg.think_steps),
+            )
+        )
+    return out
+
+
+def load_mooncake_trace(
+    path: Path, num_requests: int, ms_per_step: float, max_model_len: int
+) -> tuple[list[WorkloadRequest], int]:
+    """The first ``num_requests`` trace lines as requests (hash block ``h`` holds the tokens
+    ``TRACE_TOKEN_BASE + h * 512 + i``).  Returns (requests, lines skipped because prompt +
+    output exceeds ``max_model_len``)."""
+    out: list[WorkloadRequest] = []
+    skipped = 0
+    with path.open() as fh:
+        for i, line in enumerate(fh):
+            if i >= num_requests:
+                break
+            rec = json.loads(line)
+            n_in, n_out = int(rec["input_length"]), max(1, int(rec["output_length"]))
+            if n_in + n_out > max_model_len:
+                skipped += 1
+                continue
+            base = [TRACE_TOKEN_BASE + h * TRACE_BLOCK for h in rec["hash_ids"]]
+            toks = tuple(b + j for b in base for j in range(TRACE_BLOCK))[:n_in]
+            out.append(
+                WorkloadRequest(
+                    request_id=f"trace-{i:06d}",
+                    prompt_token_ids=toks,
+                    max_output_tokens=n_out,
+                    arrival_step=int(rec["timestamp"] / ms_per_step),
+                )
+            )
+    return out, skipped
+
+
+def ideal_hit_tokens(requests: Sequence[WorkloadRequest], block_size: int) -> int:
+    """Hit tokens with an unbounded cache at ``block_size`` granularity, requests served in
+    arrival order, each hit capped at prompt_len - 1 as in vLLM: the bound for any manager."""
+    seen: set[int] = set()
+    total = 0
+    for r in sorted(requests, key=lambda r: (r.arrival_step, r.request_id)):
+        outs = tuple(r.output_token(j) for j in range(r.max_output_tokens))
+        seq, n_prompt = r.prompt_token_ids + outs, len(r.prompt_token_ids)
+        key, hit = 0, 0
+        # The cached sequence: prompt + output but the last sampled token (never computed).
+        for b in range((len(seq) - 1) // block_size):
+            key = hash((key, seq[b * block_size : (b + 1) * block_size]))
+            if hit == b * block_size and b < (n_prompt - 1) // block_size and key in seen:
+                hit += block_size
+            seen.add(key)
+        total += hit
+    return total
+
+
+class _Arrivals:
+    """Releases requests at their arrival step, follow-ups only after their parent ended."""
+
+    def __init__(self, requests: Sequence[WorkloadRequest]) -> None:
+        self.order = sorted(requests, key=lambda r: (r.arrival_step, r.request_id))
+        self.next = 0
+        self.gated: list[WorkloadRequest] = []
+        self.ended_at: dict[str, int] = {}
+
+    def pending(self) -> bool:
+        return self.next < len(self.order) or bool(self.gated)
+
+    def ready(self, step: int) -> list[WorkloadRequest]:
+        while self.next < len(self.order) and self.order[self.next].arrival_step <= step:
+            self.gated.append(self.order[self.next])
+            self.next += 1
+        ok: list[WorkloadRequest] = []
+        held: list[WorkloadRequest] = []
+        for w in self.gated:
+            p = w.parent_id
+            free = p is None or step >= self.ended_at.get(p, step + 1) + w.think_steps
+            (ok if free else held).append(w)
+        self.gated = held
+        return ok
+
+    def skip_idle(self, step: int) -> int:
+        """The next step at which something can arrive (>= step + 1)."""
+        cands = [self.order[self.next].arrival_step] if self.next < len(self.order) else []
+        ended = self.ended_at
+        cands += [ended[p] + w.think_steps for w in self.gated if (p := w.parent_id) in ended]
+        return max(step + 1, min(cands, default=step + 1))
+
+
+# ------------------------------------------------------------------------------- vLLM set-up
+@dataclass(frozen=True, kw_only=True)
+class GroupDesc:
+    """Layers of one kind, described with plain data (sizes in tokens and bytes).
+
+    ``kind`` is "full", "sliding" (needs ``window``) or "mamba" (needs ``mamba_shapes`` and one
+    ``mamba_dtype_bytes`` entry per shape).  Attention page = 2*block*heads*head_dim*bytes."""
+
+    kind: str
+    num_layers: int
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+    window: int = 0
+    mamba_shapes: tuple[tuple[int, ...], ...] = ()
+    mamba_dtype_bytes: tuple[int, ...] = ()
+    block_size: int = 16
+
+    @classmethod
+    def from_any(cls, value: GroupDesc | Mapping[str, Any]) -> GroupDesc:
+        d = value if isinstance(value, GroupDesc) else cls(**dict(value))
+        if d.kind not in ("full", "sliding", "mamba"):
+            raise ValueError(f"kind={d.kind!r}: must be 'full', 'sliding' or 'mamba'")
+        if d.kind == "sliding" and d.window <= 0:
+            raise ValueError(f"window={d.window}: a sliding group needs a window > 0")
+        if d.kind == "mamba" and (
+            not d.mamba_shapes or len(d.mamba_shapes) != len(d.mamba_dtype_bytes)
+        ):
+            raise ValueError(f"mamba_dtype_bytes={d.mamba_dtype_bytes}: need one per shape")
+        return d
+
+    @property
+    def attn_bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        pairs = zip(self.mamba_shapes, self.mamba_dtype_bytes, strict=True)
+        return sum(math.prod(shape) * nbytes for shape, nbytes in pairs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmSetup:
+    """What :func:`build_vllm_manager` made: the manager plus the sizes vLLM resolved."""
+
+    manager: Any
+    kv_cache_config: Any
+    vllm_config: Any
+    block_hasher: Callable[[Any], list[Any]]
+    vllm: SimpleNamespace
+    scheduler_block_size: int
+    hash_block_size: int
+    bytes_per_block: int
+    num_blocks: int
+    mamba_align: bool
+    partial_hash_hits: bool
+    groups: list[dict[str, Any]]
+
+
+def vllm_available() -> bool:
+    """True when vLLM's KV cache manager can be imported in this interpreter."""
+    try:
+        _import_vllm()
+    except VllmUnavailable:
+        return False
+    return True
+
+
+def _import_vllm() -> SimpleNamespace:
+    if importlib.util.find_spec("vllm") is None:  # fast path: skip importing torch
+        raise VllmUnavailable("vllm is not installed in this interpreter (see docs/vllm.md)")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # VllmConfig cannot infer a device else
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        import torch
+        import vllm.config as config
+        import vllm.v1.core.kv_cache_planning as planning
+        import vllm.v1.core.kv_cache_utils as utils
+        import vllm.v1.kv_cache_interface as iface
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.request import Request, RequestStatus
+        from vllm.version import __version__
+    except Exception as exc:  # ImportError, or a dependency failing at import time
+        raise VllmUnavailable(f"cannot import vLLM's KV cache manager: {exc!r}") from exc
+    return SimpleNamespace(
+        torch=torch,
+        config=config,
+        planning=planning,
+        utils=utils,
+        iface=iface,
+        SamplingParams=SamplingParams,
+        get_hash_fn_by_name=get_hash_fn_by_name,
+        get_kv_cache_config_builder=get_kv_cache_config_builder,
+        KVCacheManager=KVCacheManager,
+        Request=Request,
+        RequestStatus=RequestStatus,
+        version=__version__,
+    )
+
+
+def _layer_specs(v: SimpleNamespace, descs: list[GroupDesc], align: int) -> tuple[dict, int]:
+    """Per-layer vLLM specs.  With attention and Mamba layers, the block grows and the Mamba
+    page is padded as ``Platform._align_hybrid_block_size`` does (replicated: it needs a real
+    model and GPU attention backends): smallest multiple of max(align, block) whose attention
+    page covers the largest state, then the state padded to exactly that page."""
+    block = descs[0].block_size
+    mambas = [d for d in descs if d.kind == "mamba"]
+    attns = [d for d in descs if d.kind != "mamba"]
+    padded = None
+    if mambas and attns:
+        per_tok = max(d.attn_bytes_per_token for d in attns)
+        state = max(d.state_bytes for d in mambas)
+        step = max(align, block)
+        block = max(block, step * -(-state // (step * per_tok)))
+        padded = block * per_tok if block * per_tok != state else None
+    dtypes = {1: v.torch.uint8, 2: v.torch.bfloat16, 4: v.torch.float32}
+    specs: dict[str, Any] = {}
+    for d in descs:
+        for _ in range(d.num_layers):
+            name = f"model.layers.{len(specs)}.{d.kind}"
+            if d.kind == "mamba":
+                specs[name] = v.iface.MambaSpec(
+                    shapes=d.mamba_shapes,
+                    dtypes=tuple(dtypes[b] for b in d.mamba_dtype_bytes),
+                    block_size=block,
+                    page_size_padded=padded,
+                    mamba_cache_mode="align",
+                )
+                continue
+            kw = {"block_size": block, "num_kv_heads": d.num_kv_heads, "head_size": d.head_dim}
+            if d.kind == "full":
+                specs[name] = v.iface.FullAttentionSpec(dtype=dtypes[d.dtype_bytes], **kw)
+            else:
+                specs[name] = v.iface.SlidingWindowSpec(
+                    dtype=dtypes[d.dtype_bytes], sliding_window=d.window, **kw
+                )
+    return specs, block
+
+
+def build_vllm_manager(
+    groups: Sequence[GroupDesc | Mapping[str, Any]],
+    *,
+    memory_bytes: int | None = None,
+    num_blocks: int | None = None,
+    max_model_len: int = 16_384,
+    token_budget: int = 8_192,
+    max_num_seqs: int = 256,
+    hash_algo: str = "sha256",
+    prefix_match_unit: int | None = None,
+    kernel_block_alignment: int = 16,
+) -> VllmSetup:
+    """A vLLM ``KVCacheManager`` with prefix caching, built as vLLM's engine core builds it.
+
+    Exactly one of ``memory_bytes`` or ``num_blocks`` (``num_gpu_blocks_override``, null block
+    included) sizes the pool.  Grouping, page unification, padding layers, bytes per block,
+    num_blocks and the scheduler / hash block sizes come from vLLM's own functions; see
+    :func:`_layer_specs` for the one rule replicated.  Raises VllmUnavailable, or ValueError
+    naming a bad argument."""
+    v = _import_vllm()
+    descs = [GroupDesc.from_any(g) for g in groups]
+    if (memory_bytes is None) == (num_blocks is None):
+        raise ValueError(f"{memory_bytes=}, {num_blocks=}: give exactly one of them")
+    if not descs or len({d.block_size for d in descs}) != 1:
+        raise ValueError(f"block_size={[d.block_size for d in descs]}: need one shared size")
+    specs, block = _layer_specs(v, descs, kernel_block_alignment)
+    has_mamba = any(d.kind == "mamba" for d in descs)
+    cfg = v.config.VllmConfig(
+        cache_config=v.config.CacheConfig(
+            block_size=block,
+            enable_prefix_caching=True,
+            prefix_caching_hash_algo=hash_algo,
+            mamba_cache_mode="align" if has_mamba else "none",
+            mamba_block_size=block if has_mamba else None,
+            prefix_match_unit=prefix_match_unit,
+        ),
+        scheduler_config=v.config.SchedulerConfig(
+            max_num_batched_tokens=token_budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+        ),
+    )
+    cfg.cache_config.kv_cache_layout = "NHD"  # what GPU attention backends resolve to
+    builder = v.get_kv_cache_config_builder(cfg)
+    kv_groups = v.planning.get_kv_cache_groups(cfg, specs)
+    per_block = v.planning._pool_bytes_per_block_from_builder(builder, cfg, kv_groups)
+    n_blocks = num_blocks if num_blocks is not None else int(memory_bytes or 0) // per_block
+    kv_cfg = builder.get_kv_cache_config_from_groups(cfg, kv_groups, n_blocks)
+    sched_bs, hash_bs = v.utils.resolve_kv_cache_block_sizes(kv_cfg, cfg)
+    kv_cfg.hash_block_size = hash_bs
+    cfg.cache_config.num_gpu_blocks = kv_cfg.num_blocks
+    hash_fn = v.get_hash_fn_by_name(hash_algo)
+    v.utils.init_none_hash(hash_fn)
+    manager = v.KVCacheManager(
+        kv_cfg,
+        max_model_len=max_model_len,
+        scheduler_block_size=sched_bs,
+        hash_block_size=hash_bs,
+        max_in_flight_tokens=cfg.max_in_flight_tokens,
+        enable_caching=True,
+    )
+    summary = [
+        {
+            "spec": type(g.kv_cache_spec).__name__,
+            "layers": len(g.layer_names),
+            "block_size": g.kv_cache_spec.block_size,
+            "page_bytes_per_layer": g.kv_cache_spec.page_size_bytes,
+        }
+        for g in kv_cfg.kv_cache_groups
+    ]
+    return VllmSetup(
+        manager=manager,
+        kv_cache_config=kv_cfg,
+        vllm_config=cfg,
+        block_hasher=v.utils.get_request_block_hasher(hash_bs, hash_fn),
+        vllm=v,
+        scheduler_block_size=sched_bs,
+        hash_block_size=hash_bs,
+        bytes_per_block=per_block,
+        num_blocks=kv_cfg.num_blocks,
+        mamba_align=has_mamba,
+        partial_hash_hits=manager.coordinator.enable_partial_hash_hits,
+        groups=summary,
+    )
+
+
+# ------------------------------------------------------------------------------ the adapter
+@dataclass(kw_only=True)
+class SimRequest:
+    """Scheduler-side request state, owned and mutated by :func:`run_minimal_scheduler`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: str = "waiting"  # waiting | running | preempted | finished | rejected
+    shared_prefix_boundary: int = 0  # set by lookup(): uncached shared-prefix junction (tokens)
+    num_preemptions: int = 0
+    first_hit_tokens: int | None = None
+    source: WorkloadRequest | None = None  # where the sampled tokens come from
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class ManagerAdapter(Protocol):
+    """What :func:`run_minimal_scheduler` needs from a KV cache manager (vLLM's or hybridkv's).
+
+    ``lookup`` finds the cached prefix of a request that holds no blocks (and may set
+    ``req.shared_prefix_boundary``); the next ``allocate`` of that request adopts it.
+    ``allocate`` returns False, changing nothing, when the blocks do not fit.  ``free`` is
+    called with ``req.status`` "running" for a preemption (the request is requeued and later
+    looked up again) and "finished" or "rejected" when it is gone for good.  ``new_step`` /
+    ``end_step`` bracket the scheduling of one step (vLLM drains copy-on-write and per-step
+    Mamba bookkeeping there)."""
+
+    scheduler_block_size: int
+    hash_block_size: int
+    mamba_align: bool
+    partial_hash_hits: bool
+    bytes_per_block: int
+
+    def add_request(self, req: SimRequest) -> None: ...
+    def new_step(self) -> None: ...
+    def end_step(self) -> None: ...
+    def lookup(self, req: SimRequest) -> int: ...
+    def allocate(
+        self, req: SimRequest, num_new_tokens: int, num_lookahead_tokens: int = 0, **kw: Any
+    ) -> bool: ...
+    def append_token(self, req: SimRequest, token_id: int) -> None: ...
+    def free(self, req: SimRequest) -> None: ...
+    def usage(self) -> float: ...
+    def num_used_blocks(self) -> int: ...
+
+
+class VllmManagerAdapter:
+    """:class:`ManagerAdapter` over vLLM's ``KVCacheManager``.  Each manager call, and the
+    request block hasher (as "hash"), is timed with ``perf_counter_ns`` into ``timings``."""
+
+    def __init__(self, setup: VllmSetup, *, junction_split: bool = True) -> None:
+        self.setup, self.manager = setup, setup.manager
+        self.junction_split = junction_split  # False: hide the junction (ablation only)
+        self.scheduler_block_size = setup.scheduler_block_size
+        self.hash_block_size = setup.hash_block_size
+        self.mamba_align = setup.mamba_align
+        self.partial_hash_hits = setup.partial_hash_hits
+        self.bytes_per_block = setup.bytes_per_block
+        self.timings: dict[str, list[int]] = {op: [] for op in OPS}  # wall ns per call
+        self.cpu_ns: dict[str, int] = dict.fromkeys(OPS, 0)  # thread CPU ns, all calls
+        self._reqs: dict[str, Any] = {}
+        self._pending: dict[str, tuple[Any, int]] = {}
+        st = setup.vllm.RequestStatus
+        self._status = {"waiting": st.WAITING, "running": st.RUNNING, "preempted": st.PREEMPTED}
+
+    def _sync(self, req: SimRequest) -> Any:
+        vreq = self._reqs[req.request_id]
+        vreq.num_computed_tokens = req.num_computed_tokens
+        vreq.status = self._status.get(req.status, vreq.status)
+        vreq.num_preemptions = req.num_preemptions
+        return vreq
+
+    def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
+        result = fn(*args, **kw)
+        t1 = time.perf_counter_ns()
+        self.cpu_ns[op] += time.thread_time_ns() - c0
+        self.timings[op].append(t1 - t0)
+        return result
+
+    def add_request(self, req: SimRequest) -> None:
+        v = self.setup.vllm
+        self._reqs[req.request_id] = self._timed(
+            "hash",
+            v.Request,
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=v.SamplingParams(max_tokens=req.max_tokens),
+            pooling_params=None,
+            block_hasher=self.setup.block_hasher,
+        )
+
+    def new_step(self) -> None:
+        self.manager.new_step_starts()  # forgets the Mamba states cached in the last step
+
+    def end_step(self) -> None:
+        def drain() -> None:  # what Scheduler.schedule() does after allocating, sync mode
+            self.manager.take_boundary_state_offloads()
+            self.manager.take_new_block_ids()
+            copies, retained = self.manager.take_kv_cache_block_copies()
+            if copies:
+                self.manager.block_pool.free_blocks(retained)
+
+        self._timed("end_step", drain)
+
+    def lookup(self, req: SimRequest) -> int:
+        vreq = self._sync(req)
+        blocks, hit, junction = self._timed(
+            "get_computed_blocks", self.manager.get_computed_blocks, vreq
+        )
+        self._pending[req.request_id] = (blocks, hit)
+        junction = junction if self.junction_split else 0
+        req.shared_prefix_boundary = vreq.shared_prefix_boundary = junction
+        return int(hit)
+
+    def allocate(
+        self, req: SimRequest, num_new_tokens: int, num_lookahead_tokens: int = 0, **kw: Any
+    ) -> bool:
+        """``kw``: ``full_sequence_must_fit`` and ``has_scheduled_reqs`` of allocate_slots."""
+        vreq = self._sync(req)
+        blocks, hit = self._pending.get(req.request_id, (None, 0))
+        new = self._timed(
+            "allocate_slots",
+            self.manager.allocate_slots,
+            vreq,
+            num_new_tokens,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=blocks,
+            num_lookahead_tokens=num_lookahead_tokens,
+            **kw,
+        )
+        if new is not None:
+            self._pending.pop(req.request_id, None)
+        return new is not None
+
+    def append_token(self, req: SimRequest, token_id: int) -> None:
+        self._timed("hash", self._reqs[req.request_id].append_output_token_ids, token_id)
+
+    def free(self, req: SimRequest) -> None:
+        self._timed("free", self.manager.free, self._sync(req))
+        self._pending.pop(req.request_id, None)
+        if req.status in ("finished", "rejected"):
+            del self._reqs[req.request_id]
+
+    def usage(self) -> float:
+        return float(self.manager.usage)
+
+    def num_used_blocks(self) -> int:
+        pool = self.manager.block_pool
+        return int(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+
+
+# ----------------------------------------------------------------------------- the scheduler
+def _align_chunk(adapter: ManagerAdapter, req: SimRequest, start: int, n: int, budget: int) -> int:
+    """Shorten the prefill chunk [start, start + n) as vLLM 0.33's scheduler does in Mamba
+    "align" mode (no EAGLE, lookahead or in-kernel checkpoints): a non-final chunk ends on a
+    block boundary; a chunk stops early at the next boundary when it starts mid-block, at the
+    last cacheable boundary, at the prompt's hash-aligned tail (fine-grained hits only) and at
+    the block-floored uncached shared-prefix junction reported by lookup()."""
+    prompt_len = len(req.prompt_token_ids)
+    prefill_end = max(prompt_len, req.num_tokens - 1)
+    if start >= prefill_end:
+        return n
+    bs, hbs = adapter.scheduler_block_size, adapter.hash_block_size
+    end = start + n
+    if end < prefill_end and (end // bs * bs > start or bs <= budget):
+        end = end // bs * bs
+    last_cacheable = (req.num_tokens - 1) // bs * bs
+    tail = (prompt_len - 1) // hbs * hbs if adapter.partial_hash_hits else 0
+    junction = req.shared_prefix_boundary
+    stops = (
+        (start // bs + 1) * bs if start % bs else 0,
+        last_cacheable,
+        tail if last_cacheable < tail < prompt_len else 0,
+        start + (junction - start) // bs * bs if start < junction < end else 0,
+    )
+    end = min((s for s in stops if start < s < end), default=end)
+    return max(end - start, 0)
+
+
+def op_stats(
+    timings: Mapping[str, list[int]], cpu_ns: Mapping[str, int] | None = None
+) -> dict[str, dict[str, float]]:
+    """Per timed operation: calls; mean, p50 and p99 (nearest rank) wall time; and, given
+    ``cpu_ns``, the mean thread CPU time (unaffected by waiting for a core).  Microseconds."""
+    out = {}
+    for op, ts in timings.items():
+        s = sorted(ts) or [0]
+        p50, p99 = (s[min(len(s) - 1, int(q * len(s)))] / 1e3 for q in (0.5, 0.99))
+        out[op] = {"calls": len(ts), "mean_us": sum(s) / len(s) / 1e3, "p50_us": p50, "p99_us": p99}
+        if cpu_ns is not None:
+            out[op]["cpu_mean_us"] = cpu_ns[op] / max(len(ts), 1) / 1e3
+    return out
+
+
+def run_minimal_scheduler(
+    adapter: ManagerAdapter,
+    requests: Sequence[WorkloadRequest],
+    token_budget: int = 8192,
+    *,
+    max_num_seqs: int = 256,
+    max_model_len: int = 16_384,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    progress_every: int = 0,
+) -> dict[str, Any]:
+    """Serve ``requests`` step by step, driving the manager as vLLM 0.33's scheduler does
+    (synchronous, no speculation, no connector).
+
+    Each step: running requests first, in order, each its remaining prefill or one decode token
+    within the token budget; while allocate fails the newest running request is preempted
+    (freed, requeued at the front, recomputed later).  Then, unless something was preempted,
+    waiting requests in FCFS order: lookup, then allocate the hit plus a chunk under the budget
+    with ``full_sequence_must_fit`` (vLLM's default admission gate); the first failure ends
+    admission.  A request whose prompt is done samples ``fake_output_token`` each step and
+    finishes at ``max_output_tokens``.  Mamba groups get :func:`_align_chunk` splits.  A
+    request that does not fit an empty pool is rejected.  Returns the metrics (hit rate =
+    first-admission hit tokens / prompt tokens of finished requests)."""
+    t_start = time.perf_counter()
+    arrivals = _Arrivals(requests)
+    waiting: deque[SimRequest] = deque()
+    running: list[SimRequest] = []
+    sims: list[SimRequest] = []
+    step = busy = preemptions = rejected = computed = peak = hits_all = tokens_all = 0
+    while arrivals.pending() or waiting or running:
+        for w in arrivals.ready(step):
+            sims.append(
+                SimRequest(
+                    request_id=w.request_id,
+                    prompt_token_ids=w.prompt_token_ids,
+                    max_tokens=w.max_output_tokens,
+                    source=w,
+                )
+            )
+            adapter.add_request(sims[-1])
+            waiting.append(sims[-1])
+        if not waiting and not running:
+            step = arrivals.skip_idle(step)
+            continue
+        adapter.new_step()
+        budget, scheduled, preempted, i = token_budget, [], False, 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(n, max_model_len - req.num_computed_tokens - 1)
+            if adapter.mamba_align:
+                n = _align_chunk(adapter, req, req.num_computed_tokens, n, token_budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not (ok := adapter.allocate(req, n)):
+                victim = running.pop()
+                adapter.free(victim)
+                victim.status, victim.num_computed_tokens = "preempted", 0
+                victim.num_preemptions += 1
+                waiting.appendleft(victim)
+                preemptions, preempted = preemptions + 1, True
+                if victim is req:
+                    break
+            if not ok:
+                break
+            scheduled.append((req, n))
+            budget, i = budget - n, i + 1
+        while not preempted and waiting and budget > 0 and len(running) < max_num_seqs:
+            req = waiting[0]
+            hit = adapter.lookup(req)
+            n = min(req.num_tokens - hit, budget)
+            if adapter.mamba_align:
+                n = _align_chunk(adapter, req, hit, n, token_budget)
+            if n <= 0:  # less than one aligned block of budget left
+                break
+            if not adapter.allocate(
+                req, n, full_sequence_must_fit=True, has_scheduled_reqs=bool(running)
+            ):
+                if scheduled or adapter.num_used_blocks():
+                    break
+                waiting.popleft()  # does not fit even an empty pool
+                req.status = "rejected"
+                adapter.free(req)
+                arrivals.ended_at[req.request_id] = step  # releases its follow-ups
+                rejected += 1
+                continue
+            waiting.popleft()
+            running.append(req)
+            if req.first_hit_tokens is None:
+                req.first_hit_tokens = hit
+            hits_all, tokens_all = hits_all + hit, tokens_all + req.num_tokens
+            req.status, req.num_computed_tokens = "running", hit
+            scheduled.append((req, n))
+            budget -= n
+        adapter.end_step()
+        peak = max(peak, adapter.num_used_blocks())
+        busy += bool(scheduled)
+        for req, n in scheduled:  # "execute" the step
+            req.num_computed_tokens += n
+            computed += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a non-final prefill chunk samples nothing
+            pos = len(req.output_token_ids)
+            tok = (
+                req.source.output_token(pos)
+                if req.source
+                else fake_output_token(req.request_id, pos)
+            )
+            req.output_token_ids.append(tok)
+            adapter.append_token(req, tok)
+            if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= max_model_len:
+                req.status = "finished"
+                adapter.free(req)
+                running.remove(req)
+                arrivals.ended_at[req.request_id] = step
+        step += 1
+        if progress and progress_every and step % progress_every == 0:
+            progress(
+                {
+                    "step": step,
+                    "ended": len(arrivals.ended_at),
+                    "running": len(running),
+                    "waiting": len(waiting),
+                    "usage": round(adapter.usage(), 4),
+                }
+            )
+    done = [s for s in sims if s.status == "finished"]
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in done)
+    hit_tokens = sum(s.first_hit_tokens or 0 for s in done)
+    return {
+        "requests": len(arrivals.order),
+        "finished": len(done),
+        "rejected": rejected,
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hit_tokens,
+        "token_hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "hit_rate_incl_resumes": hits_all / tokens_all if tokens_all else 0.0,
+        "preemptions": preemptions,
+        "computed_tokens": computed,
+        "steps": step,
+        "busy_steps": busy,
+        "peak_used_blocks": peak,
+        "peak_used_bytes": peak * adapter.bytes_per_block,
+        "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def run_real_scheduler(
+    setup: VllmSetup, requests: Sequence[WorkloadRequest], *, max_model_len: int = 16_384
+) -> dict[str, Any]:
+    """Cross-check: the same workload through vLLM's own ``Scheduler`` (fed fake sampled tokens
+    by a fake model runner) over a fresh manager with ``setup``'s KV cache config.  Needs
+    ``einops`` (ModelConfig inspects a tiny local Llama config.json; nothing is downloaded)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    v, cfg = setup.vllm, setup.vllm_config
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 2,
+        "vocab_size": 200_000,
+        "max_position_embeddings": max_model_len,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(llama))
+        cfg.model_config = v.config.ModelConfig(
+            model=tmp, skip_tokenizer_init=True, max_model_len=max_model_len
+        )
+    sched = Scheduler(
+        cfg,
+        setup.kv_cache_config,
+        StructuredOutputManager(cfg),
+        block_size=setup.scheduler_block_size,
+        hash_block_size=setup.hash_block_size,
+    )
+    arrivals, reqs, first_hit = _Arrivals(requests), {}, {}
+    by_id = {w.request_id: w for w in requests}
+    step = preemptions = 0
+    while arrivals.pending() or sched.has_unfinished_requests():
+        for w in arrivals.ready(step):
+            reqs[w.request_id] = v.Request(
+                request_id=w.request_id,
+                prompt_token_ids=list(w.prompt_token_ids),
+                sampling_params=v.SamplingParams(max_tokens=w.max_output_tokens),
+                pooling_params=None,
+                block_hasher=setup.block_hasher,
+            )
+            sched.add_request(reqs[w.request_id])
+        if not sched.has_unfinished_requests():
+            step = arrivals.skip_idle(step)
+            continue
+        out = sched.schedule()
+        first_hit.update(
+            {
+                n.req_id: n.num_computed_tokens
+                for n in out.scheduled_new_reqs
+                if n.req_id not in first_hit
+            }
+        )
+        preemptions += len(out.preempted_req_ids or ())
+        ids = list(out.num_scheduled_tokens)
+        sampled = [
+            [by_id[r].output_token(reqs[r].num_output_tokens)]
+            if reqs[r].num_computed_tokens >= reqs[r].num_tokens
+            else []
+            for r in ids
+        ]
+        sched.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: k for k, r in enumerate(ids)},
+                sampled_token_ids=sampled,
+            ),
+        )
+        for r in ids:
+            if reqs[r].is_finished() and r not in arrivals.ended_at:
+                arrivals.ended_at[r] = step
+        step += 1
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in requests)
+    hit = sum(first_hit.values())
+    return {
+        "hit_tokens": hit,
+        "token_hit_rate": hit / prompt_tokens,
+        "steps": step,
+        "preemptions": preemptions,
+        "finished": len(arrivals.ended_at),
+    }
+
+
+# ------------------------------------------------------------------------------------ main
+ATTN = {"num_kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}  # 4 KiB per token per layer
+MAMBA_STATES = {  # per layer: (state shapes, dtype bytes)
+    "small": (((3, 1024), (8, 64, 16)), (2, 4)),  # 38,912 B: fits a 16-token attention page
+    "realistic": (((3, 10240), (128, 64, 128)), (2, 4)),  # Mamba2 of a ~8B hybrid: 4.26 MB
+}
+
+
+def config_groups(name: str, block_size: int, mamba_state: str, layers: int = 4) -> list[GroupDesc]:
+    """The benchmark model of one configuration ("full+swa", ...): ``layers`` layers per kind,
+    so vLLM makes exactly one KV cache group per kind."""
+    shapes, nbytes = MAMBA_STATES[mamba_state]
+    common = {"num_layers": layers, "block_size": block_size}
+    kinds = {
+        "full": GroupDesc(kind="full", **common, **ATTN),
+        "swa": GroupDesc(kind="sliding", window=128, **common, **ATTN),
+        "mamba": GroupDesc(kind="mamba", mamba_shapes=shapes, mamba_dtype_bytes=nbytes, **common),
+    }
+    return [kinds[k] for k in name.split("+")]
+
+
+def _run_config(name: str, args: argparse.Namespace, workload: list[WorkloadRequest]) -> dict:
+    """Run one configuration ``args.repeats`` times on fresh managers: metrics of the first
+    run, timings as the median over runs of each statistic plus the best (lowest) mean, since
+    the machine is shared and other processes inflate single runs."""
+    runs, stats = [], []
+    for rep in range(args.repeats):
+        setup = build_vllm_manager(
+            config_groups(name, args.block_size, args.mamba_state),
+            memory_bytes=args.memory_bytes,
+            num_blocks=None if args.memory_bytes else args.num_blocks,
+            max_model_len=args.max_model_len,
+            token_budget=args.token_budget,
+            max_num_seqs=args.max_num_seqs,
+            hash_algo=args.hash_algo,
+            prefix_match_unit=args.prefix_match_unit,
+        )
+        adapter = VllmManagerAdapter(setup, junction_split=not args.no_junction_split)
+        tag = f"[{name} #{rep}]"
+        gc.collect()
+        if not args.keep_gc:  # as benchmarks/bench_manager.py: no collector pauses in timings
+            gc.disable()
+        try:
+            runs.append(
+                run_minimal_scheduler(
+                    adapter,
+                    workload,
+                    args.token_budget,
+                    max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.max_model_len,
+                    progress=lambda p, tag=tag: print(" ", tag, p, file=sys.stderr, flush=True),
+                    progress_every=args.progress_every,
+                )
+            )
+        finally:
+            gc.enable()
+        stats.append(op_stats(adapter.timings, adapter.cpu_ns))
+    m = runs[0]
+    grain = setup.hash_block_size if setup.partial_hash_hits else setup.scheduler_block_size
+    if any((r["hit_tokens"], r["steps"]) != (m["hit_tokens"], m["steps"]) for r in runs):
+        raise RuntimeError(f"{name}: repeated runs disagree, the driver is not deterministic")
+    m["ops"] = {
+        op: {k: statistics.median(s[op][k] for s in stats) for k in stats[0][op]}
+        | {"best_mean_us": min(s[op]["mean_us"] for s in stats)}
+        for op in OPS
+    }
+    m["wall_s"] = statistics.median(r["wall_s"] for r in runs)
+    m.update(
+        groups=setup.groups,
+        scheduler_block_size=setup.scheduler_block_size,
+        hash_block_size=setup.hash_block_size,
+        bytes_per_block=setup.bytes_per_block,
+        num_blocks=setup.num_blocks,
+        partial_hash_hits=setup.partial_hash_hits,
+        ideal_hit_rate=ideal_hit_tokens(workload, grain)
+        / max(1, sum(len(r.prompt_token_ids) for r in workload)),
+    )
+    if args.cross_check:
+        real = run_real_scheduler(setup, workload, max_model_len=args.max_model_len)
+        keys = ("hit_tokens", "steps", "preemptions")
+        m["real_scheduler"] = real | {"match": all(real[k] == m[k] for k in keys)}
+    return m
+
+
+def _summary_line(name: str, m: Mapping[str, Any]) -> str:
+    op = m["ops"]
+    us = {
+        k: "{mean_us:.1f} (best {best_mean_us:.1f}, cpu {cpu_mean_us:.1f})".format(**op[k])
+        for k in OPS
+    }
+    real = m.get("real_scheduler")
+    return (
+        f"{name:15s} hit {m['token_hit_rate']:6.1%} (ideal {m['ideal_hit_rate']:5.1%}) "
+        f"preempt {m['preemptions']:3d} steps {m['steps']:5d} peak {m['peak_used_blocks']:5d} "
+        f"blk {m['peak_used_bytes'] / 2**30:5.2f} GiB | block {m['scheduler_block_size']}/"
+        f"{m['hash_block_size']} | us/call: allocate_slots {us['allocate_slots']} "
+        f"p99 {op['allocate_slots']['p99_us']:.1f}, get_computed_blocks "
+        f"{us['get_computed_blocks']}, free {us['free']} | wall {m['wall_s']:.1f} s"
+        + (
+            f" | real Scheduler: hit {real['token_hit_rate']:.1%} match={real['match']}"
+            if real
+            else ""
+        )
+    )
+
+
+def _make_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], dict[str, Any]]:
+    """The requests ``args`` ask for: the shared ``benchmarks/workloads.py`` generators (what
+    hybridkv's benchmarks replay) or this driver's own; synthetic or the Mooncake trace."""
+    if args.workload == "shared":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import workloads as shared
+
+        if args.trace is not None:
+            reqs = shared.mooncake_workload(
+                args.trace,
+                num_requests=args.requests,
+                ms_per_step=args.ms_per_step,
+                max_prompt=args.max_model_len - 1,
+                seed=args.seed,
+            )
+            desc = {"shared_trace": str(args.trace), "ms_per_step": args.ms_per_step}
+        else:
+            gap = 4.0 if args.arrival_gap is None else args.arrival_gap
+            reqs = shared.synthetic_workload(args.requests, seed=args.seed, arrival_interval=gap)
+            desc = {"shared_synthetic": {"seed": args.seed, "arrival_interval": gap}}
+        return from_shared_workload(reqs), desc
+    if args.trace is not None:
+        workload, skipped = load_mooncake_trace(
+            args.trace, args.requests, args.ms_per_step, args.max_model_len
+        )
+        return workload, {"trace": str(args.trace), "lines": args.requests, "skipped": skipped}
+    cfg = SyntheticWorkloadConfig(
+        num_requests=args.requests,
+        seed=args.seed,
+        mean_arrival_gap_steps=1.0 if args.arrival_gap is None else args.arrival_gap,
+        followup_prob=args.followup_prob,
+    )
+    return make_synthetic_workload(cfg), {"synthetic": asdict(cfg)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    arg = ap.add_argument
+    arg("--out", type=Path, default=Path("results/vllm_driver.json"))
+    arg("--configs", default="full+swa,full+mamba,full+swa+mamba")
+    arg("--seed", type=int, default=0)
+    arg("--requests", type=int, default=200)
+    arg("--num-blocks", type=int, default=6000, help="pool size, null block included")
+    arg("--memory-bytes", type=int, default=None, help="size the pool in bytes instead")
+    arg("--block-size", type=int, default=16)
+    arg("--token-budget", type=int, default=8192)
+    arg("--max-num-seqs", type=int, default=256)
+    arg("--max-model-len", type=int, default=16_384)
+    arg("--hash-algo", default="sha256", choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+    arg("--mamba-state", default="small", choices=sorted(MAMBA_STATES))
+    arg("--prefix-match-unit", type=int, default=None, help="vLLM's finer hash block (tokens)")
+    arg(
+        "--workload",
+        default="shared",
+        choices=["shared", "driver"],
+        help="shared: benchmarks/workloads.py (as hybridkv's benchmarks); driver: this file's",
+    )
+    arg(
+        "--arrival-gap",
+        type=float,
+        default=None,
+        help="synthetic: mean steps between arrivals (default 4 shared, 1 driver)",
+    )
+    arg("--followup-prob", type=float, default=0.3, help="synthetic: share of multi-turn re-sends")
+    arg("--trace", type=Path, default=None, help="Mooncake trace instead of the synthetic load")
+    arg("--ms-per-step", type=float, default=50.0, help="trace: timestamp ms per step")
+    arg("--repeats", type=int, default=3, help="timing runs per configuration")
+    arg("--no-junction-split", action="store_true", help="ablation: no Mamba junction splits")
+    arg("--keep-gc", action="store_true", help="leave Python's cyclic GC on while timing")
+    arg("--cross-check", action="store_true", help="also run vLLM's real Scheduler")
+    arg("--progress-every", type=int, default=0, help="print progress every N steps")
+    args = ap.parse_args(argv)
+    if not vllm_available():
+        print("vLLM is not importable in this interpreter; see docs/vllm.md", file=sys.stderr)
+        return 2
+    workload, wl = _make_workload(args)
+    wl.update(
+        requests=len(workload),
+        prompt_tokens=sum(len(r.prompt_token_ids) for r in workload),
+        followups=sum(r.parent_id is not None for r in workload),
+    )
+    print(
+        f"workload: {wl['requests']} requests, {wl['prompt_tokens']} prompt tokens, "
+        f"{wl['followups']} follow-ups; {args.hash_algo}, {args.repeats} repeats",
+        flush=True,
+    )
+    results = {}
+    for name in args.configs.split(","):
+        m = results[name] = _run_config(name, args, workload)
+        print(_summary_line(name, m), flush=True)
+    doc = {
+        "vllm_version": _import_vllm().version,
+        "args": {k: str(a) for k, a in vars(args).items()},
+        "workload": wl,
+        "loadavg": os.getloadavg(),
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
