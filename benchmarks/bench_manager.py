@@ -54,6 +54,7 @@ from hybridkv.specs import (
     StateSpec,
     StateTensor,
 )
+
 from workloads import (
     DEFAULT_TRACE,
     WorkloadRequest,

@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import vllm_driver as vd  # noqa: E402
 from hybridkv.cache import ComputedBlocks, KVCacheManager, Request  # noqa: E402
 from hybridkv.models import resolve_model  # noqa: E402
 from hybridkv.plan import make_plan  # noqa: E402
@@ -42,6 +41,8 @@ from hybridkv.specs import (  # noqa: E402
     SlidingWindowSpec,
     StateSpec,
 )
+
+import vllm_driver as vd  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 MANAGER_OPS = ("get_computed_blocks", "allocate_slots", "free", "end_step")
