@@ -110,6 +110,66 @@ def test_arena_own_first_evicts_its_own_blocks_before_other_groups_chunks() -> N
         ArenaPool(layout, EventLog(enabled=False), eviction="fifo")
 
 
+def test_arena_evicts_its_older_cached_block_before_a_newer_idle_chunk() -> None:
+    layout = arena(groups(full(), full()), 3, blocks_per_chunk=2)
+    pool = ArenaPool(layout, EventLog(enabled=True))
+    assert pool.allocate(0, 2) == [2, 3]  # chunk 1: group 0
+    assert pool.allocate(1, 2) == [4, 5]  # chunk 2: group 1
+    pool.cache(1, 5, 50)
+    pool.release(1, [5])  # stamp 1: group 1's cached block in its active chunk
+    pool.cache(0, 2, 20)
+    pool.release(0, [3, 2])  # stamp 2: chunk 1 idle, newer than block 5
+    assert list(pool.free_cached[1].items()) == [(5, 1)]
+    assert list(pool.idle_all.items()) == [(1, 2)]
+    nothing = [None, None]
+    assert pool.fits(nothing, nothing, nothing, [0, 3])  # block 5, then chunk 1's two blocks
+    assert not pool.fits(nothing, nothing, nothing, [0, 4])
+    assert pool.allocate(1, 1) == [5]  # the older of the two: group 1's own block
+    assert pool.maps[1] == {} and pool.maps[0] == {20: 2}
+    assert pool.events.take()[-1] == BlockRemoved(1, (50,))  # type: ignore[arg-type]
+    pool.check_invariants()
+    assert pool.allocate(1, 1) == [2]  # then the idle chunk, emptied and carved
+    assert pool.chunk_owner(1) == 1 and pool.maps[0] == {}
+    pool.check_invariants()
+
+
+def test_arena_refresh_makes_an_idle_chunk_younger_than_cached_blocks() -> None:
+    layout = arena(groups(full(), full()), 3, blocks_per_chunk=2)
+    pool = ArenaPool(layout, EventLog(enabled=False))
+    assert pool.allocate(0, 2) == [2, 3]
+    assert pool.allocate(1, 2) == [4, 5]
+    pool.cache(0, 2, 20)
+    pool.release(0, [3, 2])  # stamp 1: chunk 1 idle
+    pool.cache(1, 5, 50)
+    pool.release(1, [5])  # stamp 2
+    pool.refresh(0, [2])  # stamp 3: chunk 1 is now the most recently used
+    assert list(pool.idle_all.items()) == [(1, 3)]
+    assert pool.allocate(1, 1) == [5]
+    pool.check_invariants()
+
+
+def test_arena_revived_chunk_siblings_rejoin_the_lru_as_recently_used() -> None:
+    pool = ArenaPool(arena(groups(full(), full()), 3, blocks_per_chunk=2), EventLog(enabled=False))
+    assert pool.allocate(0, 2) == [2, 3]
+    assert pool.allocate(1, 2) == [4, 5]
+    pool.cache(1, 5, 50)
+    pool.release(1, [5])  # stamp 1
+    pool.cache(0, 2, 20)
+    pool.cache(0, 3, 30)
+    pool.release(0, [3, 2])  # block 3 stamp 2 (chunk still active), then chunk 1 idle: 3
+    nothing = [None, None]
+    # touch block 2 (sibling 3 gets stamp 4), then group 1 needs 2: block 5, then nothing left
+    assert not pool.fits(nothing, nothing, [[2], None], [0, 2])
+    assert pool.fits(nothing, nothing, [[2], None], [0, 1])
+    pool.touch(0, [2])
+    assert list(pool.free_cached[0].items()) == [(3, 4)] and not pool.idle_all
+    pool.check_invariants()
+    pool.release(0, [2])  # stamp 5: chunk 1 idle again with both blocks cached
+    assert list(pool.idle_all.items()) == [(1, 5)] and not pool.free_cached[0]
+    assert pool.allocate(1, 1) == [5]  # block 5 (stamp 1) is older than chunk 1
+    pool.check_invariants()
+
+
 def test_arena_touch_revives_an_idle_chunk() -> None:
     pool = ArenaPool(arena(groups(full(), state()), 3), EventLog(enabled=False))
     assert pool.allocate(0, 2) == [2, 3]

@@ -11,23 +11,35 @@ reserved for the null blocks.  A chunk is in one of three states:
   queue (hits can still revive them), the chunk waits in ``g``'s idle LRU and the global one.
 
 A chunk whose blocks are all free and uncached returns to the free stack at once, so memory
-flows to whichever group needs it.  Group ``g`` takes a block from, in order:
+flows to whichever group needs it.
+
+Eviction order (``chunk_lru``, the default) approximates one global LRU.  A global counter
+hands out *stamps*: a cached block released into an active chunk, or refreshed there, gets
+the next stamp; a chunk that goes idle, or whose block is refreshed while idle, gets the next
+stamp as a whole; when a hit revives an idle chunk, its other cached blocks rejoin ``g``'s LRU
+with new stamps (the chunk was just used); the cached blocks a reopened chunk (step 3) did not
+evict rejoin it with stamp 0, at the evict-first end.  ``g``'s cached LRU and the global idle
+LRU are kept in stamp order (non-decreasing / increasing).  Group ``g`` takes a block from, in
+order:
 
 1. an uncached free block of one of its active chunks;
 2. a free chunk (carved for ``g``);
-3. the least-recently idled chunk of *any* group: its own is reopened and used whole (its
-   cached blocks evicted first), another group's is emptied (cached blocks evicted) and carved;
-4. its own cached LRU inside its active chunks.
+3. whichever is older: its least recently used cached block in an active chunk, or the
+   least-recently idled chunk of *any* group.  Its own idle chunk is reopened (its cached
+   blocks evicted lowest first before anything else); another group's is emptied (cached
+   blocks evicted) and carved.
 
-Step 3 is an LRU over whole chunks across groups, so groups lose cached prefixes of the same
-age together (independent per-group LRUs drift apart: each group keeps prefixes the others
-already lost, and the hit, which needs all groups, shrinks).  Step 4 only runs when every chunk
-holds a referenced block.  The ``own_first`` policy instead evicts per group: after step 2 a
-group evicts its own cached blocks in active chunks, then reopens its own idle chunks, and
-only then empties another group's least-recently idled chunk (on the benchmark's 3-group
-layout this loses about half the hit rate; see ``benchmarks/bench_manager.py``).
+Stamps are unique, so "older" is a strict order.  Every group loses the oldest cached data it
+can reach: a whole idle chunk of any group, or one of its own blocks, but never another
+group's block in an active chunk (a chunk with a referenced block cannot change hands).  With
+one block per chunk every cached free block is an idle chunk and this is exactly the
+``uniform`` strategy's global LRU.  The ``own_first`` policy instead evicts per group:
+after step 2 a group evicts its own cached blocks in active chunks, then reopens its own idle
+chunks, and only then empties another group's least-recently idled chunk.
 
-Either order makes feasibility countable (:meth:`ArenaPool.fits` is exact).  Chunk
+:meth:`ArenaPool.fits` stays exact: it replays the call's releases and touches on counters and
+on the stamps they would hand out, then walks each group's LRU against the shared idle LRU in
+the same order :meth:`ArenaPool.allocate` evicts (O(blocks evicted) per call).  Chunk
 transitions (carve, reopen, idle, reclaim) cost O(blocks per chunk); every other operation is
 O(1) per block.
 """
@@ -35,23 +47,39 @@ O(1) per block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from itertools import chain
 from typing import Any, ClassVar
 
+from hybridkv.cache.arena_invariants import check_arena
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_base import BlockPool, GroupLists
 from hybridkv.errors import InvariantError, PlanError
-from hybridkv.plan.layout import NULL_BLOCK_ID, MemoryLayout, Strategy
+from hybridkv.plan.layout import MemoryLayout, Strategy
 
 __all__ = ["ARENA_EVICTION_POLICIES", "ArenaPool"]
 
-#: ``chunk_lru`` (default): steps 1, 2, 3, 4 below.  ``own_first``: a group evicts its own
-#: cached blocks (active chunks, then its idle chunks) before emptying another group's chunk.
+#: ``chunk_lru`` (default): steps 1, 2, 3 below (one LRU over cached blocks and idle chunks).
+#: ``own_first``: a group evicts its own cached blocks (active chunks, then its idle chunks)
+#: before emptying another group's chunk.
 ARENA_EVICTION_POLICIES = ("chunk_lru", "own_first")
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _bounded(
+    rest: list[tuple[int, int]], cac: list[int], idle: int, bpc: list[int], *, most: bool
+) -> bool:
+    """Whether every ``(group, blocks)`` of ``rest`` is served, in order, from its ``cac``
+    cached blocks and the ``idle`` chunks when each takes the most (or fewest) chunks it can."""
+    for g, n in rest:
+        b = bpc[g]
+        if n > cac[g] + idle * b:
+            return False
+        idle -= min(idle, _cdiv(n, b)) if most else _cdiv(max(0, n - cac[g]), b)
+    return True
 
 
 class ArenaPool(BlockPool):
@@ -83,9 +111,12 @@ class ArenaPool(BlockPool):
         self.hashes = [[None] * (nc * self.bpc[g]) for g in groups]
         self.maps = [{} for _ in groups]
         self.free_uncached: list[dict[int, None]] = [{} for _ in groups]
-        self.free_cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in groups]
+        # Cached free blocks of active chunks -> last-use stamp, in non-decreasing stamp order.
+        self.free_cached: list[OrderedDict[int, int]] = [OrderedDict() for _ in groups]
         self.idle: list[OrderedDict[int, None]] = [OrderedDict() for _ in groups]
-        self.idle_all: OrderedDict[int, None] = OrderedDict()
+        # Idle chunks of every group -> stamp (when idled or last refreshed), increasing.
+        self.idle_all: OrderedDict[int, int] = OrderedDict()
+        self.clock = 0  # last stamp handed out; stamps of real uses are >= 1
         self.owner = [-1] * nc
         self.chunk_refd = [0] * nc  # referenced blocks per chunk
         self.chunk_cached_free = [0] * nc  # free blocks holding a hash, per chunk
@@ -99,7 +130,8 @@ class ArenaPool(BlockPool):
         self.free_uncached[g].update(dict.fromkeys(range((c + 1) * bpc - 1, c * bpc - 1, -1)))
 
     def _activate(self, g: int, c: int, exclude: int) -> None:
-        """Idle chunk ``c`` becomes active: its free blocks (but ``exclude``) join g's queues."""
+        """Idle chunk ``c`` becomes active: its free blocks (but ``exclude``) join g's queues,
+        the cached ones at the most-recently-used end of the LRU, each with a new stamp."""
         bpc = self.bpc[g]
         hashes, fu, fc = self.hashes[g], self.free_uncached[g], self.free_cached[g]
         for x in range((c + 1) * bpc - 1, c * bpc - 1, -1):
@@ -108,7 +140,8 @@ class ArenaPool(BlockPool):
             if hashes[x] is None:
                 fu[x] = None
             else:
-                fc[x] = None
+                self.clock += 1
+                fc[x] = self.clock
 
     def _reclaim(self, c: int) -> None:
         """Evict every cached block of idle chunk ``c`` and return it to nobody."""
@@ -141,7 +174,15 @@ class ArenaPool(BlockPool):
         while len(out) < n:
             if fu:
                 b = fu.popitem()[0]
-            elif drain or (fc and not self.free_chunks and (self.own_first or not self.idle_all)):
+            elif drain or (
+                fc
+                and not self.free_chunks
+                and (
+                    self.own_first
+                    or not self.idle_all
+                    or next(iter(fc.values())) < next(iter(self.idle_all.values()))
+                )
+            ):
                 b = drain.pop() if drain else fc.popitem(last=False)[0]
                 h = hashes[b]
                 assert h is not None
@@ -173,7 +214,7 @@ class ArenaPool(BlockPool):
             crefd[b // bpc] += 1
             out.append(b)
         for x in drain:  # left over: the chunk is active now, its cached blocks go first
-            fc[x] = None
+            fc[x] = 0
             fc.move_to_end(x, last=False)
         self.used[g] += n
         if evicted and self.events.enabled:
@@ -216,7 +257,8 @@ class ArenaPool(BlockPool):
             cached = hashes[b] is not None
             if left:
                 if cached:
-                    fc[b] = None
+                    self.clock += 1
+                    fc[b] = self.clock
                     ccf[c] += 1
                 else:
                     fu[b] = None
@@ -231,8 +273,9 @@ class ArenaPool(BlockPool):
             if cached:
                 ccf[c] += 1
             if ccf[c]:
+                self.clock += 1
                 self.idle[g][c] = None
-                self.idle_all[c] = None
+                self.idle_all[c] = self.clock
             else:
                 self.owner[c] = -1
                 self.free_chunks.append(c)
@@ -246,9 +289,13 @@ class ArenaPool(BlockPool):
             c = b // bpc
             if self.chunk_refd[c]:
                 if b in fc:
+                    self.clock += 1
+                    fc[b] = self.clock
                     fc.move_to_end(b)
             elif c in self.idle[g]:
+                self.clock += 1
                 self.idle[g].move_to_end(c)
+                self.idle_all[c] = self.clock
                 self.idle_all.move_to_end(c)
 
     def reset_cache(self) -> bool:
@@ -261,6 +308,7 @@ class ArenaPool(BlockPool):
             self.free_cached[g].clear()
             self.idle[g].clear()
         self.idle_all.clear()
+        self.clock = 0
         nc = self.num_chunks
         self.owner[:] = [-1] * nc
         self.chunk_refd[:] = [0] * nc
@@ -276,18 +324,29 @@ class ArenaPool(BlockPool):
         touches: GroupLists,
         needs: Sequence[int],
     ) -> bool:
+        # Replays the three phases on counters plus, for the LRU walk, the changes to the
+        # cached queues: ``added[g]`` (released into an active chunk: block -> new stamp),
+        # ``gone[g]`` (left g's LRU: chunk idled or block touched), ``revived`` / ``new_idle``
+        # (idle chunks left / joined).  A touch that revives an idle chunk adds its siblings
+        # to ``added``.  Stamps continue from ``self.clock`` as the real calls hand them out.
         free_chunks = len(self.free_chunks)
         idle = len(self.idle_all)
         unc = [len(q) for q in self.free_uncached]
         cac = [len(q) for q in self.free_cached]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
         sim: dict[int, list[int]] = {}  # chunk -> [referenced, cached free] as simulated
+        clock = self.clock
+        added: dict[int, dict[int, int]] = {}
+        gone: dict[int, set[int]] = {}
+        revived: set[int] = set()
+        new_idle: dict[int, int] = {}
         for g in range(self.num_groups):
             rel = releases[g]
             if not rel:
                 continue
             refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
             to_cache = cached[g] or ()
+            add_g = added.setdefault(g, {})
             for b in rel:
                 if refs[b] != 1:
                     continue
@@ -301,22 +360,34 @@ class ArenaPool(BlockPool):
                     if is_cached:
                         cac[g] += 1
                         st[1] += 1
+                        clock += 1
+                        add_g[b] = clock
                     else:
                         unc[g] += 1
                     continue
                 unc[g] -= bpc - 1 - st[1]
                 cac[g] -= st[1]
+                if st[1]:  # the chunk's cached free blocks leave g's LRU
+                    gone_g = gone.setdefault(g, set())
+                    for x in range(c * bpc, (c + 1) * bpc):
+                        if x == b or (hashes[x] is None and x not in to_cache):
+                            continue
+                        if add_g.pop(x, None) is None:
+                            gone_g.add(x)
                 if is_cached:
                     st[1] += 1
                 if st[1]:
                     idle += 1
+                    clock += 1
+                    new_idle[c] = clock
                 else:
                     free_chunks += 1
         for g in range(self.num_groups):
             tch = touches[g]
             if not tch:
                 continue
-            refs, bpc = self.refs[g], self.bpc[g]
+            refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
+            to_cache = cached[g] or ()
             for b in tch:
                 if refs[b]:
                     continue
@@ -324,35 +395,104 @@ class ArenaPool(BlockPool):
                 st = sim.get(c)
                 if st is None:
                     st = sim[c] = [crefd[c], ccf[c]]
-                if not st[0]:
+                if not st[0]:  # idle chunk revived: its other cached blocks get new stamps
                     idle -= 1
                     unc[g] += bpc - st[1]
                     cac[g] += st[1]
+                    if new_idle.pop(c, None) is None:
+                        revived.add(c)
+                    add_g = added.setdefault(g, {})
+                    for x in range((c + 1) * bpc - 1, c * bpc - 1, -1):
+                        if x != b and (hashes[x] is not None or x in to_cache):
+                            clock += 1
+                            add_g[x] = clock
+                elif b in added.get(g, ()):
+                    del added[g][b]
+                else:
+                    gone.setdefault(g, set()).add(b)
                 st[0] += 1
                 st[1] -= 1
                 cac[g] -= 1
+        # Blocks each group still needs once its uncached blocks and the free chunks are used
+        # (free chunks go in group order, whatever is evicted after).
+        rest: list[tuple[int, int]] = []
         for g, n in enumerate(needs):
             if not n:
                 continue
             n -= min(n, unc[g])
-            if n:
-                bpc = self.bpc[g]
-                k = min(free_chunks, _cdiv(n, bpc))
-                free_chunks -= k
-                n = max(0, n - k * bpc)
-                if n and self.own_first:
-                    n -= min(n, cac[g])
-                    k = _cdiv(n, bpc)
-                    if k > idle:
-                        return False
-                    idle -= k
-                elif n:
-                    k = min(idle, _cdiv(n, bpc))
-                    idle -= k
-                    n = max(0, n - k * bpc)
-                    if n > cac[g]:
-                        return False
-        return True
+            if not n:
+                continue
+            bpc = self.bpc[g]
+            k = min(free_chunks, _cdiv(n, bpc))
+            free_chunks -= k
+            n -= k * bpc
+            if n > 0:
+                rest.append((g, n))
+        if not rest:
+            return True
+        if self.own_first:
+            for g, n in rest:
+                k = _cdiv(max(0, n - cac[g]), self.bpc[g])
+                if k > idle:
+                    return False
+                idle -= k
+            return True
+        # A group evicts at least ``lo`` and at most ``hi`` idle chunks; fewer taken leaves
+        # more for later groups.  Decide from those bounds when they agree, else walk.
+        if _bounded(rest, cac, idle, self.bpc, most=True):
+            return True
+        if not _bounded(rest, cac, idle, self.bpc, most=False):
+            return False
+        idle_seq = chain(
+            (s for c, s in self.idle_all.items() if c not in revived), new_idle.values()
+        )
+        peeked: list[int] = []  # an idle chunk's stamp read but not taken by the last walk
+        for g, n in rest[:-1]:
+            k = self._walk(g, n, idle_seq, peeked, gone.get(g), added.get(g))
+            if k < 0:
+                return False
+            idle -= k
+        g, n = rest[-1]  # nobody after it: the order it evicts in does not matter
+        return n <= cac[g] + idle * self.bpc[g]
+
+    def _walk(
+        self,
+        g: int,
+        n: int,
+        idle_seq: Iterator[int],
+        peeked: list[int],
+        gone: set[int] | None,
+        added: dict[int, int] | None,
+    ) -> int:
+        """Idle chunks ``g`` takes to evict ``n`` blocks in LRU order (-1: it cannot): its own
+        cached blocks (the kept LRU, then ``added``) against idle chunks (``idle_seq``, shared by
+        the groups of one :meth:`fits`: a chunk one group takes is gone for the next; ``peeked``
+        holds the stamp of the one read but not taken)."""
+        fc = self.free_cached[g]
+        own: Iterator[int] = iter(fc.values())
+        if gone:
+            own = (s for b, s in fc.items() if b not in gone)
+        if added:
+            own = chain(own, added.values())
+        bpc = self.bpc[g]
+        a = next(own, None)
+        head = peeked.pop() if peeked else None
+        taken = 0
+        while n > 0:
+            if head is None:
+                head = next(idle_seq, None)
+            if a is not None and (head is None or a < head):
+                n -= 1
+                a = next(own, None)
+            elif head is not None:
+                n -= bpc
+                head = None
+                taken += 1
+            else:
+                return -1
+        if head is not None:
+            peeked.append(head)
+        return taken
 
     def num_free(self, group_id: int) -> int:
         g = group_id
@@ -375,78 +515,7 @@ class ArenaPool(BlockPool):
 
     # -- invariants ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        nc = self.num_chunks
-        free_set = set(self.free_chunks)
-        if len(free_set) != len(self.free_chunks) or 0 in free_set:
-            raise InvariantError(f"free-chunk stack is malformed: {self.free_chunks}")
-        idle_union: set[int] = set()
-        for g in range(self.num_groups):
-            if idle_union & self.idle[g].keys():
-                raise InvariantError(f"a chunk is idle in group {g} and another group")
-            idle_union |= self.idle[g].keys()
-        if idle_union != self.idle_all.keys():
-            raise InvariantError("per-group idle chunks differ from the global idle LRU")
-        for g in range(self.num_groups):
-            refs, hashes = self.refs[g], self.hashes[g]
-            if refs[NULL_BLOCK_ID] or hashes[NULL_BLOCK_ID] is not None:
-                raise InvariantError(f"group {g}: null block has a reference or a hash")
-            for h, b in self.maps[g].items():
-                if hashes[b] != h or self.owner[b // self.bpc[g]] != g:
-                    raise InvariantError(f"group {g} maps hash {h:#x} to block {b} lacking it")
-            if sum(1 for h in hashes if h is not None) != len(self.maps[g]):
-                raise InvariantError(f"group {g}: cached blocks and map entries differ")
-            if sum(1 for r in refs if r) != self.used[g]:
-                raise InvariantError(f"group {g}: used counter {self.used[g]} is wrong")
-            for q, name in ((self.free_uncached[g], "uncached"), (self.free_cached[g], "LRU")):
-                for b in q:
-                    c = b // self.bpc[g]
-                    if self.owner[c] != g or not self.chunk_refd[c] or refs[b]:
-                        raise InvariantError(f"group {g}: block {b} in the {name} queue wrongly")
-                    if (hashes[b] is None) != (name == "uncached"):
-                        raise InvariantError(f"group {g}: block {b} in the wrong free queue")
-        if self.owner[0] != -1:
-            raise InvariantError("chunk 0 (null blocks) is owned by a group")
-        for c in range(1, nc):
-            self._check_chunk(c, free_set)
-
-    def _check_chunk(self, c: int, free_set: set[int]) -> None:
-        owner = self.owner[c]
-        for g in range(self.num_groups):
-            if g == owner:
-                continue
-            bpc = self.bpc[g]
-            for x in range(c * bpc, (c + 1) * bpc):
-                if self.refs[g][x] or self.hashes[g][x] is not None:
-                    raise InvariantError(f"chunk {c}: group {g} uses block {x} it does not hold")
-        if owner < 0:
-            if c not in free_set or self.chunk_refd[c] or self.chunk_cached_free[c]:
-                raise InvariantError(f"chunk {c} has no owner but is not cleanly free")
-            return
-        if c in free_set:
-            raise InvariantError(f"chunk {c} is owned by group {owner} and on the free stack")
-        bpc = self.bpc[owner]
-        refs, hashes = self.refs[owner], self.hashes[owner]
-        fu, fc = self.free_uncached[owner], self.free_cached[owner]
-        blocks = range(c * bpc, (c + 1) * bpc)
-        refd = sum(1 for x in blocks if refs[x])
-        cached_free = sum(1 for x in blocks if not refs[x] and hashes[x] is not None)
-        if refd != self.chunk_refd[c] or cached_free != self.chunk_cached_free[c]:
-            raise InvariantError(
-                f"chunk {c}: counters (refd {self.chunk_refd[c]}, cached free "
-                f"{self.chunk_cached_free[c]}) differ from blocks ({refd}, {cached_free})"
-            )
-        idle = c in self.idle[owner]
-        if refd:
-            if idle:
-                raise InvariantError(f"chunk {c} has referenced blocks but is idle")
-            for x in blocks:
-                if not refs[x] and (x in fu) == (x in fc):
-                    raise InvariantError(f"chunk {c}: free block {x} not in exactly one queue")
-        else:
-            if not cached_free or not idle:
-                raise InvariantError(f"chunk {c} is unreferenced but not idle with cached data")
-            if any(x in fu or x in fc for x in blocks):
-                raise InvariantError(f"idle chunk {c} has blocks in free queues")
+        check_arena(self)
 
     def snapshot(self) -> Any:
         return (
@@ -454,9 +523,10 @@ class ArenaPool(BlockPool):
             [list(h) for h in self.hashes],
             [list(m.items()) for m in self.maps],
             [list(q) for q in self.free_uncached],
-            [list(q) for q in self.free_cached],
+            [list(q.items()) for q in self.free_cached],
             [list(q) for q in self.idle],
-            list(self.idle_all),
+            list(self.idle_all.items()),
+            self.clock,
             list(self.owner),
             list(self.chunk_refd),
             list(self.chunk_cached_free),
