@@ -127,16 +127,29 @@ def test_many_window_sizes_and_no_full_attention() -> None:
 def test_alignment_is_lowered_only_when_the_aligned_chunk_wastes_too_much() -> None:
     from hybridkv.models import resolve_model
 
-    # gpt-oss-20b: 384 KiB blocks, 2 MiB-aligned 6 MiB chunks meet the aim
-    gpt = make_plan(resolve_model("gpt-oss-20b"), memory_bytes=40 << 30, max_model_len=131072)
+    two_mib = 2 << 20
+    gpt_model = resolve_model("gpt-oss-20b")
+    # default 64 KiB alignment: one 384 KiB block of either group per chunk
+    gpt = make_plan(gpt_model, memory_bytes=40 << 30, max_model_len=131072)
     assert gpt.layout.arena is not None
-    assert gpt.layout.arena.chunk_bytes == 6 << 20
+    assert gpt.layout.arena.chunk_bytes == 384 << 10
+    # a 2 MiB (CUDA VMM) alignment: 6 MiB chunks of 16 blocks meet the aim
+    gpt2 = make_plan(
+        gpt_model, memory_bytes=40 << 30, max_model_len=131072, chunk_alignment=two_mib
+    )
+    assert gpt2.layout.arena is not None
+    assert gpt2.layout.arena.chunk_bytes == 6 << 20
     # DeepSeek-V3: 61 MLA layers x 18432 B pages; any 2 MiB-aligned chunk is 61 * 9 * 2 MiB
-    ds = make_plan(resolve_model("DeepSeek-V3"), memory_bytes=40 << 30, max_model_len=131072)
+    ds = make_plan(
+        resolve_model("DeepSeek-V3"),
+        memory_bytes=40 << 30,
+        max_model_len=131072,
+        chunk_alignment=two_mib,
+    )
     assert ds.layout.arena is not None
     chunk = ds.layout.arena.chunk_bytes
     assert chunk % (61 * 18432) == 0 and chunk % 4096 == 0
-    assert chunk % (2 << 20) != 0
-    assert chunk < 61 * 9 * (2 << 20)
+    assert chunk % two_mib != 0
+    assert chunk < 61 * 9 * two_mib
     assert ds.waste.total <= 0.01 * (40 << 30)
     assert any("not multiples of the 2097152 B chunk alignment" in n for n in ds.notes)

@@ -1,10 +1,11 @@
 """The ``arena`` strategy: one region of equal chunks that every group carves into blocks.
 
 ``chunk_bytes`` is a common multiple of every group's ``block_bytes`` and of
-``chunk_alignment`` (2 MiB, the CUDA virtual-memory granularity), so a chunk holds a whole
+``chunk_alignment`` (64 KiB by default; 2 MiB gives chunks that match the CUDA virtual-memory
+granularity, see :mod:`hybridkv.plan.options`), so a chunk holds a whole
 number of blocks of any group and can be handed from one group to another when it is empty:
 memory flows to whichever kind the workload needs, with no fixed split and no padding.
-``num_chunks = memory_bytes // chunk_bytes``; chunk 0 is the null chunk.  When no 2 MiB-aligned
+``num_chunks = memory_bytes // chunk_bytes``; chunk 0 is the null chunk.  When no aligned
 chunk meets the waste aim below (DeepSeek-V3: 61 MLA layers make every aligned chunk at least
 1.07 GiB), the alignment is halved down to 4 KiB until one does; the on-demand arena then shares
 the boundary pages of neighbouring chunks.
@@ -21,8 +22,8 @@ then the least waste, then the smaller chunk.
 Scaling attention block sizes never helps: it multiplies a block's bytes, and ``lcm(m*x, y)``
 is a multiple of ``lcm(x, y)``, so it can only grow the chunk; the planner does not do it.
 
-Example: two groups of 12 layers with 32 KiB pages (384 KiB blocks) and a 2 MiB alignment give
-6 MiB chunks of 16 blocks each; 40 GiB holds 6826 chunks.
+Example: two groups of 12 layers with 32 KiB pages (384 KiB blocks) give 384 KiB chunks of one
+block each with the default 64 KiB alignment, or 6 MiB chunks of 16 blocks with a 2 MiB one.
 """
 
 from __future__ import annotations

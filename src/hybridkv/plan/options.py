@@ -15,8 +15,13 @@ Defaults and why:
   Mamba hybrids.  The ``uniform`` strategy (vLLM's rules) instead defaults to vLLM's align
   mode, a checkpoint interval equal to the unified attention block size.
 * ``kernel_block_size``: see :func:`kernel_block_size_for`.
-* ``chunk_alignment`` 2 MiB: the CUDA virtual-memory mapping granularity, so an arena chunk
-  can be mapped and unmapped on its own.
+* ``chunk_alignment`` 64 KiB: arena chunks are the smallest common multiple of every group's
+  block bytes and this.  Small chunks keep eviction close to one global LRU (a reclaimed chunk
+  loses all its cached blocks at once): on the simulator's chat workload, gpt-oss-20b at 1 GiB,
+  16-block chunks (2 MiB alignment) hit 58.7% of prompt tokens, 1-block chunks 66.5%, equal to
+  the uniform pool.  The on-demand arena maps physical memory in 2 MiB pages (the CUDA VMM
+  granularity) and shares the pages of neighbouring chunks; pass ``chunk_alignment=2 MiB`` for
+  chunks that map and unmap on their own.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ __all__ = [
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_STATE_BLOCK_SIZE = 256
-DEFAULT_CHUNK_ALIGNMENT = 2 * 1024 * 1024
+DEFAULT_CHUNK_ALIGNMENT = 64 * 1024  # see the module docstring
 #: Largest kernel block the default rule picks (tokens).
 KERNEL_BLOCK_LIMIT = 16
 
