@@ -234,6 +234,7 @@ def compare(
     strategy: str,
     block_size: int,
     state_block_size: int | None,
+    chunk_alignment: int | None = None,
 ) -> dict[str, Any]:
     model = resolve_model(name)
     setup = vd.build_vllm_manager(
@@ -251,6 +252,7 @@ def compare(
         strategy=strategy,
         block_size=block_size,
         state_block_size=state_block_size,
+        **({} if chunk_alignment is None else {"chunk_alignment": chunk_alignment}),
     )
     ours = HybridkvAdapter(KVCacheManager(plan.layout, hasher="sha256"), token_budget=token_budget)
     h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
@@ -309,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--strategy", default="arena")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--state-block-size", type=int, default=None)
+    p.add_argument("--chunk-alignment", default=None, help="arena chunk alignment (e.g. 2MiB)")
     p.add_argument("--out", default="results/compare_vllm.json")
     args = p.parse_args(argv)
     if not vd.vllm_available():
@@ -337,6 +340,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategy=args.strategy,
             block_size=args.block_size,
             state_block_size=args.state_block_size,
+            chunk_alignment=(
+                None
+                if args.chunk_alignment is None
+                else parse_bytes(args.chunk_alignment, field="--chunk-alignment")
+            ),
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)

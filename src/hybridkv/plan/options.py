@@ -21,7 +21,9 @@ Defaults and why:
   16-block chunks (2 MiB alignment) hit 58.7% of prompt tokens, 1-block chunks 66.5%, equal to
   the uniform pool.  The on-demand arena maps physical memory in 2 MiB pages (the CUDA VMM
   granularity) and shares the pages of neighbouring chunks; pass ``chunk_alignment=2 MiB`` for
-  chunks that map and unmap on their own.
+  chunks that map and unmap on their own.  The price of 1-block chunks is manager time (a chunk
+  transition per block): on 2,000 Mooncake requests, gpt-oss-20b at 64 GiB, 2 MiB chunks spent
+  0.78x vLLM's manager time per step and 64 KiB chunks 1.00x (hit rates 4.8% and 4.5%).
 """
 
 from __future__ import annotations
