@@ -225,7 +225,7 @@ def simulate(
     need_of = _need_function(model)
 
     n_groups = len(layout.groups)
-    pool = mgr._coord.pool
+    pool = mgr.pool
 
     reqs = list(workload.requests)
     by_id: dict[str, WorkloadRequest] = {}
