@@ -105,7 +105,7 @@ def test_all_strategies_side_by_side(
 def test_options_reach_the_planner(
     tiny: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = [*TINY, "--strategy", "pools", "--pool-ratios", "1,1", "--tp", "2", "--kv-dtype"]
+    args = [*TINY, "--strategy", "pools", "--pool-ratios", "1,1", "--tp", "2", "--kv-cache-dtype"]
     code, out, _ = _run(capsys, "x", *args, "fp8", "--kernel-block-size", "2", "--json")
     assert code == 0
     data = json.loads(out)
@@ -130,9 +130,9 @@ def test_max_model_len_defaults(
     [
         (["--memory", "lots"], "--memory: cannot parse 'lots'"),
         (["--memory", "0"], "--memory: size must be positive"),
-        (["--block-size", "0"], "block_size: must be a positive integer, got 0"),
+        (["--block-size", "0"], "--block-size: must be a positive integer, got 0"),
         (["--kernel-block-size", "3"], "kernel_block_size: 3 does not divide block_size 4"),
-        (["--max-model-len", "0"], "max_model_len: must be a positive integer, got 0"),
+        (["--max-model-len", "0"], "--max-model-len: must be a positive integer, got 0"),
         (["--pool-ratios", "1,x", "--strategy", "pools"], "pool_ratios: cannot parse"),
         (["--pool-ratios", "1,2"], "pool_ratios: only the pools strategy takes ratios"),
         (["--pool-ratios", "1", "--strategy", "pools"], "pool_ratios: got 1 ratios"),
@@ -166,9 +166,11 @@ def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_default_catalog_model(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys)
     assert (code, err) == (0, "")
-    assert out.startswith("model gpt-oss-20b (gpt_oss, 24 layers, tp 1); strategy arena;")
+    assert out.startswith(
+        "model Qwen3-Next-80B-A3B (qwen3_next, 48 layers, tp 1); strategy arena; memory 8 GiB"
+    )
     assert "max_model_len 131072" in out.splitlines()[0]
-    assert "capacity       13 requests x 131072 tokens" in out
+    assert "capacity       2 requests x 131072 tokens" in out
 
 
 def test_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:

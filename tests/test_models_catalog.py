@@ -39,7 +39,7 @@ def test_catalog_has_the_required_models() -> None:
     names = catalog_names()
     assert set(REQUIRED) <= set(names)
     assert len(names) == len(set(names))
-    assert DEFAULT_MODEL == "gpt-oss-20b" and DEFAULT_MODEL in names
+    assert DEFAULT_MODEL == "Qwen3-Next-80B-A3B" and DEFAULT_MODEL in names
 
 
 @pytest.mark.parametrize("name", catalog_names())

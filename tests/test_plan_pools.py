@@ -59,6 +59,24 @@ def test_negative_ratio() -> None:
 
 def test_budget_too_small_names_the_smallest_budget() -> None:
     # Pool 1 needs (1 + 8) * 256 bytes at 1/2 of the budget: 4608 bytes.
-    with pytest.raises(PlanError, match=r"one request needs 4.5 KiB \(4608 B\)"):
+    with pytest.raises(
+        PlanError,
+        match=r"starves a pool: group 1 \(full_attention\) gets 7 usable blocks of 256 B and "
+        r"needs 8; this split needs at least 4.5 KiB \(4608 B\) although one request's cache "
+        r"data is only 2.5 KiB",
+    ):
         _pools(4607)
     assert _pools(4608).capacity.max_concurrent_requests == 1
+
+
+def test_state_pool_holds_a_checkpoint_in_flight() -> None:
+    # A state request holds its running slot and, until its next call, the checkpoint being
+    # written: its pool needs two usable slots (plus the null slot) for one request.
+    from hybridkv.models import resolve_model
+    from hybridkv.plan import make_plan
+
+    model = resolve_model("Qwen3-Next-80B-A3B")
+    plan = make_plan(model, memory_bytes=8 << 30, max_model_len=131072, strategy="pools")
+    state_pool = plan.layout.pools[0]
+    assert plan.layout.groups[0].spec.kind.value == "state"
+    assert state_pool.num_blocks - 1 >= 2

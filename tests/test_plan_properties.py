@@ -107,7 +107,9 @@ def test_random_plans_hold_their_invariants(
     try:
         plan = plan_with(memory)
     except PlanError as exc:
-        found = re.search(r"one request needs .* \((\d+) B\)", str(exc))
+        found = re.search(
+            r"(?:one request needs|this split needs at least) \S+ \S+ \((\d+) B\)", str(exc)
+        )
         assert found is not None, str(exc)
         least = int(found.group(1))
         assert least > memory

@@ -95,7 +95,7 @@ def test_cli_simulate_small(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         (["simulate", "--trace", "synthetic:nope"], "unknown synthetic workload 'nope'"),
         (["simulate", "--memory", "lots"], "--memory: cannot parse 'lots'"),
         (["simulate", "--model", "no-such-model"], "no-such-model"),
-        (["simulate", "--requests", "0"], "--requests: must be positive"),
+        (["simulate", "--requests", "0"], "--requests: must be a positive integer"),
     ],
 )
 def test_cli_simulate_errors(

@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from hybridkv.cli.common import add_kv_cache_dtype, add_model, add_tp, check_positive, model_name
 from hybridkv.errors import UnknownModelError
 from hybridkv.models import catalog_entries, catalog_entry, resolve_model
 from hybridkv.models.summary import cache_detail, cache_label, format_kind_counts, kind_counts
@@ -25,18 +26,10 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        nargs="?",
-        help="catalog name, Hugging Face id or path to a config.json; omit to list the catalog",
-    )
+    add_model(parser, default_help="none: list the catalog")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        help="attention/MLA cache dtype (auto, bf16, fp16, fp8, ...; default: the model dtype)",
-    )
+    add_tp(parser)
+    add_kv_cache_dtype(parser)
 
 
 def _table(rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()) -> str:
@@ -99,10 +92,10 @@ def _hf_id(model: str) -> str | None:
         return None
 
 
-def _show_model(args: argparse.Namespace) -> int:
-    spec = resolve_model(args.model, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+def _show_model(args: argparse.Namespace, name: str) -> int:
+    spec = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
     if args.json:
-        print(json.dumps({**spec.to_dict(), "hf_id": _hf_id(args.model)}, indent=2))
+        print(json.dumps({**spec.to_dict(), "hf_id": _hf_id(name)}, indent=2))
         return 0
     rows = [["LAYER", "TYPE", "KIND", "DETAIL", "BYTES/TOKEN", "STATE BYTES"]]
     for layer in spec.layers:
@@ -118,7 +111,7 @@ def _show_model(args: argparse.Namespace) -> int:
                 ]
             )
     summary = _model_summary(spec)
-    hf_id = _hf_id(args.model)
+    hf_id = _hf_id(name)
     print(
         f"{spec.name}" + (f" ({hf_id})" if hf_id else "") + f": {spec.model_type}, "
         f"{spec.num_layers} layers, tp={spec.tp_size}"
@@ -138,6 +131,8 @@ def _show_model(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """List the catalog (no model given) or show one model; returns the exit code."""
-    if args.model is None:
+    check_positive(args, ("tp",))
+    name = model_name(args, "")
+    if not name:
         return _list_catalog(args)
-    return _show_model(args)
+    return _show_model(args, name)

@@ -2,7 +2,7 @@
 
 Examples::
 
-    hybridkv plan                                   # gpt-oss-20b, 40 GiB, arena
+    hybridkv plan                                   # the default model, 8 GiB, arena
     hybridkv plan Qwen3-Next-80B-A3B --memory 80GiB --strategy all
     hybridkv plan ./config.json --max-model-len 32768 --strategy pools --pool-ratios 1,3 --json
 
@@ -19,8 +19,21 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from hybridkv.cli.common import (
+    add_block_options,
+    add_kv_cache_dtype,
+    add_max_model_len,
+    add_memory,
+    add_model,
+    add_pool_options,
+    add_tp,
+    check_positive,
+    max_model_len_for,
+    model_name,
+)
 from hybridkv.cli.format import compact_ranges, percent, render_table
-from hybridkv.errors import HybridKVError, PlanError
+from hybridkv.errors import PlanError
+from hybridkv.models.catalog import DEFAULT_MODEL
 from hybridkv.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
@@ -28,7 +41,6 @@ if TYPE_CHECKING:
     from hybridkv.specs import CacheSpec, ChunkedLocalSpec, SlidingWindowSpec, StateSpec
 
 __all__ = [
-    "PlanCommandError",
     "add_arguments",
     "comparison_report",
     "group_table",
@@ -36,51 +48,24 @@ __all__ = [
     "run",
 ]
 
-#: --max-model-len default cap (tokens) when the model's own limit is larger or unknown.
-DEFAULT_MAX_MODEL_LEN = 131072
 _STRATEGY_CHOICES = ("arena", "uniform", "pools", "all")
-
-
-class PlanCommandError(HybridKVError, ValueError):
-    """A ``hybridkv plan`` argument is invalid (bad ratio list, non-positive --tp, ...)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``plan``'s arguments (imports nothing heavy)."""
+    add_model(parser, default_help=DEFAULT_MODEL)
+    add_memory(parser)
+    add_max_model_len(parser)
+    add_tp(parser)
+    add_kv_cache_dtype(parser)
+    add_block_options(parser, kernel=True)
     parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        metavar="MODEL",
-        help="catalog name, Hugging Face id or path to a config.json (default: gpt-oss-20b)",
+        "--strategy",
+        choices=_STRATEGY_CHOICES,
+        default="arena",
+        help="memory layout, or all of them side by side with the naive estimate",
     )
-    parser.add_argument("--memory", default="40GiB", help="KV-cache budget (default: 40GiB)")
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="tokens per request (default: the model's limit, at most 131072)",
-    )
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
-    parser.add_argument(
-        "--kv-dtype", default=None, help="KV cache dtype, e.g. fp8 (default: model)"
-    )
-    parser.add_argument("--block-size", type=int, default=16, help="attention block (tokens)")
-    parser.add_argument(
-        "--kernel-block-size", type=int, default=None, help="kernel block; divides --block-size"
-    )
-    parser.add_argument(
-        "--state-block-size", type=int, default=None, help="state checkpoint interval (tokens)"
-    )
-    parser.add_argument(
-        "--strategy", choices=_STRATEGY_CHOICES, default="arena", help="default: arena"
-    )
-    parser.add_argument(
-        "--pool-ratios", default=None, help="pools only: one weight per group, e.g. 0.3,0.7"
-    )
-    parser.add_argument(
-        "--chunk-alignment", default="2MiB", help="arena chunk granularity (default: 2MiB)"
-    )
+    add_pool_options(parser)
     parser.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
 
 
@@ -102,17 +87,15 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv import models
     from hybridkv.plan import compare_strategies, make_plan
 
-    if args.tp <= 0:
-        raise PlanCommandError(f"--tp: must be a positive integer, got {args.tp}")
+    check_positive(
+        args, ("tp", "max_model_len", "block_size", "kernel_block_size", "state_block_size")
+    )
     memory = parse_bytes(args.memory, field="--memory")
     alignment = parse_bytes(args.chunk_alignment, field="--chunk-alignment")
     ratios = parse_ratios(args.pool_ratios)
-    name = args.model if args.model is not None else models.DEFAULT_MODEL
-    model = models.resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_dtype)
-    max_len = args.max_model_len
-    if max_len is None:
-        limit = model.max_position_embeddings
-        max_len = DEFAULT_MAX_MODEL_LEN if limit is None else min(limit, DEFAULT_MAX_MODEL_LEN)
+    name = model_name(args, models.DEFAULT_MODEL)
+    model = models.resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+    max_len = max_model_len_for(model, args.max_model_len)
     if args.strategy == "all":
         comparison = compare_strategies(
             model,

@@ -1,88 +1,188 @@
-"""``hybridkv simulate``: replay a workload through the scheduler and cache manager."""
+"""``hybridkv simulate``: replay a workload through the scheduler and cache manager.
+
+With no options it runs the demo: the default model (a gated-DeltaNet + full-attention hybrid)
+serving the seeded agent workload in a KV budget small enough that the memory layouts
+differ, once per strategy, and says what the difference means.
+
+Every input is checked before the first strategy runs (model, sizes, trace, report
+directory); a strategy whose plan cannot hold one request is shown as ``n/a`` with its reason
+while the others run.  Requests the simulator cannot admit (a prompt of ``--max-model-len``
+tokens or more) are counted in the table, warned about, and count as misses in the hit rate.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hybridkv.errors import HybridKVError
+from hybridkv.cli.common import (
+    CliInputError,
+    add_block_options,
+    add_kv_cache_dtype,
+    add_max_model_len,
+    add_memory,
+    add_model,
+    add_pool_options,
+    add_tp,
+    check_positive,
+    max_model_len_for,
+    model_name,
+)
+from hybridkv.models.catalog import DEFAULT_MODEL
 
-DEFAULT_TRACE = "synthetic:chat"
+if TYPE_CHECKING:
+    from hybridkv.sim import SimResult
+    from hybridkv.sim.report import StrategyFailure
 
+__all__ = ["DEFAULT_TRACE", "add_arguments", "run"]
 
-class CliError(HybridKVError):
-    """A bad command-line value."""
+#: The demo's workload: tool-use loops re-sending a growing context (long shared prefixes).
+DEFAULT_TRACE = "synthetic:agent"
+_ACCELERATORS = ("h100", "h200", "a100")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="catalog name or config path (default: gpt-oss-20b)"
-    )
+    add_model(parser, default_help=DEFAULT_MODEL)
     parser.add_argument(
         "--trace",
         default=DEFAULT_TRACE,
-        help="Mooncake-format trace file, or synthetic:chat|agent|docs|mixed "
-        f"(default: {DEFAULT_TRACE})",
+        metavar="FILE|synthetic:NAME",
+        help="a Mooncake-format trace (.jsonl, or .jsonl.gz), or a seeded workload: "
+        "synthetic:chat, synthetic:agent, synthetic:docs or synthetic:mixed",
     )
-    parser.add_argument("--memory", default="4GiB", help="KV-cache budget (default: 4GiB)")
+    add_memory(parser)
     parser.add_argument(
         "--strategy",
         default="all",
         choices=["arena", "uniform", "pools", "all"],
-        help="pool strategy, or all side by side (default: all)",
+        help="memory layout, or all of them side by side",
     )
-    parser.add_argument("--requests", type=int, default=None, help="use the first N requests")
-    parser.add_argument("--max-model-len", type=int, default=32768)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--state-block-size", type=int, default=None)
-    parser.add_argument("--token-budget", type=int, default=8192, help="tokens per step")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--kv-dtype", default=None)
-    parser.add_argument("--accelerator", default="h100", help="h100, h200 or a100")
     parser.add_argument(
-        "--no-arrivals", action="store_true", help="ignore timestamps: all requests at once"
+        "--requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="use the first N requests (default: all of a trace, 400 of a synthetic workload)",
+    )
+    add_max_model_len(parser)
+    add_block_options(parser, kernel=True)
+    add_pool_options(parser)
+    parser.add_argument(
+        "--token-budget", type=int, default=8192, metavar="TOKENS", help="tokens per step"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, metavar="N", help="running requests at most"
+    )
+    add_tp(parser)
+    add_kv_cache_dtype(parser)
+    parser.add_argument(
+        "--accelerator",
+        default="h100",
+        choices=_ACCELERATORS,
+        help="the cost model's accelerator (step times, TTFT, throughput)",
+    )
+    parser.add_argument(
+        "--no-arrivals", action="store_true", help="ignore arrival times: all requests at once"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads")
-    parser.add_argument("--report", default=None, metavar="DIR", help="write JSON, PNG and HTML")
+    parser.add_argument(
+        "--report",
+        default=None,
+        metavar="DIR",
+        help="also write report.json, PNG plots and index.html into DIR (created if missing)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--quiet", action="store_true", help="no progress or warnings on stderr")
+
+
+def _check_report_dir(path: str) -> Path:
+    """Create the report directory now, so a bad path fails before the simulation runs."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise CliInputError(f"--report: {path!r} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliInputError(f"--report: cannot create directory {path!r}: {exc.strerror}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise CliInputError(f"--report: directory {path!r} is not writable")
+    return out
+
+
+def _warn_rejected(result: SimResult) -> str | None:
+    if not result.rejected:
+        return None
+    longest = max(r.prompt_len for r in result.rejected)
+    return (
+        f"warning: {result.strategy}: {len(result.rejected)} of {result.num_requests} requests "
+        f"rejected: prompt of max_model_len {result.plan.max_model_len} tokens or more "
+        f"(longest {longest}); they count as misses in the hit rate; raise --max-model-len to "
+        "admit them"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridkv.cli.plan_cmd import parse_ratios
     from hybridkv.cli.progress import Progress
-    from hybridkv.models import DEFAULT_MODEL, resolve_model
+    from hybridkv.errors import PlanError
+    from hybridkv.models import resolve_model
     from hybridkv.plan import Strategy
-    from hybridkv.sim import ModelProfile, SimConfig, load_model_config, simulate
-    from hybridkv.sim.report import format_summary_table, write_report
+    from hybridkv.scheduler import SchedulerError
+    from hybridkv.sim import ModelProfile, SimConfig, SimulationError, load_model_config, simulate
+    from hybridkv.sim.report import (
+        StrategyFailure,
+        format_summary_table,
+        interpretation,
+        write_report,
+    )
     from hybridkv.units import format_bytes, parse_bytes
     from hybridkv.workloads import load_workload
 
-    model_name = args.model or DEFAULT_MODEL
-    for name in ("requests", "max_model_len", "block_size", "token_budget", "max_num_seqs"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise CliError(f"--{name.replace('_', '-')}: must be positive, got {value}")
+    check_positive(
+        args,
+        (
+            "requests",
+            "max_model_len",
+            "block_size",
+            "kernel_block_size",
+            "state_block_size",
+            "token_budget",
+            "max_num_seqs",
+            "tp",
+        ),
+    )
     memory = parse_bytes(args.memory, field="--memory")
-    model = resolve_model(model_name, tp_size=args.tp, kv_cache_dtype=args.kv_dtype)
-    profile = ModelProfile.from_config(load_model_config(model_name))
+    alignment = parse_bytes(args.chunk_alignment, field="--chunk-alignment")
+    ratios = parse_ratios(args.pool_ratios)
+    name = model_name(args, DEFAULT_MODEL)
+    model = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+    profile = ModelProfile.from_config(load_model_config(name))
+    max_len = max_model_len_for(model, args.max_model_len)
+    report_dir = None if args.report is None else _check_report_dir(args.report)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
     strategies = list(Strategy) if args.strategy == "all" else [Strategy(args.strategy)]
+    title = (
+        f"{model.name} | {workload.summary()} | KV budget {format_bytes(memory)} | "
+        f"max_model_len {max_len} | {args.accelerator.upper()} cost model"
+    )
     if not args.quiet:
-        print(
-            f"simulating {model.name} on {workload.summary()}; budget {format_bytes(memory)}, "
-            f"{args.accelerator}",
-            file=sys.stderr,
-        )
-    results = []
+        print(f"simulating {len(strategies)} strategies: {title}", file=sys.stderr)
+    results: list[SimResult] = []
+    failures: list[StrategyFailure] = []
     for strategy in strategies:
         config = SimConfig(
             memory_bytes=memory,
-            max_model_len=args.max_model_len,
+            max_model_len=max_len,
             strategy=strategy,
             block_size=args.block_size,
+            kernel_block_size=args.kernel_block_size,
             state_block_size=args.state_block_size,
+            pool_ratios=ratios if strategy is Strategy.POOLS else None,
+            chunk_alignment=alignment,
             token_budget=args.token_budget,
             max_num_seqs=args.max_num_seqs,
             accelerator=args.accelerator,
@@ -91,14 +191,31 @@ def run(args: argparse.Namespace) -> int:
         bar = Progress(str(strategy), enabled=not args.quiet)
         try:
             results.append(simulate(model, profile, workload, config, progress=bar))
+        except (PlanError, SimulationError, SchedulerError) as exc:
+            if len(strategies) == 1:
+                raise
+            failures.append(StrategyFailure(str(strategy), str(exc)))
         finally:
             bar.close()
+    if not results:
+        reasons = "; ".join(f"{f.strategy}: {f.reason}" for f in failures)
+        raise SimulationError(f"no strategy can run this simulation: {reasons}")
+    if not args.quiet:
+        for r in results:
+            warning = _warn_rejected(r)
+            if warning:
+                print(warning, file=sys.stderr)
     if args.json:
-        print(json.dumps([r.summary() for r in results], indent=1))
+        data = [r.summary() for r in results]
+        data += [{"strategy": f.strategy, "error": f.reason} for f in failures]
+        print(json.dumps(data, indent=1))
     else:
-        print(f"{model.name} | {workload.summary()} | budget {format_bytes(memory)}")
-        print(format_summary_table(results))
-    if args.report:
-        out = write_report(results, args.report, title=f"hybridkv simulate: {model.name}")
-        print(f"report written to {out}/index.html", file=sys.stderr)
+        print(title)
+        print(format_summary_table(results, failures))
+        for f in failures:
+            print(f"{f.strategy}: n/a: {f.reason}")
+        print(interpretation(results, failures))
+    if report_dir is not None:
+        out = write_report(results, report_dir, title=title, failures=failures)
+        print(f"report written to {out / 'index.html'}", file=sys.stderr)
     return 0

@@ -29,8 +29,9 @@ __all__ = [
     "resolve_model",
 ]
 
-#: The model CLI commands use when none is named.
-DEFAULT_MODEL = "gpt-oss-20b"
+#: The model CLI commands use when none is named: a state hybrid (gated DeltaNet + full
+#: attention), the kind of model whose cache layout matters most.
+DEFAULT_MODEL = "Qwen3-Next-80B-A3B"
 
 
 @dataclass(frozen=True, kw_only=True)

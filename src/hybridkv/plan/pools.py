@@ -3,11 +3,11 @@
 Group ``g`` gets ``floor(memory * w[g] / sum(w))`` bytes, where ``w`` is ``pool_ratios`` (one
 positive weight per group, normalised) or, by default, each group's bytes per max-length
 request (``blocks_for_request * block_bytes``; windowed groups also count one prefill chunk of
-``PREFILL_CHUNK_TOKENS`` in flight), so a workload of max-length requests fills every pool at
-once.  Each pool holds ``share // block_bytes`` blocks; block 0 is its null
-block.  Block sizes and pages are the unpadded ones of the ``arena`` strategy.  Capacity is
-the minimum over pools: the split is fixed, so a workload of another shape strands memory in
-the pools it does not need.
+``PREFILL_CHUNK_TOKENS`` in flight, state groups one checkpoint slot being written), so a
+workload of max-length requests fills every pool at once.  Each pool holds
+``share // block_bytes`` blocks; block 0 is its null block.  Block sizes and pages are the
+unpadded ones of the ``arena`` strategy.  Capacity is the minimum over pools: the split is
+fixed, so a workload of another shape strands memory in the pools it does not need.
 
 Example: a sliding group needing 10 blocks (+ 512 for a chunk in flight) and a full group
 needing 8192 blocks of 384 KiB per request split 40 GiB as 522 : 8192.
@@ -18,12 +18,12 @@ from __future__ import annotations
 from fractions import Fraction
 
 from hybridkv.errors import PlanError
-from hybridkv.plan.accounting import too_small_error
 from hybridkv.plan.grouping import BuiltLayout, SpecGroup, base_group_plans
 from hybridkv.plan.layout import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.plan.need import blocks_for_request
 from hybridkv.plan.options import PlanOptions
 from hybridkv.specs import CacheKind
+from hybridkv.units import format_bytes
 
 __all__ = ["plan_pools", "pool_weights"]
 
@@ -67,6 +67,16 @@ def _split_need(group: GroupPlan, need: int, max_model_len: int) -> int:
     return need
 
 
+def _pool_need(group: GroupPlan, need: int) -> int:
+    """Blocks one request must be able to hold in its group's own pool.
+
+    A state group's request holds its running slot plus, while a checkpoint is being written,
+    the checkpoint's slot (published at the request's next call): a pool of one usable slot
+    could never run a request past its first checkpoint boundary.
+    """
+    return need + 1 if group.spec.kind is CacheKind.STATE else need
+
+
 def plan_pools(
     groups: tuple[SpecGroup, ...], options: PlanOptions, memory_bytes: int, max_model_len: int
 ) -> BuiltLayout:
@@ -76,7 +86,7 @@ def plan_pools(
     request of ``max_model_len`` tokens (naming the smallest budget that would).
     """
     plans = base_group_plans(groups, options)
-    need = [blocks_for_request(g, max_model_len) for g in plans]
+    need = [_pool_need(g, blocks_for_request(g, max_model_len)) for g in plans]
     need_bytes = [
         _split_need(g, n, max_model_len) * g.block_bytes for n, g in zip(need, plans, strict=True)
     ]
@@ -86,20 +96,16 @@ def plan_pools(
     blocks = [
         int(memory_bytes * w / total) // g.block_bytes for g, w in zip(plans, weights, strict=True)
     ]
-    fits = all(b - 1 >= n for b, n in zip(blocks, need, strict=True))
-    if not fits:
+    short = [(g, b, n) for g, b, n in zip(plans, blocks, need, strict=True) if b - 1 < n]
+    if short:
         # floor(B * w / W) >= (1 + n) * block_bytes  <=>  B >= (1 + n) * block_bytes * W / w
         least = max(
             _cdiv_fraction((1 + n) * g.block_bytes * total / w)
             for g, n, w in zip(plans, need, weights, strict=True)
         )
-        raise too_small_error(
-            strategy=Strategy.POOLS.value,
-            memory_bytes=memory_bytes,
-            max_model_len=max_model_len,
-            min_bytes=least,
-            data_bytes=sum(len(g.members) * g.spec.resident_bytes(max_model_len) for g in groups),
-            unit="block of every pool",
+        data = sum(len(g.members) * g.spec.resident_bytes(max_model_len) for g in groups)
+        raise _split_error(
+            short, memory_bytes, max_model_len, least, data, _split_text(options, weights, plans)
         )
     pools = tuple(
         PoolPlan(
@@ -107,11 +113,53 @@ def plan_pools(
         )
         for g, b in zip(plans, blocks, strict=True)
     )
-    split = "pool_ratios" if options.pool_ratios is not None else "need per max-length request"
-    shares = ", ".join(f"{float(w / total):.4f}" for w in weights)
-    note = f"pools: budget split by {split}: {shares}"
+    note = f"pools: budget split {_split_text(options, weights, plans)}"
     layout = MemoryLayout(strategy=Strategy.POOLS, groups=plans, pools=pools)
     return BuiltLayout(layout, (note,))
+
+
+def _split_text(
+    options: PlanOptions, weights: list[Fraction], plans: tuple[GroupPlan, ...] | list[GroupPlan]
+) -> str:
+    """How the budget was split, e.g. ``by --pool-ratios: g0 sliding_window 0.2500, ...``."""
+    total = sum(weights)
+    shares = ", ".join(
+        f"g{g.group_id} {g.spec.kind.value} {float(w / total):.4f}"
+        for g, w in zip(plans, weights, strict=True)
+    )
+    if options.pool_ratios is not None:
+        return f"by pool_ratios: {shares}"
+    windowed = any(g.spec.kind in (CacheKind.SLIDING, CacheKind.CHUNKED) for g in plans)
+    chunk = (
+        f" (windowed groups: their window plus one {PREFILL_CHUNK_TOKENS}-token prefill chunk)"
+        if windowed
+        else ""
+    )
+    return f"by each group's need per max-length request{chunk}: {shares}"
+
+
+def _split_error(
+    short: list[tuple[GroupPlan, int, int]],
+    memory_bytes: int,
+    max_model_len: int,
+    least: int,
+    data_bytes: int,
+    split: str,
+) -> PlanError:
+    """The refusal of a split that leaves some pool too small for one request."""
+    starved = "; ".join(
+        f"group {g.group_id} ({g.spec.kind.value}) gets {max(b - 1, 0)} usable blocks of "
+        f"{format_bytes(g.block_bytes)} and needs {n}"
+        for g, b, n in short
+    )
+    return PlanError(
+        f"memory_bytes: {format_bytes(memory_bytes)} ({memory_bytes} B) holds no request of "
+        f"max_model_len {max_model_len} with the pools strategy: the fixed split {split} "
+        f"starves a pool: {starved}; this split needs at least {format_bytes(least)} "
+        f"({least} B) although one request's cache data is only {format_bytes(data_bytes)}; "
+        "give more memory, a shorter max_model_len, pool ratios that match the need "
+        "(--pool-ratios), or the arena strategy, which has no fixed split"
+    )
 
 
 def _cdiv_fraction(value: Fraction) -> int:

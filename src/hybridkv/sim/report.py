@@ -1,24 +1,62 @@
-"""Simulation reports: a summary table, JSON, PNG plots and one HTML page.
+"""Simulation reports: a summary table, a one-line reading of it, JSON, PNG plots, one HTML page.
 
-Plots (matplotlib, Agg backend, imported only when a report directory is asked for):
+Plots (matplotlib, Agg backend, imported only when a report directory is asked for), each
+titled with the model, workload, budget and accelerator, with shared axes across strategies
+and legends outside the data:
 
 * ``hit_rate.png``: cumulative token hit rate over simulated time, one line per strategy;
 * ``memory.png``: memory held by referenced blocks vs the exact physical need of the running
   requests, over simulated time, one panel per strategy, with the budget as a line;
-* ``group_usage.png``: blocks each group holds over time, one panel per strategy.
+* ``group_usage.png``: memory each group holds over time (stacked), one panel per strategy.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridkv.sim.simulator import SimResult
 from hybridkv.units import format_bytes
 
-__all__ = ["format_summary_table", "write_report"]
+__all__ = [
+    "COLUMNS",
+    "StrategyFailure",
+    "format_summary_table",
+    "interpretation",
+    "write_report",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyFailure:
+    """A strategy that could not run the simulation (its plan or a request does not fit)."""
+
+    strategy: str
+    reason: str
+
+
+#: Summary-table column -> what it means (shown in the HTML report).
+COLUMNS: dict[str, str] = {
+    "strategy": "memory layout: arena (one pool carved by whichever group needs it), uniform "
+    "(vLLM's rules: one page size, padded), pools (a fixed split per group)",
+    "hit rate": "prompt tokens served from the prefix cache, of all prompt tokens of the "
+    "workload (rejected requests count as misses)",
+    "per group (alone)": "tokens each cache group alone could have served; a hit needs every "
+    "group, so the overall hit rate is at most the smallest",
+    "peak used": "most memory held at once by blocks in use",
+    "peak need": "most memory the running requests physically needed at once, nothing shared",
+    "preempt": "requests evicted to free memory, to be recomputed later",
+    "peak conc": "most requests running at once",
+    "tok/s": "output tokens per simulated second (the accelerator's cost model)",
+    "TTFT p50/p99": "time to first token, median and 99th percentile, simulated seconds",
+    "TPOT": "mean time per output token after the first",
+    "done": "requests finished, of the workload",
+    "rejected": "requests never admitted: prompt of max_model_len tokens or more",
+}
 
 
 def _row(r: SimResult) -> dict[str, str]:
@@ -36,23 +74,63 @@ def _row(r: SimResult) -> dict[str, str]:
         "TTFT p50/p99": f"{s['ttft_p50_s']:.2f}/{s['ttft_p99_s']:.2f}s",
         "TPOT": f"{s['tpot_mean_s'] * 1000:.1f}ms",
         "done": f"{s['finished']}/{s['requests']}",
+        "rejected": str(s["rejected"]),
     }
 
 
-def format_summary_table(results: list[SimResult]) -> str:
-    """An aligned text table, one row per strategy."""
-    rows = [_row(r) for r in results]
-    cols = list(rows[0])
+def _failure_row(f: StrategyFailure) -> dict[str, str]:
+    return {c: (f.strategy if c == "strategy" else "n/a") for c in COLUMNS}
+
+
+def format_summary_table(
+    results: list[SimResult], failures: list[StrategyFailure] | None = None
+) -> str:
+    """An aligned text table, one row per strategy (``n/a`` rows for ``failures``)."""
+    rows = [_row(r) for r in results] + [_failure_row(f) for f in failures or []]
+    cols = list(COLUMNS)
     widths = {c: max(len(c), *(len(row[c]) for row in rows)) for c in cols}
-    lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
+    lines = ["  ".join(c.ljust(widths[c]) for c in cols).rstrip()]
     lines.append("  ".join("-" * widths[c] for c in cols))
-    lines += ["  ".join(row[c].ljust(widths[c]) for c in cols) for row in rows]
+    lines += ["  ".join(row[c].ljust(widths[c]) for c in cols).rstrip() for row in rows]
     return "\n".join(lines)
+
+
+def _others(ranked: list[SimResult], key: str, fmt: str) -> str:
+    return ", ".join(f"{r.strategy} {fmt.format(r.summary()[key])}" for r in ranked[1:])
+
+
+def interpretation(results: list[SimResult], failures: list[StrategyFailure] | None = None) -> str:
+    """One line that says what the table means, computed from it (nothing canned)."""
+    budget = format_bytes(results[0].plan.memory_bytes)
+    failed = "".join(f"; {f.strategy} cannot run at all (see above)" for f in failures or [])
+    if len(results) == 1:
+        r = results[0]
+        return (
+            f"meaning: with {r.strategy}, {r.hit_rate:.1%} of all prompt tokens came from the "
+            f"prefix cache and {r.preemptions} requests were preempted for lack of memory in "
+            f"the {budget} budget{failed}"
+        )
+    ranked = sorted(results, key=lambda r: (-r.hit_rate, r.preemptions))
+    best = ranked[0]
+    s = best.summary()
+    tie = [r.strategy for r in ranked[1:] if abs(r.hit_rate - best.hit_rate) < 0.0005]
+    lead = f"{best.strategy}" + (f" (tied with {', '.join(tie)})" if tie else "")
+    return (
+        f"meaning: same model, workload and {budget} budget, so the differences are the "
+        f"layouts: {lead} served the most prompt tokens from the prefix cache, "
+        f"{best.hit_rate:.1%} (vs {_others(ranked, 'token_hit_rate', '{:.1%}')}), with "
+        f"{best.preemptions} preemptions (vs {_others(ranked, 'preemptions', '{}')}) and TTFT "
+        f"p99 {s['ttft_p99_s']:.2f}s (vs {_others(ranked, 'ttft_p99_s', '{:.2f}s')}){failed}"
+    )
 
 
 def _result_json(r: SimResult) -> dict[str, Any]:
     return {
         "summary": r.summary(),
+        "rejected": [
+            {"request_id": x.request_id, "prompt_len": x.prompt_len, "reason": x.reason}
+            for x in r.rejected
+        ],
         "plan": r.plan.to_dict(),
         "timeline": [
             {
@@ -70,58 +148,80 @@ def _result_json(r: SimResult) -> dict[str, Any]:
     }
 
 
-def _plots(results: list[SimResult], out: Path) -> list[str]:
+def _plots(results: list[SimResult], out: Path, title: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    title = textwrap.fill(title, 110)
+    gib = float(1 << 30)
+    t_end = max((p.time_s for r in results for p in r.timeline), default=1.0) or 1.0
     names: list[str] = []
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     for r in results:
         ax.plot(
-            [p.time_s for p in r.timeline], [100 * p.hit_rate for p in r.timeline], label=r.strategy
+            [p.time_s for p in r.timeline],
+            [100 * p.hit_rate for p in r.timeline],
+            label=f"{r.strategy} ({r.hit_rate:.1%} at the end)",
         )
+    ax.set_xlim(0, t_end)
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("cumulative token hit rate (%)")
-    ax.set_title("Prefix-cache token hit rate")
+    ax.set_title("Prefix-cache token hit rate", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "hit_rate.png", dpi=110)
     plt.close(fig)
     names.append("hit_rate.png")
 
     n = len(results)
-    fig, axes = plt.subplots(n, 1, figsize=(7, 2.8 * n), squeeze=False)
-    gib = float(1 << 30)
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n + 0.6), squeeze=False, sharex=True)
+    top = max(
+        [r.plan.memory_bytes / gib for r in results]
+        + [p.need_bytes / gib for r in results for p in r.timeline]
+    )
     for ax, r in zip(axes[:, 0], results, strict=True):
         t = [p.time_s for p in r.timeline]
-        ax.plot(t, [p.used_bytes / gib for p in r.timeline], label="held by running requests")
+        ax.plot(t, [p.used_bytes / gib for p in r.timeline], label="held by blocks in use")
         ax.plot(t, [p.need_bytes / gib for p in r.timeline], label="physical need, nothing shared")
         ax.axhline(r.plan.memory_bytes / gib, color="grey", linestyle="--", label="budget")
+        ax.set_ylim(0, top * 1.05)
         ax.set_ylabel("GiB")
-        ax.set_title(f"{r.strategy}: memory held vs needed")
+        ax.set_title(f"{r.strategy}: memory held vs needed", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    axes[-1, 0].set_xlim(0, t_end)
     axes[-1, 0].set_xlabel("simulated time (s)")
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "memory.png", dpi=110)
     plt.close(fig)
     names.append("memory.png")
 
-    fig, axes = plt.subplots(n, 1, figsize=(7, 2.8 * n), squeeze=False)
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n + 0.6), squeeze=False, sharex=True)
+    top = max(r.plan.memory_bytes / gib for r in results)
     for ax, r in zip(axes[:, 0], results, strict=True):
         t = [p.time_s for p in r.timeline]
         groups = r.plan.layout.groups
-        for g, label in enumerate(r.group_labels):
-            block_bytes = groups[g].block_bytes
-            ax.plot(t, [p.group_blocks[g] * block_bytes / gib for p in r.timeline], label=label)
-        ax.set_ylabel("GiB held")
-        ax.set_title(f"{r.strategy}: memory per group")
+        # Stacked, so groups with equal usage (uniform's identical state groups) stay visible.
+        series = [
+            [p.group_blocks[g] * groups[g].block_bytes / gib for p in r.timeline]
+            for g in range(len(groups))
+        ]
+        ax.stackplot(t, series, labels=list(r.group_labels), alpha=0.85)
+        ax.axhline(r.plan.memory_bytes / gib, color="grey", linestyle="--", label="budget")
+        ax.set_ylim(0, top * 1.05)
+        ax.set_ylabel("GiB held (stacked)")
+        ax.set_title(f"{r.strategy}: memory per group", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    axes[-1, 0].set_xlim(0, t_end)
     axes[-1, 0].set_xlabel("simulated time (s)")
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "group_usage.png", dpi=110)
     plt.close(fig)
@@ -129,27 +229,57 @@ def _plots(results: list[SimResult], out: Path) -> list[str]:
     return names
 
 
-def write_report(results: list[SimResult], out_dir: str | Path, *, title: str) -> Path:
-    """Write ``report.json``, the PNG plots and ``index.html`` into ``out_dir``; returns it."""
+def write_report(
+    results: list[SimResult],
+    out_dir: str | Path,
+    *,
+    title: str,
+    failures: list[StrategyFailure] | None = None,
+) -> Path:
+    """Write ``report.json``, the PNG plots and ``index.html`` into ``out_dir``; returns it.
+
+    ``title`` names what was simulated (model, workload, budget, accelerator); every plot
+    and the page carry it.  Raises ``OSError`` when ``out_dir`` cannot be written.
+    """
+    failures = failures or []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(
-        json.dumps({"title": title, "results": [_result_json(r) for r in results]}, indent=1)
+        json.dumps(
+            {
+                "title": title,
+                "results": [_result_json(r) for r in results],
+                "failures": [{"strategy": f.strategy, "reason": f.reason} for f in failures],
+            },
+            indent=1,
+        )
     )
-    images = _plots(results, out)
-    rows = [_row(r) for r in results]
-    cols = list(rows[0])
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    images = _plots(results, out, title)
+    rows = [_row(r) for r in results] + [_failure_row(f) for f in failures]
+    cols = list(COLUMNS)
+    head = "".join(
+        f"<th title='{html.escape(COLUMNS[c], quote=True)}'>{html.escape(c)}</th>" for c in cols
+    )
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(row[c])}</td>" for c in cols) + "</tr>" for row in rows
+    )
+    legend = "".join(
+        f"<dt>{html.escape(c)}</dt><dd>{html.escape(text)}</dd>" for c, text in COLUMNS.items()
+    )
+    failed = "".join(
+        f"<p><b>{html.escape(f.strategy)}: n/a</b>: {html.escape(f.reason)}</p>" for f in failures
     )
     imgs = "".join(f'<p><img src="{name}" alt="{name}"></p>' for name in images)
     page = (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table>{imgs}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        "dt{font-weight:bold;margin-top:.4em}</style></head><body>"
+        f"<h1>hybridkv simulate</h1><p>{html.escape(title)}</p>"
+        f"<table><tr>{head}</tr>{body}</table>{failed}"
+        f"<p>{html.escape(interpretation(results, failures))}</p>"
+        f"<h2>Columns</h2><dl>{legend}</dl>{imgs}"
         "<p>Raw data: <a href='report.json'>report.json</a></p></body></html>"
     )
     (out / "index.html").write_text(page)

@@ -17,6 +17,7 @@ from typing import Any
 from hybridkv.cache import KVCacheManager
 from hybridkv.errors import HybridKVError
 from hybridkv.plan import Strategy, make_plan
+from hybridkv.plan.options import DEFAULT_CHUNK_ALIGNMENT
 from hybridkv.plan.result import Plan
 from hybridkv.scheduler import Scheduler, SchedulerConfig
 from hybridkv.sim.cost import ACCELERATORS, ModelProfile, StepCostModel
@@ -29,7 +30,7 @@ from hybridkv.specs import (
 )
 from hybridkv.workloads import Workload, WorkloadRequest
 
-__all__ = ["SimConfig", "SimResult", "SimulationError", "TimelinePoint", "simulate"]
+__all__ = ["Rejection", "SimConfig", "SimResult", "SimulationError", "TimelinePoint", "simulate"]
 
 
 class SimulationError(HybridKVError, ValueError):
@@ -47,6 +48,9 @@ class SimConfig:
     state_block_size: int | None = None
     token_budget: int = 8192
     max_num_seqs: int = 256
+    kernel_block_size: int | None = None
+    pool_ratios: tuple[float, ...] | None = None
+    chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT
     accelerator: str = "h100"
     use_arrivals: bool = True
     hasher: str = "builtin"
@@ -74,17 +78,32 @@ class TimelinePoint:
     hit_rate: float
 
 
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A request the simulator could not admit, and why."""
+
+    request_id: str
+    prompt_len: int
+    reason: str
+
+
 @dataclass
 class SimResult:
-    """What a simulated run measured.  ``summary()`` gives the headline numbers."""
+    """What a simulated run measured.  ``summary()`` gives the headline numbers.
+
+    ``prompt_tokens`` counts every request of the workload, rejected ones included, so the
+    hit rate is the share of all prompt tokens served from the cache (a rejected request is
+    all misses); ``admitted_prompt_tokens`` counts the admitted ones only.
+    """
 
     strategy: str
     plan: Plan
     workload: str
     num_requests: int
     finished: int
-    rejected: list[str]
+    rejected: list[Rejection]
     prompt_tokens: int
+    admitted_prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
     output_tokens: int
@@ -120,6 +139,10 @@ class SimResult:
             "requests": self.num_requests,
             "finished": self.finished,
             "rejected": len(self.rejected),
+            "max_model_len": self.plan.max_model_len,
+            "prompt_tokens": self.prompt_tokens,
+            "admitted_prompt_tokens": self.admitted_prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "token_hit_rate": self.hit_rate,
             "group_hit_rates": dict(zip(self.group_labels, self.group_hit_rates, strict=True)),
             "preemptions": self.preemptions,
@@ -207,7 +230,10 @@ def simulate(
         max_model_len=config.max_model_len,
         strategy=config.strategy,
         block_size=config.block_size,
+        kernel_block_size=config.kernel_block_size,
         state_block_size=config.state_block_size,
+        pool_ratios=config.pool_ratios,
+        chunk_alignment=config.chunk_alignment,
     )
     layout = plan.layout
     mgr = KVCacheManager(layout, hasher=config.hasher, max_model_len=config.max_model_len)
@@ -231,10 +257,10 @@ def simulate(
     by_id: dict[str, WorkloadRequest] = {}
     arrival: dict[str, float] = {}
     first_token: dict[str, float] = {}
-    rejected: list[str] = []
+    rejected: list[Rejection] = []
     ttft: list[float] = []
     tpot: list[float] = []
-    cached_tokens = computed = output_tokens = prompt_tokens = 0
+    cached_tokens = computed = output_tokens = prompt_tokens = admitted_tokens = 0
     peak_running = peak_used = peak_need = finished = steps = 0
     timeline: list[TimelinePoint] = []
     sample_every = 1
@@ -250,16 +276,27 @@ def simulate(
         ):
             r = reqs[idx]
             idx += 1
+            prompt_tokens += r.prompt_len
             if r.prompt_len >= config.max_model_len:
-                rejected.append(r.request_id)
+                rejected.append(
+                    Rejection(
+                        r.request_id,
+                        r.prompt_len,
+                        f"prompt of {r.prompt_len} tokens leaves no room for an output token "
+                        f"within max_model_len {config.max_model_len}",
+                    )
+                )
+                if progress is not None:
+                    progress(finished + len(rejected), len(reqs))
                 continue
             max_tokens = min(r.output_len, config.max_model_len - r.prompt_len)
             sched.add_request(r.request_id, r.prompt_token_ids, max_tokens=max_tokens)
             by_id[r.request_id] = r
             arrival[r.request_id] = r.arrival_ms / 1000.0 if config.use_arrivals else 0.0
-            prompt_tokens += r.prompt_len
+            admitted_tokens += r.prompt_len
         if not sched.has_unfinished():
-            clock = max(clock, reqs[idx].arrival_ms / 1000.0)
+            if idx < len(reqs):
+                clock = max(clock, reqs[idx].arrival_ms / 1000.0)
             continue
         t0 = time.perf_counter_ns()
         out = sched.schedule()
@@ -338,6 +375,7 @@ def simulate(
         finished=finished,
         rejected=rejected,
         prompt_tokens=prompt_tokens,
+        admitted_prompt_tokens=admitted_tokens,
         cached_tokens=cached_tokens,
         computed_tokens=computed,
         output_tokens=output_tokens,

@@ -1,0 +1,161 @@
+"""Options shared by the subcommands, so a flag means the same thing everywhere.
+
+Every subcommand that takes a model, a budget or block sizes registers them here: the same
+names (``--memory``, ``--max-model-len``, ``--kv-cache-dtype``, ...), the same defaults and the
+same help text.  Nothing here imports torch or the planner; :func:`max_model_len_for` needs
+only a spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from hybridkv.errors import HybridKVError
+
+if TYPE_CHECKING:
+    from hybridkv.specs import ModelSpec
+
+__all__ = [
+    "DEFAULT_MEMORY",
+    "MAX_MODEL_LEN_CAP",
+    "CliInputError",
+    "HelpFormatter",
+    "add_block_options",
+    "add_kv_cache_dtype",
+    "add_max_model_len",
+    "add_memory",
+    "add_model",
+    "add_pool_options",
+    "add_tp",
+    "check_positive",
+    "max_model_len_for",
+    "model_name",
+]
+
+#: KV-cache budget of ``plan`` and ``simulate`` when ``--memory`` is not given.  Small enough
+#: that the default ``simulate`` runs under memory pressure (the point of the demo).
+DEFAULT_MEMORY = "8GiB"
+#: ``--max-model-len`` default: the model's own limit, capped here (tokens).
+MAX_MODEL_LEN_CAP = 131072
+
+
+class CliInputError(HybridKVError, ValueError):
+    """A command-line value is invalid (names the flag, the value and what is valid)."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says its default
+    or there is nothing to show (``None`` defaults explain themselves, flags are off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def add_model(parser: argparse.ArgumentParser, *, default_help: str) -> None:
+    """``MODEL`` (positional, optional) or ``--model``: a catalog name, id or config path."""
+    text = f"catalog name, Hugging Face id or path to a config.json (default: {default_help})"
+    parser.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=text)
+    parser.add_argument("--model", default=None, metavar="MODEL", help="the same as MODEL")
+
+
+def model_name(args: argparse.Namespace, default: str) -> str:
+    """The model named by ``MODEL`` or ``--model`` (one of them), else ``default``."""
+    pos, opt = args.model_pos, args.model
+    if pos is not None and opt is not None and pos != opt:
+        raise CliInputError(f"--model: got MODEL {pos!r} and --model {opt!r}; name the model once")
+    name = pos if pos is not None else opt
+    return default if name is None else str(name)
+
+
+def add_memory(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--memory",
+        default=DEFAULT_MEMORY,
+        metavar="SIZE",
+        help="KV-cache budget, e.g. 16GiB or 500MB",
+    )
+
+
+def add_max_model_len(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help=f"longest request, prompt + output (default: the model's own limit, at most "
+        f"{MAX_MODEL_LEN_CAP})",
+    )
+
+
+def add_tp(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one rank shown)")
+
+
+def add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="attention/MLA cache dtype: auto, bf16, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2 "
+        "(default: the model's dtype)",
+    )
+
+
+def add_block_options(parser: argparse.ArgumentParser, *, kernel: bool = False) -> None:
+    parser.add_argument(
+        "--block-size", type=int, default=16, metavar="TOKENS", help="attention block size"
+    )
+    if kernel:
+        parser.add_argument(
+            "--kernel-block-size",
+            type=int,
+            default=None,
+            metavar="TOKENS",
+            help="kernel block size, divides --block-size (default: --block-size)",
+        )
+    parser.add_argument(
+        "--state-block-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="recurrent-state checkpoint interval (default: 256 for arena and pools, the "
+        "unified attention block for uniform, as vLLM's align mode)",
+    )
+
+
+def add_pool_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pool-ratios",
+        default=None,
+        metavar="W0,W1,...",
+        help="pools strategy only: one weight per group, e.g. 0.3,0.7 (default: each group's "
+        "need per max-length request)",
+    )
+    parser.add_argument(
+        "--chunk-alignment",
+        default="64KiB",
+        metavar="SIZE",
+        help="arena strategy only: chunks are a multiple of this size",
+    )
+
+
+def check_positive(args: argparse.Namespace, names: Iterable[str]) -> None:
+    """Raise :class:`CliInputError` for the first ``args.<name>`` that is set and < 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise CliInputError(f"{flag}: must be a positive integer, got {value}")
+
+
+def max_model_len_for(spec: ModelSpec, requested: int | None) -> int:
+    """``requested``, or the model's own limit capped at :data:`MAX_MODEL_LEN_CAP`."""
+    if requested is not None:
+        return requested
+    limit = spec.max_position_embeddings
+    return MAX_MODEL_LEN_CAP if limit is None else min(limit, MAX_MODEL_LEN_CAP)
