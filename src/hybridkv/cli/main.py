@@ -46,8 +46,12 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Only the chosen subcommand's module is imported, so `hybridkv --help` stays instant.
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
+    from hybridkv.cli.common import HelpFormatter
+
     for name, (_, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         if name == chosen:
             _load(name).add_arguments(p)
     return parser
