@@ -51,7 +51,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        default = action.default
+        if "default" in text or default is None or default is False or default == argparse.SUPPRESS:
             return text
         return super()._get_help_string(action)
 
@@ -60,7 +61,9 @@ def add_model(parser: argparse.ArgumentParser, *, default_help: str) -> None:
     """``MODEL`` (positional, optional) or ``--model``: a catalog name, id or config path."""
     text = f"catalog name, Hugging Face id or path to a config.json (default: {default_help})"
     parser.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=text)
-    parser.add_argument("--model", default=None, metavar="MODEL", help="the same as MODEL")
+    parser.add_argument(
+        "--model", default=None, metavar="MODEL", help="the same as MODEL (default: as MODEL)"
+    )
 
 
 def model_name(args: argparse.Namespace, default: str) -> str:

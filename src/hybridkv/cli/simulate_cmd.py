@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--report",
         default=None,
         metavar="DIR",
-        help="also write report.json, PNG plots and index.html into DIR (created if missing)",
+        help="also write report.json, PNG plots and index.html into DIR, created if missing "
+        "(default: no report)",
     )
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress or warnings on stderr")
@@ -113,16 +114,23 @@ def _check_report_dir(path: str) -> Path:
     return out
 
 
-def _warn_rejected(result: SimResult) -> str | None:
-    if not result.rejected:
-        return None
-    longest = max(r.prompt_len for r in result.rejected)
-    return (
-        f"warning: {result.strategy}: {len(result.rejected)} of {result.num_requests} requests "
-        f"rejected: prompt of max_model_len {result.plan.max_model_len} tokens or more "
-        f"(longest {longest}); they count as misses in the hit rate; raise --max-model-len to "
-        "admit them"
-    )
+def _warnings(results: list[SimResult]) -> list[str]:
+    """One warning per distinct set of rejected requests (usually the same for every run)."""
+    seen: dict[tuple[str, ...], list[str]] = {}
+    for r in results:
+        if r.rejected:
+            seen.setdefault(tuple(x.request_id for x in r.rejected), []).append(r.strategy)
+    lines = []
+    for ids, strategies in seen.items():
+        r = next(r for r in results if r.strategy == strategies[0])
+        longest = max(x.prompt_len for x in r.rejected)
+        who = "" if len(strategies) == len(results) else f" ({', '.join(strategies)})"
+        lines.append(
+            f"warning{who}: {len(ids)} of {r.num_requests} requests rejected: prompt of "
+            f"max_model_len {r.plan.max_model_len} tokens or more (longest {longest}); they "
+            "count as misses in the hit rate; raise --max-model-len to admit them"
+        )
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,7 +140,14 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.models import resolve_model
     from hybridkv.plan import Strategy
     from hybridkv.scheduler import SchedulerError
-    from hybridkv.sim import ModelProfile, SimConfig, SimulationError, load_model_config, simulate
+    from hybridkv.sim import (
+        ModelProfile,
+        SimConfig,
+        SimulationError,
+        load_model_config,
+        plan_for,
+        simulate,
+    )
     from hybridkv.sim.report import (
         StrategyFailure,
         format_summary_table,
@@ -162,19 +177,10 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
     profile = ModelProfile.from_config(load_model_config(name))
     max_len = max_model_len_for(model, args.max_model_len)
-    report_dir = None if args.report is None else _check_report_dir(args.report)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
     strategies = list(Strategy) if args.strategy == "all" else [Strategy(args.strategy)]
-    title = (
-        f"{model.name} | {workload.summary()} | KV budget {format_bytes(memory)} | "
-        f"max_model_len {max_len} | {args.accelerator.upper()} cost model"
-    )
-    if not args.quiet:
-        print(f"simulating {len(strategies)} strategies: {title}", file=sys.stderr)
-    results: list[SimResult] = []
-    failures: list[StrategyFailure] = []
-    for strategy in strategies:
-        config = SimConfig(
+    configs = [
+        SimConfig(
             memory_bytes=memory,
             max_model_len=max_len,
             strategy=strategy,
@@ -188,23 +194,48 @@ def run(args: argparse.Namespace) -> int:
             accelerator=args.accelerator,
             use_arrivals=not args.no_arrivals,
         )
-        bar = Progress(str(strategy), enabled=not args.quiet)
+        for strategy in strategies
+    ]
+    # Plans are cheap: make them all before simulating, so a plan that cannot exist is
+    # reported at once (exit 2 for one strategy, n/a among several).
+    failures: list[StrategyFailure] = []
+    runnable = []
+    for config in configs:
+        try:
+            plan_for(model, config)
+        except PlanError as exc:
+            if len(configs) == 1:
+                raise
+            failures.append(StrategyFailure(str(config.strategy), str(exc)))
+        else:
+            runnable.append(config)
+    if not runnable:
+        reasons = "; ".join(f"{f.strategy}: {f.reason}" for f in failures)
+        raise SimulationError(f"no strategy can plan this model in this budget: {reasons}")
+    report_dir = None if args.report is None else _check_report_dir(args.report)
+    title = (
+        f"{model.name} | {workload.summary()} | KV budget {format_bytes(memory)} | "
+        f"max_model_len {max_len} | {args.accelerator.upper()} cost model"
+    )
+    if not args.quiet:
+        print(f"simulating {len(runnable)} strategies: {title}", file=sys.stderr)
+    results: list[SimResult] = []
+    for config in runnable:
+        bar = Progress(str(config.strategy), enabled=not args.quiet)
         try:
             results.append(simulate(model, profile, workload, config, progress=bar))
-        except (PlanError, SimulationError, SchedulerError) as exc:
-            if len(strategies) == 1:
+        except (SimulationError, SchedulerError) as exc:
+            if len(configs) == 1:
                 raise
-            failures.append(StrategyFailure(str(strategy), str(exc)))
+            failures.append(StrategyFailure(str(config.strategy), str(exc)))
         finally:
             bar.close()
     if not results:
         reasons = "; ".join(f"{f.strategy}: {f.reason}" for f in failures)
         raise SimulationError(f"no strategy can run this simulation: {reasons}")
     if not args.quiet:
-        for r in results:
-            warning = _warn_rejected(r)
-            if warning:
-                print(warning, file=sys.stderr)
+        for line in _warnings(results):
+            print(line, file=sys.stderr)
     if args.json:
         data = [r.summary() for r in results]
         data += [{"strategy": f.strategy, "error": f.reason} for f in failures]

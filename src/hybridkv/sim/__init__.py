@@ -9,17 +9,27 @@ from hybridkv.sim.cost import (
     StepCostModel,
     load_model_config,
 )
-from hybridkv.sim.simulator import SimConfig, SimResult, SimulationError, TimelinePoint, simulate
+from hybridkv.sim.simulator import (
+    Rejection,
+    SimConfig,
+    SimResult,
+    SimulationError,
+    TimelinePoint,
+    plan_for,
+    simulate,
+)
 
 __all__ = [
     "ACCELERATORS",
     "Accelerator",
     "ModelProfile",
+    "Rejection",
     "SimConfig",
     "SimResult",
     "SimulationError",
     "StepCostModel",
     "TimelinePoint",
     "load_model_config",
+    "plan_for",
     "simulate",
 ]

@@ -30,7 +30,15 @@ from hybridkv.specs import (
 )
 from hybridkv.workloads import Workload, WorkloadRequest
 
-__all__ = ["Rejection", "SimConfig", "SimResult", "SimulationError", "TimelinePoint", "simulate"]
+__all__ = [
+    "Rejection",
+    "SimConfig",
+    "SimResult",
+    "SimulationError",
+    "TimelinePoint",
+    "plan_for",
+    "simulate",
+]
 
 
 class SimulationError(HybridKVError, ValueError):
@@ -211,6 +219,21 @@ def _need_function(model: ModelSpec) -> Callable[[int], int]:
     return need
 
 
+def plan_for(model: ModelSpec, config: SimConfig) -> Plan:
+    """The plan a simulation of ``config`` runs on; raises :class:`PlanError` when none fits."""
+    return make_plan(
+        model,
+        memory_bytes=config.memory_bytes,
+        max_model_len=config.max_model_len,
+        strategy=config.strategy,
+        block_size=config.block_size,
+        kernel_block_size=config.kernel_block_size,
+        state_block_size=config.state_block_size,
+        pool_ratios=config.pool_ratios,
+        chunk_alignment=config.chunk_alignment,
+    )
+
+
 def simulate(
     model: ModelSpec,
     profile: ModelProfile,
@@ -224,17 +247,7 @@ def simulate(
     ``progress(done, total)`` is called as requests finish.  Raises :class:`SimulationError`
     when a request can never fit, and plan errors for an impossible plan.
     """
-    plan = make_plan(
-        model,
-        memory_bytes=config.memory_bytes,
-        max_model_len=config.max_model_len,
-        strategy=config.strategy,
-        block_size=config.block_size,
-        kernel_block_size=config.kernel_block_size,
-        state_block_size=config.state_block_size,
-        pool_ratios=config.pool_ratios,
-        chunk_alignment=config.chunk_alignment,
-    )
+    plan = plan_for(model, config)
     layout = plan.layout
     mgr = KVCacheManager(layout, hasher=config.hasher, max_model_len=config.max_model_len)
     sched = Scheduler(

@@ -1,0 +1,147 @@
+"""Every command answers bad input with one line on stderr and exit 2, before long work.
+
+The table holds, per command, the arguments and a phrase the one-line message must contain.
+Files the rows need (a binary trace, a gzip of garbage, a directory, ...) are made in a
+temporary directory; ``{tmp}`` in an argument is replaced by its path.  ``hybridkv run``'s
+own table lives in ``tests/test_engine_cli.py`` (it needs the engine extra).
+"""
+
+from __future__ import annotations
+
+import gzip
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridkv.cli.main import main
+
+#: (command line, phrase of the error message)
+BAD_INPUT: list[tuple[list[str], str]] = [
+    # models
+    (["models", "no-such-model"], "model: 'no-such-model' is neither a catalog name"),
+    (["models", "gpt-oss-20b", "--tp", "0"], "--tp: must be a positive integer, got 0"),
+    (["models", "gpt-oss-20b", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
+    (["models", "{tmp}/empty_dir"], "empty_dir"),
+    (["models", "{tmp}/binary.bin"], "binary.bin"),
+    (["models", "gpt-oss-20b", "--model", "gemma-3-1b"], "name the model once"),
+    # plan
+    (["plan", "--memory", "12XB"], "--memory: cannot parse '12XB' as a size"),
+    (["plan", "--memory", "0"], "--memory: size must be positive"),
+    (["plan", "--max-model-len", "0"], "--max-model-len: must be a positive integer, got 0"),
+    (["plan", "--block-size", "-4"], "--block-size: must be a positive integer, got -4"),
+    (["plan", "--kernel-block-size", "0"], "--kernel-block-size: must be a positive integer"),
+    (["plan", "--tp", "0"], "--tp: must be a positive integer, got 0"),
+    (["plan", "--strategy", "pools", "--pool-ratios", "a,b"], "cannot parse --pool-ratios"),
+    (["plan", "--strategy", "pools", "--pool-ratios", "1,2,3"], "pool_ratios: got 3 ratios"),
+    (["plan", "--chunk-alignment=-1MiB"], "--chunk-alignment: cannot parse '-1MiB'"),
+    (["plan", "--chunk-alignment", "0"], "--chunk-alignment: size must be positive"),
+    (["plan", "--memory", "1MiB"], "holds no request of max_model_len"),
+    (["plan", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
+    (["plan", "no-such-model"], "'no-such-model' is neither a catalog name"),
+    # simulate: every check before the first strategy runs
+    (["simulate", "--memory", "12XB"], "--memory: cannot parse '12XB' as a size"),
+    (["simulate", "--memory", "1MiB"], "no strategy can plan this model in this budget"),
+    (["simulate", "--strategy", "pools", "--memory", "1MiB"], "holds no request"),
+    (["simulate", "--requests", "0"], "--requests: must be a positive integer, got 0"),
+    (["simulate", "--token-budget", "0"], "--token-budget: must be a positive integer"),
+    (["simulate", "--max-num-seqs", "-1"], "--max-num-seqs: must be a positive integer"),
+    (["simulate", "--state-block-size", "0"], "--state-block-size: must be a positive"),
+    (["simulate", "--tp", "0"], "--tp: must be a positive integer, got 0"),
+    (["simulate", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
+    (["simulate", "--model", "no-such-model"], "'no-such-model' is neither a catalog name"),
+    (["simulate", "--pool-ratios", "x"], "cannot parse --pool-ratios"),
+    (["simulate", "--strategy", "pools", "--pool-ratios", "1,2,3"], "pool_ratios: got 3"),
+    (["simulate", "--trace", "synthetic:nope"], "unknown synthetic workload 'nope'"),
+    (["simulate", "--trace", "{tmp}/missing.jsonl"], "missing.jsonl"),
+    (["simulate", "--trace", "{tmp}/binary.bin"], "binary.bin"),
+    (["simulate", "--trace", "{tmp}/garbage.jsonl.gz"], "garbage.jsonl.gz"),
+    (["simulate", "--trace", "{tmp}/empty_dir"], "empty_dir"),
+    (["simulate", "--trace", "{tmp}/empty.jsonl"], "empty.jsonl"),
+    (["simulate", "--trace", "{tmp}/notjson.jsonl"], "notjson.jsonl"),
+    (["simulate", "--report", "{tmp}/a_file.txt"], "--report: '"),
+    (["simulate", "--report", "{tmp}/a_file.txt/sub"], "--report: cannot create directory"),
+]
+
+#: Arguments argparse itself refuses (usage line + one error line, exit 2).
+ARGPARSE_ERRORS: list[list[str]] = [
+    ["plan", "--strategy", "bogus"],
+    ["simulate", "--accelerator", "tpu"],
+    ["simulate", "--strategy", "bogus"],
+    ["simulate", "--requests", "ten"],
+    ["models", "--tp", "two"],
+    ["plan", "--no-such-flag"],
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("bad_input")
+    (tmp / "empty_dir").mkdir()
+    (tmp / "binary.bin").write_bytes(bytes(range(256)) * 8)
+    (tmp / "garbage.jsonl.gz").write_bytes(gzip.compress(bytes(range(256)) * 8))
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "notjson.jsonl").write_text("this is not json\n")
+    (tmp / "a_file.txt").write_text("not a directory\n")
+    return tmp
+
+
+def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _id(value: object) -> str:
+    return " ".join(value) if isinstance(value, list) else "-"
+
+
+@pytest.mark.parametrize(("argv", "phrase"), BAD_INPUT, ids=_id)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], phrase: str, files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [a.replace("{tmp}", str(files)) for a in argv]
+    t0 = time.perf_counter()
+    code, out, err = _run(capsys, args)
+    elapsed = time.perf_counter() - t0
+    assert code == 2, (out, err)
+    assert "Traceback" not in out + err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"hybridkv {argv[0]}: error: "), lines[0]
+    assert phrase in lines[0]
+    # Checked before any simulation: a few seconds at most even on a loaded machine.
+    assert elapsed < 20, f"{elapsed:.1f}s before the error"
+
+
+@pytest.mark.parametrize("argv", ARGPARSE_ERRORS, ids=" ".join)
+def test_argparse_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, argv)
+    assert code == 2
+    assert "Traceback" not in out + err
+    # argparse names the subcommand, or only the program for flags no subcommand knows
+    assert err.splitlines()[-1].startswith(("hybridkv: error: ", f"hybridkv {argv[0]}: error: "))
+
+
+def test_every_option_has_help_and_its_default() -> None:
+    import argparse
+
+    from hybridkv.cli.common import HelpFormatter
+    from hybridkv.cli.main import SUBCOMMANDS, build_parser
+
+    for name in SUBCOMMANDS:
+        parser = build_parser([name])
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        formatter = HelpFormatter(prog=name)
+        for action in subparsers.choices[name]._actions:
+            if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+                continue
+            flag = action.option_strings[0] if action.option_strings else action.metavar
+            assert action.help, f"{name} {flag}: no help"
+            if action.nargs == 0:
+                continue  # an on/off flag
+            shown = formatter._get_help_string(action) or ""
+            assert "default" in shown, f"{name} {flag}: the help does not say its default"
