@@ -19,6 +19,7 @@ from hybridkv.cache import (
     make_hasher,
 )
 from hybridkv.cache.errors import RequestLengthError
+from hybridkv.cache.hashing import BlockHasher
 from hybridkv.cache.request import block_extra_keys
 from hybridkv.errors import RequestError
 
@@ -142,3 +143,27 @@ def test_request_validation() -> None:
     with pytest.raises(RequestError):
         r.append_token_ids([2**63])
     assert r.token_ids == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["sha256", "builtin"])
+@given(
+    tokens=hst.lists(hst.integers(0, 2**63 - 1), max_size=120),
+    block=hst.integers(1, 9),
+    chained=hst.booleans(),
+)
+def test_batch_hashing_equals_block_by_block(
+    name: str, tokens: list[int], block: int, chained: bool
+) -> None:
+    from array import array
+
+    hasher = make_hasher(name, seed=3)
+    parent = hasher.hash_block(None, [1, 2, 3], ()) if chained else None
+    expected = []
+    p = parent
+    for i in range(len(tokens) // block):
+        p = hasher.hash_block(p, tokens[i * block : (i + 1) * block], ())
+        expected.append(p)
+    assert hasher.hash_blocks(parent, tokens, block) == expected
+    assert hasher.hash_blocks(parent, array("q", tokens), block) == expected
+    # the generic (base class) batch path agrees too
+    assert BlockHasher.hash_blocks(hasher, parent, tokens, block) == expected

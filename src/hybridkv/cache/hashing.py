@@ -56,6 +56,8 @@ class BlockHasher(ABC):
     """Computes chained block hashes.  Stateless after construction; safe to share."""
 
     name: ClassVar[str]
+    #: Whether :meth:`hash_blocks` is faster given an int64 ``array`` than a list.
+    takes_encoded: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0) -> None:
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63:
@@ -71,6 +73,21 @@ class BlockHasher(ABC):
         ``parent`` is ``None`` for the first block.  ``extra`` holds integers in
         ``[-2**63, 2**63)``; tokens are integers in ``[0, 2**63)``.
         """
+
+    def hash_blocks(
+        self, parent: BlockHash | None, tokens: Sequence[int], block_size: int
+    ) -> list[BlockHash]:
+        """Chained hashes of the ``len(tokens) // block_size`` whole blocks of ``tokens``
+        (no extra keys) after the prefix hashed as ``parent``.
+
+        Equal, block for block, to calling :meth:`hash_block` in a loop; hashers override it
+        with a faster batch path (one encoding of the tokens instead of one per block).
+        """
+        out: list[BlockHash] = []
+        for i in range(len(tokens) // block_size):
+            parent = self.hash_block(parent, tokens[i * block_size : (i + 1) * block_size], ())
+            out.append(parent)
+        return out
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -88,6 +105,7 @@ class Sha256Hasher(BlockHasher):
     """SHA-256 over ``parent (32 bytes) | n_tokens, n_extra (int64) | tokens | extra``."""
 
     name: ClassVar[str] = "sha256"
+    takes_encoded: ClassVar[bool] = True
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__(seed)
@@ -103,6 +121,28 @@ class Sha256Hasher(BlockHasher):
         if extra:
             h.update(array("q", extra))
         return BlockHash(int.from_bytes(h.digest(), "big"))
+
+    def hash_blocks(
+        self, parent: BlockHash | None, tokens: Sequence[int], block_size: int
+    ) -> list[BlockHash]:
+        # The same bytes as hash_block, encoded once: a 200k-token prompt hashes ~3x faster.
+        n = len(tokens) // block_size
+        if not n:
+            return []
+        whole = tokens[: n * block_size]
+        if isinstance(whole, array) and whole.typecode == "q":
+            data = whole.tobytes()  # already encoded (Request passes its checked array)
+        else:
+            data = array("q", whole).tobytes()
+        header = array("q", (block_size, 0)).tobytes()
+        step = 8 * block_size
+        sha256 = hashlib.sha256
+        digest = self._root if parent is None else parent.to_bytes(32, "big")
+        digests = []
+        for start in range(0, n * step, step):
+            digest = sha256(digest + header + data[start : start + step]).digest()
+            digests.append(digest)
+        return [BlockHash(int.from_bytes(d, "big")) for d in digests]
 
 
 class BuiltinHasher(BlockHasher):
@@ -120,6 +160,16 @@ class BuiltinHasher(BlockHasher):
     ) -> BlockHash:
         base = self._root if parent is None else parent
         return BlockHash(hash((base, tuple(tokens), extra)) & _MASK64)
+
+    def hash_blocks(
+        self, parent: BlockHash | None, tokens: Sequence[int], block_size: int
+    ) -> list[BlockHash]:
+        base: int = self._root if parent is None else parent
+        out: list[BlockHash] = []
+        for start in range(0, len(tokens) // block_size * block_size, block_size):
+            base = hash((base, tuple(tokens[start : start + block_size]), ())) & _MASK64
+            out.append(BlockHash(base))
+        return out
 
 
 #: Hashers by name (``--hasher`` values).

@@ -68,14 +68,19 @@ def block_extra_keys(
     return tuple(out)
 
 
-def _checked_tokens(ids: Iterable[int], field: str) -> list[int]:
+def _checked_array(ids: Iterable[int], field: str) -> array[int]:
+    """``ids`` as an int64 array; raises :class:`RequestError` for a non-integer or negative."""
     try:
         arr = array("q", ids)
     except (TypeError, OverflowError) as exc:
         raise RequestError(f"{field}: token ids must be integers in [0, 2**63): {exc}") from None
     if arr and min(arr) < 0:
         raise RequestError(f"{field}: token ids must be >= 0, got {min(arr)}")
-    return arr.tolist()
+    return arr
+
+
+def _checked_tokens(ids: Iterable[int], field: str) -> list[int]:
+    return _checked_array(ids, field).tolist()
 
 
 class Request:
@@ -124,7 +129,8 @@ class Request:
             raise RequestError(
                 f"Request.hash_block_size: must be a positive integer, got {hash_block_size!r}"
             )
-        tokens = _checked_tokens(prompt_token_ids, f"Request({request_id}).prompt_token_ids")
+        checked = _checked_array(prompt_token_ids, f"Request({request_id}).prompt_token_ids")
+        tokens = checked.tolist()
         if not tokens:
             raise RequestLengthError(f"Request({request_id}).prompt_token_ids: must not be empty")
         self.request_id = request_id
@@ -153,7 +159,7 @@ class Request:
         self.num_computed_tokens = 0
         self.is_finished = False
         self.block_hashes: list[BlockHash] = []
-        self._extend_hashes()
+        self._extend_hashes(checked)
 
     @property
     def token_ids(self) -> list[int]:
@@ -170,20 +176,23 @@ class Request:
         self._tokens.extend(new)
         self._extend_hashes()
 
-    def _extend_hashes(self) -> None:
+    def _extend_hashes(self, encoded: array[int] | None = None) -> None:
+        """Hash every block the tokens complete.  ``encoded``: the tokens as an int64 array,
+        when the caller has it (the hasher then skips encoding them again)."""
         size = self.hash_block_size
-        tokens = self._tokens
+        takes = encoded is not None and self.hasher.takes_encoded
+        tokens: Sequence[int] = encoded if takes and encoded is not None else self._tokens
         hashes = self.block_hashes
         hasher = self.hasher
         i = len(hashes)
         parent = hashes[-1] if hashes else None
+        if not self._extras:
+            if (i + 1) * size <= len(tokens):
+                hashes.extend(hasher.hash_blocks(parent, tokens[i * size :], size))
+            return
         while (i + 1) * size <= len(tokens):
-            extra = (
-                block_extra_keys(
-                    i, size, lora_code=self._lora_code, salt_code=self._salt_code, mm=self._mm
-                )
-                if self._extras
-                else ()
+            extra = block_extra_keys(
+                i, size, lora_code=self._lora_code, salt_code=self._salt_code, mm=self._mm
             )
             parent = hasher.hash_block(parent, tokens[i * size : (i + 1) * size], extra)
             hashes.append(parent)
