@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,21 +143,59 @@ def test_bad_input_is_one_line_and_exit_2(
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert"}), encoding="utf-8")
+    binary = tmp_path / "binary.bin"
+    binary.write_bytes(bytes(range(256)))
+    broken_gz = tmp_path / "broken.gz"
+    broken_gz.write_bytes(gzip.compress(b"1 2 3\n")[:12])
     cases = {
+        ("--device", "tpu"): "device: cannot parse 'tpu'; valid: cpu, cuda or cuda:N",
+        ("--device", "meta"): "device: 'meta' is a meta device",
+        ("--prompts", str(binary)): f"--prompts: {str(binary)!r} is not UTF-8 text (byte 128)",
+        ("--prompts", str(broken_gz)): "is a broken gzip file",
+        ("--prompts", str(tmp_path)): f"--prompts: {str(tmp_path)!r} is a directory",
+        ("--num-requests", "0"): "--num-requests: must be a positive integer, got 0",
+        ("--block-size", "0"): "--block-size: must be a positive integer, got 0",
+        ("--memory", "0"): "--memory: size must be positive",
         ("--prompts", str(empty)): "holds no prompt (one prompt per line)",
         ("--prompts", str(words)): f"{words}:1: 'three' is not a token id",
         ("--prompts", str(vocab), "--model", "llama"): "token id 999 is outside the vocabulary",
         ("--prompts", str(tmp_path / "missing.txt")): "cannot read",
         ("--model", str(no_config)): "nor a directory holding config.json",
-        ("--model", "no-such-model"): "is neither a tiny model",
+        ("--model", "no-such-model"): "is neither a built-in tiny model (llama, gemma2,",
         ("--model", str(bert)): "'bert' is not supported",
         ("--max-model-len", "16"): "36 tokens; prompts must be shorter than max_model_len 16",
         ("--max-tokens", "0"): "--max-tokens: must be a positive integer, got 0",
         ("--memory", "lots"): "cannot parse 'lots' as a size",
         ("--memory", "4KiB"): "holds no request",
     }
+    if not torch.cuda.is_available():
+        cases[("--device", "cuda")] = "asked for CUDA, but this torch"
+        cases[("--device", "cuda:1")] = "asked for CUDA, but this torch"
+    else:
+        n = torch.cuda.device_count()
+        cases[("--device", f"cuda:{n}")] = f"names CUDA device {n}, but this machine has {n}"
     for argv, message in cases.items():
         code, out, err = run(capsys, *argv, "--quiet")
+        assert "Traceback" not in out + err
         assert code == 2, (argv, out, err)
         assert err.count("\n") == 1 and err.startswith("hybridkv run: error: "), err
         assert message in err, (argv, err)
+
+
+def test_gzip_prompts_are_read(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    prompts = tmp_path / "p.txt.gz"
+    prompts.write_bytes(gzip.compress(b"5 7 9 11\n2 4\n"))
+    code, out, _ = run(capsys, "--model", "llama", "--prompts", str(prompts), "--max-tokens", "2")
+    assert code == 0
+    lines = [line for line in out.splitlines() if line.startswith("r")]
+    assert [line.split(", ")[0] for line in lines] == ["r0 (4 prompt tokens", "r1 (2 prompt tokens"]
+
+
+def test_list_models_names_every_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridkv.models.tiny import TINY_MODELS
+
+    code, out, _ = run(capsys, "--list-models")
+    assert code == 0
+    listed = [line.split()[0] for line in out.splitlines()[1:-1]]
+    assert listed == list(TINY_MODELS)
+    assert "lfm3              short conv + sliding (window 8) + full attention" in out

@@ -22,52 +22,122 @@ from hybridkv.errors import HybridKVError
 if TYPE_CHECKING:
     from hybridkv.engine import Completion, EngineStats, LLMEngine, VerifyResult
 
-DEFAULT_MODEL = "lfm3"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+#: What the engine extra brings; ``hybridkv run`` needs both.
+_ENGINE_MODULES = ("torch", "transformers")
 
 
 class RunInputError(HybridKVError, ValueError):
     """A bad ``hybridkv run`` option or prompt file."""
 
 
+def _tiny_model_lines() -> list[str]:
+    from hybridkv.models.tiny import TINY_MODELS
+
+    width = max(len(name) for name in TINY_MODELS)
+    return [f"{name.ljust(width)}  {m.description}" for name, m in TINY_MODELS.items()]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybridkv.models.tiny import DEFAULT_TINY_MODEL, TINY_MODELS
+
     parser.add_argument(
         "--model",
-        default=DEFAULT_MODEL,
-        metavar="NAME|PATH",
-        help="a built-in tiny model or a checkpoint directory (default: lfm3, a tiny "
-        "conv + sliding + full attention hybrid with random weights)",
+        default=DEFAULT_TINY_MODEL,
+        metavar="NAME|DIR",
+        help="a built-in tiny model with random weights ("
+        + ", ".join(TINY_MODELS)
+        + "; --list-models describes them) or a checkpoint directory (config.json + "
+        "safetensors)",
     )
-    parser.add_argument("--prompts", metavar="FILE", help="one prompt per line")
+    parser.add_argument(
+        "--list-models",
+        action="store_true",
+        help="list the built-in tiny models and what their layers cache, then exit",
+    )
+    parser.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="one prompt per line, plain text or gzip: text when the model directory has a "
+        "tokenizer, else whitespace-separated token ids (default: generated prompts sharing "
+        "--shared-prefix tokens)",
+    )
     parser.add_argument(
         "--num-requests",
         type=int,
         default=None,
+        metavar="N",
         help="requests to run (default: 8 generated prompts, or every line of --prompts, "
         "cycled when fewer)",
     )
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request (16)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
     parser.add_argument(
-        "--waves", type=int, default=2, help="admit requests in this many waves (default 2)"
+        "--waves", type=int, default=2, help="admit the requests in this many waves"
     )
     parser.add_argument(
-        "--shared-prefix", type=int, default=32, help="shared tokens of the generated prompts"
+        "--shared-prefix",
+        type=int,
+        default=32,
+        metavar="TOKENS",
+        help="shared tokens of the generated prompts",
     )
-    parser.add_argument("--verify", action="store_true", help="compare with transformers")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-run every request with transformers' generate and exit 1 on any difference",
+    )
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--memory", default=None, help="cache budget, e.g. 64MiB (default)")
-    budget.add_argument("--num-blocks", type=int, default=None, help="blocks per group")
-    parser.add_argument("--strategy", default="arena", choices=("arena", "pools", "uniform"))
-    parser.add_argument("--block-size", type=int, default=16, help="attention block (tokens)")
-    parser.add_argument("--kernel-block-size", type=int, default=None)
-    parser.add_argument(
-        "--state-block-size", type=int, default=16, help="state checkpoint interval (16)"
+    budget.add_argument(
+        "--memory",
+        default=None,
+        metavar="SIZE",
+        help="KV-cache budget, e.g. 16MiB (default: 64MiB)",
     )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--token-budget", type=int, default=256, help="tokens per step (256)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="running requests (64)")
+    budget.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead of --memory: room for N blocks of every group (default: from --memory)",
+    )
+    parser.add_argument(
+        "--strategy",
+        default="arena",
+        choices=("arena", "uniform", "pools"),
+        help="memory layout",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=16, metavar="TOKENS", help="attention block size"
+    )
+    parser.add_argument(
+        "--kernel-block-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="kernel block size, divides --block-size (default: --block-size)",
+    )
+    parser.add_argument(
+        "--state-block-size",
+        type=int,
+        default=16,
+        metavar="TOKENS",
+        help="recurrent-state checkpoint interval",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="longest request, prompt + output (default: the model's own limit, at most 2048)",
+    )
+    parser.add_argument(
+        "--token-budget", type=int, default=256, metavar="TOKENS", help="tokens per step"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=64, metavar="N", help="running requests at most"
+    )
     parser.add_argument("--seed", type=int, default=0, help="tiny-model weights and prompts")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     parser.add_argument(
         "--threads",
         type=int,
@@ -76,6 +146,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "small to gain from more; torch's default otherwise)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _check_engine_extra() -> None:
+    import importlib
+
+    missing = []
+    for name in _ENGINE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise RunInputError(
+            f"needs the engine extra ({', '.join(missing)} not installed): "
+            "pip install 'hybridkv[engine]'"
+        )
 
 
 def _positive(args: argparse.Namespace) -> None:
@@ -109,14 +195,39 @@ def _tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def read_prompts(path: str, tokenizer: Any) -> list[list[int]]:
-    """Prompts of ``path``, one per non-blank line: encoded text with ``tokenizer``, else
-    whitespace-separated token ids.  Raises :class:`RunInputError` naming the file (and line)
-    for a missing or empty file or a line that is not token ids."""
+def _prompt_lines(path: str) -> list[str]:
+    """The lines of a UTF-8 text file, gzip-compressed or not; one-line errors otherwise."""
+    import gzip
+
+    file = Path(path)
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        data = file.read_bytes()
+    except IsADirectoryError:
+        raise RunInputError(
+            f"--prompts: {path!r} is a directory; give a text file, one prompt per line"
+        ) from None
     except OSError as exc:
         raise RunInputError(f"--prompts: cannot read {path!r}: {exc.strerror}") from None
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as exc:
+            raise RunInputError(f"--prompts: {path!r} is a broken gzip file: {exc}") from None
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise RunInputError(
+            f"--prompts: {path!r} is not UTF-8 text (byte {exc.start}); give a text file, "
+            "one prompt per line (gzip allowed)"
+        ) from None
+
+
+def read_prompts(path: str, tokenizer: Any) -> list[list[int]]:
+    """Prompts of ``path`` (UTF-8 text, optionally gzip-compressed), one per non-blank line:
+    encoded text with ``tokenizer``, else whitespace-separated token ids.  Raises
+    :class:`RunInputError` naming the file (and line) for a missing, unreadable, binary or
+    empty file or a line that is not token ids."""
+    lines = _prompt_lines(path)
     prompts: list[list[int]] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -258,13 +369,39 @@ def _verify_lines(result: VerifyResult) -> list[str]:
     return lines
 
 
+def _list_models() -> int:
+    from hybridkv.models.tiny import DEFAULT_TINY_MODEL
+
+    print("built-in tiny models (random weights, a few layers; hybridkv run --model NAME):")
+    for line in _tiny_model_lines():
+        print(f"  {line}")
+    print(f"default: {DEFAULT_TINY_MODEL}; or give a checkpoint directory")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.list_models:
+        return _list_models()
+    _positive(args)
+    if args.memory is not None:
+        from hybridkv.units import parse_bytes
+
+        parse_bytes(args.memory, field="--memory")
+    _check_engine_extra()
+
     from hybridkv.cli.progress import Progress
     from hybridkv.engine import verify_completions
     from hybridkv.engine.demo import run_in_waves, shared_prefix_prompts
+    from hybridkv.engine.device import resolve_device
     from hybridkv.engine.models import TINY_MODELS, load_model
 
-    _positive(args)
+    resolve_device(args.device)
+    if args.model not in TINY_MODELS and not Path(args.model).is_dir():
+        raise RunInputError(
+            f"--model: {args.model!r} is neither a built-in tiny model ("
+            + ", ".join(TINY_MODELS)
+            + "; see --list-models) nor a checkpoint directory"
+        )
     threads = args.threads or (1 if args.model in TINY_MODELS else None)
     if threads is not None:
         import torch

@@ -7,6 +7,7 @@ from hybridkv.errors import ConfigError, HybridKVError, RequestError
 __all__ = [
     "BatchError",
     "BindingError",
+    "DeviceError",
     "EngineError",
     "ModelSourceError",
     "NoActiveStepError",
@@ -27,6 +28,10 @@ class BatchError(RequestError):
 
 class BindingError(ConfigError):
     """A memory layout does not fit the model it should serve (kind, window, shape, members)."""
+
+
+class DeviceError(HybridKVError, ValueError):
+    """A device name torch cannot parse, or one this machine's torch does not have."""
 
 
 class ModelSourceError(ConfigError):

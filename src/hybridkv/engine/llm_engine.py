@@ -52,6 +52,7 @@ import torch
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.engine.batch import StepBatch
+from hybridkv.engine.device import resolve_device
 from hybridkv.engine.errors import EngineError, ModelSourceError, PromptError
 from hybridkv.engine.manager_bridge import step_from_tables
 from hybridkv.engine.metrics import CacheTracker, EngineStats, group_labels
@@ -172,7 +173,8 @@ class LLMEngine:
     :class:`Completion`.  Finished requests accumulate in :attr:`completions` (request id ->
     :class:`Completion`) until the caller removes them.
 
-    Raises :class:`~hybridkv.engine.errors.ModelSourceError` (unknown name, no config),
+    Raises :class:`~hybridkv.engine.errors.DeviceError` (a device this torch does not have),
+    :class:`~hybridkv.engine.errors.ModelSourceError` (unknown name, no config),
     :class:`~hybridkv.errors.UnsupportedModelTypeError` (architecture not mapped),
     :class:`~hybridkv.errors.PlanError` (budget too small, bad sizes) and
     :class:`~hybridkv.engine.errors.BindingError` (layout does not fit the model).
@@ -190,6 +192,7 @@ class LLMEngine:
         keep_logits: bool = False,
     ) -> None:
         self.cache_config = cache = cache or CacheConfig()
+        device = resolve_device(device)
         if isinstance(model, torch.nn.Module):
             net: Any = model
             name = str(getattr(net.config, "name_or_path", "") or net.config.model_type)
