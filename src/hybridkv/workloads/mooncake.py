@@ -9,9 +9,12 @@ requests agreeing on their first ``k`` ids share their first ``k * 512`` prompt 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from hybridkv.workloads.types import Workload, WorkloadError, WorkloadRequest, sorted_by_arrival
 
@@ -33,6 +36,36 @@ def _field(obj: dict[str, object], name: str, path: str, lineno: int) -> int:
     return value
 
 
+def _open_text(p: Path) -> TextIO:
+    """``p`` opened as UTF-8 text, through gzip when it starts with gzip's magic bytes."""
+    if p.is_dir():
+        raise WorkloadError(f"trace: {str(p)!r} is a directory; give a JSON-lines trace file")
+    try:
+        with p.open("rb") as raw:
+            magic = raw.read(2)
+        if magic == b"\x1f\x8b":
+            return gzip.open(p, "rt", encoding="utf-8")
+        return p.open(encoding="utf-8")
+    except FileNotFoundError:
+        raise WorkloadError(f"trace: no such file {str(p)!r}") from None
+    except OSError as exc:
+        raise WorkloadError(f"trace: cannot read {str(p)!r}: {exc.strerror}") from None
+
+
+def _lines(fh: TextIO, p: Path) -> Iterator[tuple[int, str]]:
+    """Numbered lines of ``fh``; undecodable bytes and broken gzip become WorkloadErrors."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(fh, start=1):
+            yield lineno, line
+    except UnicodeDecodeError:
+        raise WorkloadError(
+            f"{p}:{lineno + 1}: not UTF-8 text; a trace is JSON lines (optionally gzip)"
+        ) from None
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+        raise WorkloadError(f"{p}: cannot read the gzip stream: {exc}") from None
+
+
 def load_mooncake_trace(
     path: str | os.PathLike[str],
     *,
@@ -41,15 +74,14 @@ def load_mooncake_trace(
 ) -> Workload:
     """Read a Mooncake trace into a :class:`Workload` (at most ``limit`` requests).
 
-    Raises :class:`WorkloadError` naming the file, the line number and the field for a
-    malformed line, and when the file does not exist or holds no request.
+    The file may be gzip-compressed.  Raises :class:`WorkloadError` naming the file, the line
+    number and the field for a malformed line, and when the file does not exist, is not
+    (gzip of) UTF-8 text, or holds no request.
     """
     p = Path(path)
-    if not p.is_file():
-        raise WorkloadError(f"trace: no such file {str(p)!r}")
     requests: list[WorkloadRequest] = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with _open_text(p) as fh:
+        for lineno, line in _lines(fh, p):
             if limit is not None and len(requests) >= limit:
                 break
             if not line.strip():
