@@ -45,8 +45,9 @@ COLUMNS: dict[str, str] = {
     "(vLLM's rules: one page size, padded), pools (a fixed split per group)",
     "hit rate": "prompt tokens served from the prefix cache, of all prompt tokens of the "
     "workload (rejected requests count as misses)",
-    "per group (alone)": "tokens each cache group alone could have served; a hit needs every "
-    "group, so the overall hit rate is at most the smallest",
+    "per group (alone)": "share of queried tokens each cache group alone could have served "
+    "(a hit needs every group at once); counted per cache query, and a request waiting for "
+    "memory is queried again every step, so this is not on the hit rate's scale",
     "peak used": "most memory held at once by blocks in use",
     "peak need": "most memory the running requests physically needed at once, nothing shared",
     "preempt": "requests evicted to free memory, to be recomputed later",
