@@ -109,7 +109,20 @@ def add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_block_options(parser: argparse.ArgumentParser, *, kernel: bool = False) -> None:
+def add_block_options(
+    parser: argparse.ArgumentParser, *, kernel: bool = False, state_default: int | None = None
+) -> None:
+    """``--block-size``, ``--state-block-size`` and (``kernel``) ``--kernel-block-size``.
+
+    ``state_default``: a fixed checkpoint interval (the engine's tiny models use 16), else the
+    planner's default per strategy.
+    """
+    state_help = (
+        "recurrent-state checkpoint interval"
+        if state_default is not None
+        else "recurrent-state checkpoint interval (default: 256 for arena and pools, the "
+        "unified attention block for uniform, as vLLM's align mode)"
+    )
     parser.add_argument(
         "--block-size", type=int, default=16, metavar="TOKENS", help="attention block size"
     )
@@ -124,10 +137,9 @@ def add_block_options(parser: argparse.ArgumentParser, *, kernel: bool = False) 
     parser.add_argument(
         "--state-block-size",
         type=int,
-        default=None,
+        default=state_default,
         metavar="TOKENS",
-        help="recurrent-state checkpoint interval (default: 256 for arena and pools, the "
-        "unified attention block for uniform, as vLLM's align mode)",
+        help=state_help,
     )
 
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.cli.common import add_block_options
 from hybridkv.errors import HybridKVError
 
 if TYPE_CHECKING:
@@ -106,23 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("arena", "uniform", "pools"),
         help="memory layout",
     )
-    parser.add_argument(
-        "--block-size", type=int, default=16, metavar="TOKENS", help="attention block size"
-    )
-    parser.add_argument(
-        "--kernel-block-size",
-        type=int,
-        default=None,
-        metavar="TOKENS",
-        help="kernel block size, divides --block-size (default: --block-size)",
-    )
-    parser.add_argument(
-        "--state-block-size",
-        type=int,
-        default=16,
-        metavar="TOKENS",
-        help="recurrent-state checkpoint interval",
-    )
+    add_block_options(parser, kernel=True, state_default=16)
     parser.add_argument(
         "--max-model-len",
         type=int,
