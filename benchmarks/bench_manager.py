@@ -16,6 +16,11 @@ the full-attention pool), ``arena`` (1500 chunks of 4 blocks; chunk 0 reserved; 
 LRU across groups) and ``arena_own`` (the same arena, each group evicting its own blocks
 first).
 
+Workload: :func:`hybridkv.workloads.conversation_workload` (seeded; multi-turn follow-ups are
+released ``think_steps`` after the turn they continue finished), or with ``--trace`` a
+Mooncake trace read by :func:`hybridkv.workloads.load_mooncake_trace` (prompts up to 32768
+tokens) at ``--ms-per-step``.
+
 Each configuration is replayed ``--repeat`` times (the replay is deterministic, so hit rates
 do not change) and the fastest replay's timings are reported, to damp interference from other
 processes on a shared machine.
@@ -40,8 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from hybridkv.cache import KVCacheManager, Request
 from hybridkv.plan.layout import ArenaPlan, GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import (
@@ -54,13 +57,19 @@ from hybridkv.specs import (
     StateSpec,
     StateTensor,
 )
+from hybridkv.workloads import (
+    ConversationConfig,
+    StepRequest,
+    WorkloadError,
+    conversation_workload,
+    load_mooncake_trace,
+    step_requests,
+    step_summary,
+)
 
-from workloads import (
-    DEFAULT_TRACE,
-    WorkloadRequest,
-    mooncake_workload,
-    synthetic_workload,
-    workload_summary,
+#: Where the Mooncake conversation trace lives in this workspace (not in the repository).
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation_trace.jsonl"
 )
 
 BLOCK_SIZE = 16
@@ -129,7 +138,7 @@ def build_layout(model: str, strategy: str, num_blocks: int, chunk_blocks: int) 
 
 @dataclass
 class _Live:
-    spec: WorkloadRequest
+    spec: StepRequest
     req: Request
     generated: int = 0
 
@@ -164,7 +173,7 @@ def _split(start: int, end: int, junction: int, prompt_end: int, align: int) -> 
 
 def simulate(
     mgr: KVCacheManager,
-    workload: Sequence[WorkloadRequest],
+    workload: Sequence[StepRequest],
     *,
     budget: int = 8192,
     max_steps: int = 1_000_000,
@@ -177,12 +186,14 @@ def simulate(
     align = mgr.schedule_alignment
     t_gcb, t_alloc, t_free, t_pre = (res.times[k] for k in res.times)
     overhead = _clock_overhead(clock)
-    pending = deque(sorted((r for r in workload if r.parent is None), key=lambda r: r.arrival_step))
-    children: dict[str, list[WorkloadRequest]] = {}
+    pending = deque(
+        sorted((r for r in workload if r.parent_id is None), key=lambda r: r.arrival_step)
+    )
+    children: dict[str, list[StepRequest]] = {}
     for r in workload:
-        if r.parent is not None:
-            children.setdefault(r.parent, []).append(r)
-    delayed: list[tuple[int, WorkloadRequest]] = []
+        if r.parent_id is not None:
+            children.setdefault(r.parent_id, []).append(r)
+    delayed: list[tuple[int, StepRequest]] = []
     waiting: deque[_Live] = deque()
     running: list[_Live] = []
     total = len(workload)
@@ -191,12 +202,15 @@ def simulate(
     while res.finished < total and step < max_steps:
         while pending and pending[0].arrival_step <= step:
             w = pending.popleft()
-            waiting.append(_Live(w, mgr.make_request(w.request_id, list(w.prompt))))
+            waiting.append(_Live(w, mgr.make_request(w.request_id, list(w.prompt_token_ids))))
         if delayed:
             ready = [d for d in delayed if d[0] <= step]
             for d in ready:
                 delayed.remove(d)
-                waiting.append(_Live(d[1], mgr.make_request(d[1].request_id, list(d[1].prompt))))
+                spec = d[1]
+                waiting.append(
+                    _Live(spec, mgr.make_request(spec.request_id, list(spec.prompt_token_ids)))
+                )
         left = budget
         scheduled: list[tuple[_Live, int]] = []
         preempted = False
@@ -205,9 +219,9 @@ def simulate(
             live = running[i]
             req = live.req
             n = min(req.num_tokens - req.num_computed_tokens, left)
-            if split and req.num_computed_tokens < live.spec.prompt.__len__():
+            if split and req.num_computed_tokens < live.spec.prompt_len:
                 s = req.num_computed_tokens
-                n = _split(s, s + n, -1, len(live.spec.prompt), align) - s
+                n = _split(s, s + n, -1, live.spec.prompt_len, align) - s
             while True:
                 t0 = clock()
                 out = mgr.allocate_slots(req, n)
@@ -237,7 +251,7 @@ def simulate(
             h = hit.num_computed_tokens
             n = min(req.num_tokens - h, left)
             if split:
-                n = _split(h, h + n, hit.junction_tokens, len(live.spec.prompt), align) - h
+                n = _split(h, h + n, hit.junction_tokens, live.spec.prompt_len, align) - h
             t0 = clock()
             out = mgr.allocate_slots(req, n, num_new_computed_tokens=h, new_computed_blocks=hit)
             t_alloc.append(clock() - t0)
@@ -256,9 +270,9 @@ def simulate(
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
                 continue
-            req.append_token_ids([live.spec.output[live.generated]])
+            req.append_token_ids([live.spec.output_token_ids[live.generated]])
             live.generated += 1
-            if live.generated == len(live.spec.output):
+            if live.generated == live.spec.output_len:
                 t0 = clock()
                 mgr.free(req.request_id)
                 t_free.append(clock() - t0)
@@ -297,7 +311,7 @@ def _summary(ns: list[int]) -> dict[str, float]:
 
 
 def run_one(
-    model: str, strategy: str, workload: Sequence[WorkloadRequest], args: argparse.Namespace
+    model: str, strategy: str, workload: Sequence[StepRequest], args: argparse.Namespace
 ) -> dict[str, Any]:
     kind = "arena" if strategy.startswith("arena") else strategy
     layout = build_layout(model, kind, args.num_blocks, args.chunk_blocks)
@@ -361,16 +375,23 @@ def main(argv: list[str] | None = None) -> int:
         if not path.exists():
             print(f"bench_manager: trace {path} not found; skipping")
             return 0
-        workload = mooncake_workload(
-            path, num_requests=args.requests, ms_per_step=args.ms_per_step, max_prompt=32768
-        )
+        try:
+            trace = load_mooncake_trace(path, limit=args.requests, max_prompt_tokens=32768)
+        except WorkloadError as exc:
+            print(f"bench_manager: {exc}", file=sys.stderr)
+            return 2
+        workload = step_requests(trace, ms_per_step=args.ms_per_step)
         source = f"mooncake:{path.name}:{len(workload)}"
     else:
-        workload = synthetic_workload(
-            args.num_requests, seed=args.seed, arrival_interval=args.arrival_interval
+        workload = conversation_workload(
+            ConversationConfig(
+                num_requests=args.num_requests,
+                seed=args.seed,
+                arrival_gap_steps=args.arrival_interval,
+            )
         )
         source = "synthetic"
-    info = workload_summary(workload)
+    info = step_summary(workload)
     print(f"workload {source}: {json.dumps(info)}")
     results = []
     header = (

@@ -41,6 +41,12 @@ from hybridkv.specs import (  # noqa: E402
     SlidingWindowSpec,
     StateSpec,
 )
+from hybridkv.workloads import (  # noqa: E402
+    StepRequest,
+    WorkloadError,
+    load_mooncake_trace,
+    step_requests,
+)
 
 import vllm_driver as vd  # noqa: E402
 
@@ -226,7 +232,7 @@ def _summary(metrics: dict[str, Any], timings: dict[str, list[int]]) -> dict[str
 
 def compare(
     name: str,
-    requests: Sequence[vd.WorkloadRequest],
+    requests: Sequence[StepRequest],
     *,
     memory_bytes: int,
     max_model_len: int,
@@ -324,10 +330,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hybridkv.units import parse_bytes
 
     memory = parse_bytes(args.memory, field="--memory")
-    requests, skipped = vd.load_mooncake_trace(
-        trace, args.requests, args.ms_per_step, args.max_model_len
+    try:
+        workload = load_mooncake_trace(
+            trace, limit=args.requests, max_prompt_tokens=args.max_model_len - 1
+        )
+    except WorkloadError as exc:
+        print(f"compare_vllm: {exc}", file=sys.stderr)
+        return 2
+    requests = step_requests(workload, ms_per_step=args.ms_per_step)
+    print(
+        f"{len(requests)} requests from {trace.name} ({workload.skipped} skipped: prompt "
+        "longer than max_model_len - 1)"
     )
-    print(f"{len(requests)} requests from {trace.name} ({skipped} longer than max_model_len)")
     results = []
     for name in args.models.split(","):
         t0 = time.perf_counter()

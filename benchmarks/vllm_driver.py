@@ -3,7 +3,7 @@
 Run it with the separate vLLM virtualenv described in ``docs/vllm.md`` (never hybridkv's venv)::
 
     /tmp/vllmenv/bin/python benchmarks/vllm_driver.py --out results/vllm_driver.json
-    /tmp/vllmenv/bin/python benchmarks/vllm_driver.py --workload driver --cross-check
+    /tmp/vllmenv/bin/python benchmarks/vllm_driver.py --workload branching --cross-check
     /tmp/vllmenv/bin/python benchmarks/vllm_driver.py --trace PATH --requests 300
 
 Per configuration (full+swa, full+mamba, full+swa+mamba at equal memory) it prints the token
@@ -13,8 +13,10 @@ reports whether hits, steps and preemptions are identical to :func:`run_minimal_
 
 Importing this module never imports vLLM; :func:`build_vllm_manager` does and raises
 :class:`VllmUnavailable` when it cannot, so other benchmark scripts can skip cleanly.  The
-workload generator, the fake token stream and :func:`run_minimal_scheduler` are plain Python: a
-hybridkv adapter with the :class:`ManagerAdapter` methods is driven by the very same loop.
+workloads come from :mod:`hybridkv.workloads` (standard library only, imported from this
+checkout's ``src/``: vLLM's interpreter needs no hybridkv install), and
+:func:`run_minimal_scheduler` is plain Python: a hybridkv adapter with the
+:class:`ManagerAdapter` methods is driven by the very same loop.
 """
 
 from __future__ import annotations
@@ -35,6 +37,21 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hybridkv.workloads import (
+    BranchingConfig,
+    ConversationConfig,
+    StepRequest,
+    WorkloadError,
+    arrival_order,
+    branching_workload,
+    conversation_workload,
+    ideal_hit_tokens,
+    load_mooncake_trace,
+    step_requests,
+)
+
 # Re-exported: other benchmark scripts use these as ``vllm_driver.X``.
 from vllm_sched import (
     OPS,
@@ -44,30 +61,17 @@ from vllm_sched import (
     op_stats,
     run_minimal_scheduler,
 )
-from vllm_workload import (
-    SyntheticWorkloadConfig,
-    WorkloadRequest,
-    fake_output_token,
-    from_shared_workload,
-    ideal_hit_tokens,
-    load_mooncake_trace,
-    make_synthetic_workload,
-)
 
 __all__ = [
+    "OPS",
     "GroupDesc",
     "ManagerAdapter",
     "SimRequest",
-    "SyntheticWorkloadConfig",
     "VllmManagerAdapter",
     "VllmSetup",
     "VllmUnavailable",
-    "WorkloadRequest",
     "build_vllm_manager",
-    "fake_output_token",
-    "ideal_hit_tokens",
-    "load_mooncake_trace",
-    "make_synthetic_workload",
+    "op_stats",
     "run_minimal_scheduler",
     "run_real_scheduler",
     "vllm_available",
@@ -416,11 +420,12 @@ class VllmManagerAdapter:
 
 
 def run_real_scheduler(
-    setup: VllmSetup, requests: Sequence[WorkloadRequest], *, max_model_len: int = 16_384
+    setup: VllmSetup, requests: Sequence[StepRequest], *, max_model_len: int = 16_384
 ) -> dict[str, Any]:
-    """Cross-check: the same workload through vLLM's own ``Scheduler`` (fed fake sampled tokens
-    by a fake model runner) over a fresh manager with ``setup``'s KV cache config.  Needs
-    ``einops`` (ModelConfig inspects a tiny local Llama config.json; nothing is downloaded)."""
+    """Cross-check: the same workload through vLLM's own ``Scheduler`` (fed the workload's
+    output tokens by a fake model runner) over a fresh manager with ``setup``'s KV cache
+    config.  Needs ``einops`` (ModelConfig inspects a tiny local Llama config.json; nothing is
+    downloaded)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
@@ -458,7 +463,7 @@ def run_real_scheduler(
             reqs[w.request_id] = v.Request(
                 request_id=w.request_id,
                 prompt_token_ids=list(w.prompt_token_ids),
-                sampling_params=v.SamplingParams(max_tokens=w.max_output_tokens),
+                sampling_params=v.SamplingParams(max_tokens=w.output_len),
                 pooling_params=None,
                 block_hasher=setup.block_hasher,
             )
@@ -477,7 +482,7 @@ def run_real_scheduler(
         preemptions += len(out.preempted_req_ids or ())
         ids = list(out.num_scheduled_tokens)
         sampled = [
-            [by_id[r].output_token(reqs[r].num_output_tokens)]
+            [by_id[r].output_token_ids[reqs[r].num_output_tokens]]
             if reqs[r].num_computed_tokens >= reqs[r].num_tokens
             else []
             for r in ids
@@ -526,7 +531,7 @@ def config_groups(name: str, block_size: int, mamba_state: str, layers: int = 4)
     return [kinds[k] for k in name.split("+")]
 
 
-def _run_config(name: str, args: argparse.Namespace, workload: list[WorkloadRequest]) -> dict:
+def _run_config(name: str, args: argparse.Namespace, workload: list[StepRequest]) -> dict:
     """Run one configuration ``args.repeats`` times on fresh managers: metrics of the first
     run, timings as the median over runs of each statistic plus the best (lowest) mean, since
     the machine is shared and other processes inflate single runs."""
@@ -579,7 +584,7 @@ def _run_config(name: str, args: argparse.Namespace, workload: list[WorkloadRequ
         bytes_per_block=setup.bytes_per_block,
         num_blocks=setup.num_blocks,
         partial_hash_hits=setup.partial_hash_hits,
-        ideal_hit_rate=ideal_hit_tokens(workload, grain)
+        ideal_hit_rate=ideal_hit_tokens(arrival_order(workload), grain)
         / max(1, sum(len(r.prompt_token_ids) for r in workload)),
     )
     if args.cross_check:
@@ -611,39 +616,31 @@ def _summary_line(name: str, m: Mapping[str, Any]) -> str:
     )
 
 
-def _make_workload(args: argparse.Namespace) -> tuple[list[WorkloadRequest], dict[str, Any]]:
-    """The requests ``args`` ask for: the shared ``benchmarks/workloads.py`` generators (what
-    hybridkv's benchmarks replay) or this driver's own; synthetic or the Mooncake trace."""
-    if args.workload == "shared":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import workloads as shared
-
-        if args.trace is not None:
-            reqs = shared.mooncake_workload(
-                args.trace,
-                num_requests=args.requests,
-                ms_per_step=args.ms_per_step,
-                max_prompt=args.max_model_len - 1,
-                seed=args.seed,
-            )
-            desc = {"shared_trace": str(args.trace), "ms_per_step": args.ms_per_step}
-        else:
-            gap = 4.0 if args.arrival_gap is None else args.arrival_gap
-            reqs = shared.synthetic_workload(args.requests, seed=args.seed, arrival_interval=gap)
-            desc = {"shared_synthetic": {"seed": args.seed, "arrival_interval": gap}}
-        return from_shared_workload(reqs), desc
+def _make_workload(args: argparse.Namespace) -> tuple[list[StepRequest], dict[str, Any]]:
+    """The requests ``args`` ask for, from :mod:`hybridkv.workloads`: the Mooncake trace
+    (``--trace``: prompts up to ``max_model_len - 1`` tokens, ``--requests`` of them) or a
+    synthetic multi-turn mix (``--workload``)."""
     if args.trace is not None:
-        workload, skipped = load_mooncake_trace(
-            args.trace, args.requests, args.ms_per_step, args.max_model_len
+        trace = load_mooncake_trace(
+            args.trace, limit=args.requests, max_prompt_tokens=args.max_model_len - 1
         )
-        return workload, {"trace": str(args.trace), "lines": args.requests, "skipped": skipped}
-    cfg = SyntheticWorkloadConfig(
+        desc = {"trace": str(args.trace), "ms_per_step": args.ms_per_step, "skipped": trace.skipped}
+        return step_requests(trace, ms_per_step=args.ms_per_step), desc
+    if args.workload == "conversations":
+        conv = ConversationConfig(
+            num_requests=args.requests,
+            seed=args.seed,
+            followup_prob=args.followup_prob,
+            arrival_gap_steps=4.0 if args.arrival_gap is None else args.arrival_gap,
+        )
+        return conversation_workload(conv), {"conversations": asdict(conv)}
+    branch = BranchingConfig(
         num_requests=args.requests,
         seed=args.seed,
-        mean_arrival_gap_steps=1.0 if args.arrival_gap is None else args.arrival_gap,
         followup_prob=args.followup_prob,
+        arrival_gap_steps=1.0 if args.arrival_gap is None else args.arrival_gap,
     )
-    return make_synthetic_workload(cfg), {"synthetic": asdict(cfg)}
+    return branching_workload(branch), {"branching": asdict(branch)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -664,15 +661,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     arg("--prefix-match-unit", type=int, default=None, help="vLLM's finer hash block (tokens)")
     arg(
         "--workload",
-        default="shared",
-        choices=["shared", "driver"],
-        help="shared: benchmarks/workloads.py (as hybridkv's benchmarks); driver: this file's",
+        default="conversations",
+        choices=["conversations", "branching"],
+        help="synthetic mix from hybridkv.workloads.multiturn (conversations: as bench_manager)",
     )
     arg(
         "--arrival-gap",
         type=float,
         default=None,
-        help="synthetic: mean steps between arrivals (default 4 shared, 1 driver)",
+        help="synthetic: mean steps between arrivals (default 4 conversations, 1 branching)",
     )
     arg("--followup-prob", type=float, default=0.3, help="synthetic: share of multi-turn re-sends")
     arg("--trace", type=Path, default=None, help="Mooncake trace instead of the synthetic load")
@@ -686,7 +683,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not vllm_available():
         print("vLLM is not importable in this interpreter; see docs/vllm.md", file=sys.stderr)
         return 2
-    workload, wl = _make_workload(args)
+    try:
+        workload, wl = _make_workload(args)
+    except WorkloadError as exc:
+        print(f"vllm_driver: {exc}", file=sys.stderr)
+        return 2
     wl.update(
         requests=len(workload),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in workload),

@@ -1,18 +1,24 @@
 """The vLLM driver's minimal scheduler: :func:`run_minimal_scheduler` drives any
 :class:`ManagerAdapter` (vLLM's or hybridkv's) as vLLM 0.33's scheduler does.
 
-Plain Python (never imports vLLM); :mod:`vllm_driver` re-exports these names.
+Plain Python (never imports vLLM); :mod:`vllm_driver` re-exports these names.  Requests are
+:class:`hybridkv.workloads.StepRequest`; ``hybridkv.workloads`` (standard library only) is
+imported from this checkout's ``src/``, so vLLM's interpreter needs no hybridkv install.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
-from vllm_workload import WorkloadRequest, fake_output_token
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from hybridkv.workloads import StepRequest, arrival_order
 
 __all__ = [
     "OPS",
@@ -28,21 +34,21 @@ OPS = ("get_computed_blocks", "allocate_slots", "free", "end_step", "hash")
 class _Arrivals:
     """Releases requests at their arrival step, follow-ups only after their parent ended."""
 
-    def __init__(self, requests: Sequence[WorkloadRequest]) -> None:
-        self.order = sorted(requests, key=lambda r: (r.arrival_step, r.request_id))
+    def __init__(self, requests: Sequence[StepRequest]) -> None:
+        self.order = arrival_order(requests)
         self.next = 0
-        self.gated: list[WorkloadRequest] = []
+        self.gated: list[StepRequest] = []
         self.ended_at: dict[str, int] = {}
 
     def pending(self) -> bool:
         return self.next < len(self.order) or bool(self.gated)
 
-    def ready(self, step: int) -> list[WorkloadRequest]:
+    def ready(self, step: int) -> list[StepRequest]:
         while self.next < len(self.order) and self.order[self.next].arrival_step <= step:
             self.gated.append(self.order[self.next])
             self.next += 1
-        ok: list[WorkloadRequest] = []
-        held: list[WorkloadRequest] = []
+        ok: list[StepRequest] = []
+        held: list[StepRequest] = []
         for w in self.gated:
             p = w.parent_id
             free = p is None or step >= self.ended_at.get(p, step + 1) + w.think_steps
@@ -72,7 +78,7 @@ class SimRequest:
     shared_prefix_boundary: int = 0  # set by lookup(): uncached shared-prefix junction (tokens)
     num_preemptions: int = 0
     first_hit_tokens: int | None = None
-    source: WorkloadRequest | None = None  # where the sampled tokens come from
+    source: StepRequest  # the workload request; its output_token_ids are the sampled tokens
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +160,7 @@ def op_stats(
 
 def run_minimal_scheduler(
     adapter: ManagerAdapter,
-    requests: Sequence[WorkloadRequest],
+    requests: Sequence[StepRequest],
     token_budget: int = 8192,
     *,
     max_num_seqs: int = 256,
@@ -170,10 +176,11 @@ def run_minimal_scheduler(
     (freed, requeued at the front, recomputed later).  Then, unless something was preempted,
     waiting requests in FCFS order: lookup, then allocate the hit plus a chunk under the budget
     with ``full_sequence_must_fit`` (vLLM's default admission gate); the first failure ends
-    admission.  A request whose prompt is done samples ``fake_output_token`` each step and
-    finishes at ``max_output_tokens``.  Mamba groups get :func:`_align_chunk` splits.  A
-    request that does not fit an empty pool is rejected.  Returns the metrics (hit rate =
-    first-admission hit tokens / prompt tokens of finished requests)."""
+    admission.  A request whose prompt is done samples its next ``output_token_ids`` entry each
+    step and finishes after the last one (or at ``max_model_len``).  Mamba groups get
+    :func:`_align_chunk` splits.  A request that does not fit an empty pool is rejected.
+    Returns the metrics (hit rate = first-admission hit tokens / prompt tokens of finished
+    requests)."""
     t_start = time.perf_counter()
     arrivals = _Arrivals(requests)
     waiting: deque[SimRequest] = deque()
@@ -186,7 +193,7 @@ def run_minimal_scheduler(
                 SimRequest(
                     request_id=w.request_id,
                     prompt_token_ids=w.prompt_token_ids,
-                    max_tokens=w.max_output_tokens,
+                    max_tokens=w.output_len,
                     source=w,
                 )
             )
@@ -254,12 +261,7 @@ def run_minimal_scheduler(
             computed += n
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a non-final prefill chunk samples nothing
-            pos = len(req.output_token_ids)
-            tok = (
-                req.source.output_token(pos)
-                if req.source
-                else fake_output_token(req.request_id, pos)
-            )
+            tok = req.source.output_token_ids[len(req.output_token_ids)]
             req.output_token_ids.append(tok)
             adapter.append_token(req, tok)
             if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= max_model_len:

@@ -15,20 +15,18 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.engine.generate import (
-    Generation,
-    PagedGenerator,
-    reference_chunked,
-    reference_generate,
-)
+from hybridkv.engine.generate import Generation
 from hybridkv.engine.layouts import fixed_layout
 from hybridkv.engine.models import TINY_MODELS, load_model, reference_copy
 from hybridkv.engine.probe import ModelProbe, probe_model, probe_model_spec
 from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.toy_cache import ToyCache
 from hybridkv.engine.views import DenseKVViews
 from hybridkv.plan import MemoryLayout
 from hybridkv.specs import CacheKind, ModelSpec, StateSpec, StateTensor
+
+from support.paged_generator import PagedGenerator
+from support.reference import reference_chunked, reference_generate
+from support.toy_cache import ToyCache
 
 ATOL = 1e-4
 ARCHS = sorted(TINY_MODELS)

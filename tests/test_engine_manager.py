@@ -18,8 +18,6 @@ import torch
 from hybridkv.cache import KVCacheManager
 from hybridkv.engine.batch import StepBatch
 from hybridkv.engine.errors import BatchError
-from hybridkv.engine.generate import PagedGenerator, reference_chunked, reference_generate
-from hybridkv.engine.manager_bridge import ManagerCache
 from hybridkv.engine.models import TINY_MODELS, load_model, reference_copy
 from hybridkv.engine.probe import ModelProbe, probe_model, probe_model_spec
 from hybridkv.engine.runner import ModelRunner
@@ -27,6 +25,10 @@ from hybridkv.engine.views import StorageViews
 from hybridkv.plan import make_plan
 from hybridkv.specs import CacheKind
 from hybridkv.storage import KVCacheStorage
+
+from support.manager_cache import ManagerCache
+from support.paged_generator import PagedGenerator
+from support.reference import reference_chunked, reference_generate
 
 ATOL = 1e-4
 

@@ -17,12 +17,14 @@ import pytest
 import torch
 
 from hybridkv.cache import KVCacheManager
-from hybridkv.engine.generate import Generation, reference_generate
+from hybridkv.engine.generate import Generation
 from hybridkv.engine.llm_engine import CacheConfig, Completion, LLMEngine
 from hybridkv.engine.models import load_model, reference_copy
 from hybridkv.plan import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from hybridkv.specs import CacheKind, DType, FullAttentionSpec, StateMixer, StateSpec, StateTensor
+
+from support.reference import reference_generate
 
 MODELS = [
     "deepseek_v3",

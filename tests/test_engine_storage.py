@@ -16,14 +16,16 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.engine.generate import PagedGenerator, reference_chunked, reference_generate
 from hybridkv.engine.models import load_model, reference_copy
 from hybridkv.engine.probe import ModelProbe, probe_model, probe_model_spec
 from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.toy_cache import ToyCache
 from hybridkv.engine.views import StorageViews
 from hybridkv.plan import make_plan
 from hybridkv.storage import KernelViewError, KVCacheStorage
+
+from support.paged_generator import PagedGenerator
+from support.reference import reference_chunked, reference_generate
+from support.toy_cache import ToyCache
 
 CASES = [
     ("arena", "cross_layer", "nhd"),

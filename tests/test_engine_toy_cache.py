@@ -7,7 +7,6 @@ import re
 import pytest
 
 from hybridkv.engine.batch import SlotCopy, StateIO
-from hybridkv.engine.toy_cache import ToyCache
 from hybridkv.errors import AllocationError, RequestError
 from hybridkv.plan import ArenaPlan, GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import (
@@ -18,6 +17,8 @@ from hybridkv.specs import (
     StateSpec,
     StateTensor,
 )
+
+from support.toy_cache import ToyCache
 
 FULL = FullAttentionSpec(num_kv_heads=1, head_dim=2, dtype="fp32")
 SLIDING = SlidingWindowSpec(num_kv_heads=1, head_dim=2, dtype="fp32", window=4)

@@ -15,11 +15,12 @@ Modules, one concept each:
 * :mod:`~hybridkv.engine.views`          the storage seam (:class:`PagedKVViews`)
 * :mod:`~hybridkv.engine.models`         tiny built-in models and checkpoint loading
 * :mod:`~hybridkv.engine.layouts`        a fixed-size layout for tests and demos
-* :mod:`~hybridkv.engine.toy_cache`      a small reference allocator
-* :mod:`~hybridkv.engine.manager_bridge` the real cache manager behind the same interface
-* :mod:`~hybridkv.engine.generate`       a minimal decoding loop without the scheduler, and the
-  transformers references
+* :mod:`~hybridkv.engine.manager_bridge` the cache manager's tables as a runner step
+* :mod:`~hybridkv.engine.generate`       :class:`Generation`: tokens and their logits
 * :mod:`~hybridkv.engine.demo`           the shared-prefix workload of ``hybridkv run``
+
+The test suite's own helpers (a reference allocator, a scheduler-less decoding loop, the
+transformers oracles) live in ``tests/support/``, not here.
 
 Quick start (a tiny hybrid model, end to end, checked against transformers)::
 
@@ -46,15 +47,14 @@ from hybridkv.engine.errors import (
     NoActiveStepError,
     PromptError,
 )
-from hybridkv.engine.generate import Generation, PagedGenerator, reference_generate
+from hybridkv.engine.generate import Generation
 from hybridkv.engine.layouts import fixed_layout
 from hybridkv.engine.llm_engine import CacheConfig, Completion, LLMEngine
-from hybridkv.engine.manager_bridge import ManagerCache, request_step, step_from_tables
+from hybridkv.engine.manager_bridge import step_from_tables
 from hybridkv.engine.metrics import EngineStats
 from hybridkv.engine.models import DEFAULT_TINY_MODEL, TINY_MODELS, load_model, reference_copy
 from hybridkv.engine.probe import ModelProbe, probe_model, probe_model_spec
 from hybridkv.engine.runner import ModelRunner, StepOutput
-from hybridkv.engine.toy_cache import ToyCache
 from hybridkv.engine.verify import Mismatch, VerifyResult, verify_completions
 from hybridkv.engine.views import DenseKVViews, PagedKVViews, StorageViews
 
@@ -71,13 +71,11 @@ __all__ = [
     "EngineStats",
     "Generation",
     "LLMEngine",
-    "ManagerCache",
     "Mismatch",
     "ModelProbe",
     "ModelRunner",
     "ModelSourceError",
     "NoActiveStepError",
-    "PagedGenerator",
     "PagedKVViews",
     "PromptError",
     "RequestStep",
@@ -86,16 +84,13 @@ __all__ = [
     "StepBatch",
     "StepOutput",
     "StorageViews",
-    "ToyCache",
     "VerifyResult",
     "fixed_layout",
     "load_model",
     "probe_model",
     "probe_model_spec",
     "reference_copy",
-    "reference_generate",
     "register_paged_attention",
-    "request_step",
     "step_from_tables",
     "verify_completions",
 ]

@@ -1,19 +1,49 @@
-"""Request streams for simulation and benchmarks: real traces and seeded synthetic ones."""
+"""Request streams for simulation and benchmarks: real traces and seeded synthetic ones.
+
+Standard library only (no torch, numpy or matplotlib), so benchmark drivers running under
+another interpreter can import it from ``src/``.  Modules, one concept each:
+
+* :mod:`~hybridkv.workloads.types`      :class:`WorkloadRequest` (arrives at a time in ms),
+  :class:`Workload`, :class:`WorkloadError`
+* :mod:`~hybridkv.workloads.mooncake`   the Mooncake trace format (plain or gzip)
+* :mod:`~hybridkv.workloads.synthetic`  seeded chat / agent / docs / mixed workloads (``simulate``)
+* :mod:`~hybridkv.workloads.steps`      :class:`StepRequest`: arrives at a scheduler step, a
+  follow-up only after its parent finished (the manager benchmarks' closed loop)
+* :mod:`~hybridkv.workloads.multiturn`  seeded multi-turn workloads of step requests
+* :mod:`~hybridkv.workloads.ideal`      the unbounded-cache hit bound
+"""
 
 from __future__ import annotations
 
+from hybridkv.workloads.ideal import ideal_hit_tokens
 from hybridkv.workloads.mooncake import load_mooncake_trace
+from hybridkv.workloads.multiturn import (
+    BranchingConfig,
+    ConversationConfig,
+    branching_workload,
+    conversation_workload,
+)
+from hybridkv.workloads.steps import StepRequest, arrival_order, step_requests, step_summary
 from hybridkv.workloads.synthetic import SYNTHETIC_WORKLOADS, SyntheticOptions, synthetic_workload
 from hybridkv.workloads.types import Workload, WorkloadError, WorkloadRequest
 
 __all__ = [
     "SYNTHETIC_WORKLOADS",
+    "BranchingConfig",
+    "ConversationConfig",
+    "StepRequest",
     "SyntheticOptions",
     "Workload",
     "WorkloadError",
     "WorkloadRequest",
+    "arrival_order",
+    "branching_workload",
+    "conversation_workload",
+    "ideal_hit_tokens",
     "load_mooncake_trace",
     "load_workload",
+    "step_requests",
+    "step_summary",
     "synthetic_workload",
 ]
 

@@ -1,20 +1,27 @@
-"""Loader for Mooncake-format request traces (JSON lines).
+"""Loader for Mooncake-format request traces (JSON lines, optionally gzip-compressed).
 
 Each line: ``{"timestamp": ms, "input_length": int, "output_length": int, "hash_ids": [int]}``.
 ``hash_ids`` name prefix blocks of ``source_block`` tokens (512 in the published traces): two
 requests agreeing on their first ``k`` ids share their first ``k * 512`` prompt tokens.  Block
 ``h`` becomes the tokens ``TOKEN_BASE + h * source_block + i``; the last block is cut to
 ``input_length``.  Output tokens are unique per request, so outputs never produce false hits.
+
+Every problem with the input — a missing file, a directory, binary or non-UTF-8 data, a broken
+gzip stream, a line that is not a JSON object with those four fields, a file with no request —
+is a one-line :class:`WorkloadError` naming the file (and the line) and what is expected.
+Standard library only.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
+import io
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
 
 from hybridkv.workloads.types import Workload, WorkloadError, WorkloadRequest, sorted_by_arrival
 
@@ -23,47 +30,122 @@ __all__ = ["TOKEN_BASE", "load_mooncake_trace"]
 #: Token ids below this are left free (special tokens of real vocabularies).
 TOKEN_BASE = 1000
 _OUTPUT_BASE = 1 << 40
+_OUTPUT_STRIDE = 1 << 20  # output ids of request i: _OUTPUT_BASE + i * _OUTPUT_STRIDE + j
+_GZIP_MAGIC = b"\x1f\x8b"
+#: Longest line read (bytes): a real trace line is a few KiB; anything longer is not a trace.
+_MAX_LINE = 16 << 20
+_FORMAT = (
+    "a trace is JSON lines (optionally gzip), one object per line with timestamp, "
+    "input_length, output_length and hash_ids"
+)
 
 
-def _field(obj: dict[str, object], name: str, path: str, lineno: int) -> int:
-    if name not in obj:
-        raise WorkloadError(f"{path}:{lineno}: missing field {name!r}")
-    value = obj[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise WorkloadError(
-            f"{path}:{lineno}: field {name!r} must be a non-negative integer, got {value!r}"
-        )
-    return value
-
-
-def _open_text(p: Path) -> TextIO:
-    """``p`` opened as UTF-8 text, through gzip when it starts with gzip's magic bytes."""
+def _open_binary(p: Path) -> tuple[io.BufferedIOBase, bool]:
+    """``p`` opened for reading bytes, through gzip when it starts with gzip's magic bytes;
+    also returns whether it is gzip."""
     if p.is_dir():
         raise WorkloadError(f"trace: {str(p)!r} is a directory; give a JSON-lines trace file")
     try:
         with p.open("rb") as raw:
             magic = raw.read(2)
-        if magic == b"\x1f\x8b":
-            return gzip.open(p, "rt", encoding="utf-8")
-        return p.open(encoding="utf-8")
+        if magic == _GZIP_MAGIC:
+            return gzip.open(p, "rb"), True
+        return p.open("rb"), False
     except FileNotFoundError:
         raise WorkloadError(f"trace: no such file {str(p)!r}") from None
     except OSError as exc:
-        raise WorkloadError(f"trace: cannot read {str(p)!r}: {exc.strerror}") from None
+        raise WorkloadError(f"trace: cannot read {str(p)!r}: {exc.strerror or exc}") from None
 
 
-def _lines(fh: TextIO, p: Path) -> Iterator[tuple[int, str]]:
-    """Numbered lines of ``fh``; undecodable bytes and broken gzip become WorkloadErrors."""
+def _lines(fh: io.BufferedIOBase, p: Path, gz: bool) -> Iterator[tuple[int, str]]:
+    """Numbered text lines of ``fh``, each decoded on its own so that an error names the exact
+    line: undecodable bytes or NUL bytes (binary data), an overlong line and a broken gzip
+    stream become WorkloadErrors."""
     lineno = 0
-    try:
-        for lineno, line in enumerate(fh, start=1):
-            yield lineno, line
-    except UnicodeDecodeError:
+    while True:
+        try:
+            raw = fh.readline(_MAX_LINE)
+        except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+            what = "the gzip stream" if gz else "the file"
+            raise WorkloadError(f"{p}: cannot read {what}: {exc}") from None
+        if not raw:
+            return
+        lineno += 1
+        if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+            raw = raw[len(codecs.BOM_UTF8) :]
+        try:
+            if b"\0" in raw:
+                raise UnicodeError("NUL byte")
+            line = raw.decode("utf-8")
+        except UnicodeError:
+            raise WorkloadError(
+                f"{p}:{lineno}: not UTF-8 text; a trace is JSON lines (optionally gzip)"
+            ) from None
+        if len(raw) >= _MAX_LINE and not raw.endswith(b"\n"):
+            raise WorkloadError(f"{p}:{lineno}: line longer than {_MAX_LINE} bytes; {_FORMAT}")
+        yield lineno, line
+
+
+def _count(obj: dict[str, object], name: str, where: str) -> int:
+    if name not in obj:
+        raise WorkloadError(f"{where}: missing field {name!r}; {_FORMAT}")
+    value = obj[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise WorkloadError(
-            f"{p}:{lineno + 1}: not UTF-8 text; a trace is JSON lines (optionally gzip)"
-        ) from None
-    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
-        raise WorkloadError(f"{p}: cannot read the gzip stream: {exc}") from None
+            f"{where}: field {name!r} must be a non-negative integer, got {value!r}"
+        )
+    return value
+
+
+def _parse(line: str, where: str, source_block: int) -> tuple[float, int, int, list[int]]:
+    """One trace line as (timestamp, input_length, output_length, hash_ids), validated."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{where}: not valid JSON ({exc.msg}); {_FORMAT}") from None
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{where}: expected a JSON object, got {_json_type(obj)}; {_FORMAT}")
+    if "timestamp" not in obj:
+        raise WorkloadError(f"{where}: missing field 'timestamp'; {_FORMAT}")
+    ts = obj["timestamp"]
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or not 0 <= ts < float("inf"):
+        raise WorkloadError(
+            f"{where}: field 'timestamp' must be a non-negative number of ms, got {ts!r}"
+        )
+    n_in = _count(obj, "input_length", where)
+    n_out = _count(obj, "output_length", where)
+    if "hash_ids" not in obj:
+        raise WorkloadError(f"{where}: missing field 'hash_ids'; {_FORMAT}")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
+    ):
+        raise WorkloadError(
+            f"{where}: field 'hash_ids' must be a list of non-negative integers, got "
+            f"{_short(hash_ids)}"
+        )
+    if n_in <= 0:
+        raise WorkloadError(f"{where}: field 'input_length' must be positive, got {n_in}")
+    if n_out >= _OUTPUT_STRIDE:
+        raise WorkloadError(
+            f"{where}: field 'output_length' must be below {_OUTPUT_STRIDE}, got {n_out}"
+        )
+    if len(hash_ids) * source_block < n_in:
+        raise WorkloadError(
+            f"{where}: field 'hash_ids' has {len(hash_ids)} blocks of "
+            f"{source_block}, too few for input_length {n_in}"
+        )
+    return float(ts), n_in, n_out, hash_ids
+
+
+def _json_type(value: object) -> str:
+    names = {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_mooncake_trace(
@@ -71,50 +153,38 @@ def load_mooncake_trace(
     *,
     limit: int | None = None,
     source_block: int = 512,
+    max_prompt_tokens: int | None = None,
 ) -> Workload:
-    """Read a Mooncake trace into a :class:`Workload` (at most ``limit`` requests).
+    """Read a Mooncake trace into a :class:`Workload` of at most ``limit`` requests, ids
+    ``trace-0``, ``trace-1``, ... in file order.
 
-    The file may be gzip-compressed.  Raises :class:`WorkloadError` naming the file, the line
-    number and the field for a malformed line, and when the file does not exist, is not
-    (gzip of) UTF-8 text, or holds no request.
+    Lines whose ``input_length`` exceeds ``max_prompt_tokens`` are validated but skipped: they
+    do not count toward ``limit`` and are counted in :attr:`Workload.skipped`.  Reading stops
+    once ``limit`` requests are kept.  The file may be gzip-compressed (recognised by its magic
+    bytes, whatever its name).  Raises :class:`WorkloadError` (one line, naming the file, the
+    line and the field) for a missing file, a directory, binary or non-UTF-8 data, a broken
+    gzip stream, a malformed line, or a file that holds no request.
     """
     p = Path(path)
+    for name, value in (("limit", limit), ("max_prompt_tokens", max_prompt_tokens)):
+        if value is not None and value < 1:
+            raise WorkloadError(f"trace: {name} must be >= 1 (or None), got {value}")
+    if source_block < 1:
+        raise WorkloadError(f"trace: source_block must be >= 1 tokens, got {source_block}")
     requests: list[WorkloadRequest] = []
-    with _open_text(p) as fh:
-        for lineno, line in _lines(fh, p):
+    skipped = lines = 0
+    fh, gz = _open_binary(p)
+    with fh:
+        for lineno, line in _lines(fh, p, gz):
             if limit is not None and len(requests) >= limit:
                 break
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise WorkloadError(f"{p}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise WorkloadError(f"{p}:{lineno}: expected a JSON object")
-            ts = obj.get("timestamp")
-            if not isinstance(ts, int | float) or isinstance(ts, bool) or ts < 0:
-                raise WorkloadError(
-                    f"{p}:{lineno}: field 'timestamp' must be a non-negative number, got {ts!r}"
-                )
-            n_in = _field(obj, "input_length", str(p), lineno)
-            n_out = _field(obj, "output_length", str(p), lineno)
-            if "hash_ids" not in obj:
-                raise WorkloadError(f"{p}:{lineno}: missing field 'hash_ids'")
-            hash_ids = obj["hash_ids"]
-            if not isinstance(hash_ids, list) or not all(
-                isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
-            ):
-                raise WorkloadError(
-                    f"{p}:{lineno}: field 'hash_ids' must be a list of non-negative integers"
-                )
-            if n_in <= 0:
-                raise WorkloadError(f"{p}:{lineno}: field 'input_length' must be positive")
-            if len(hash_ids) * source_block < n_in:
-                raise WorkloadError(
-                    f"{p}:{lineno}: field 'hash_ids' has {len(hash_ids)} blocks of "
-                    f"{source_block}, too few for input_length {n_in}"
-                )
+            lines += 1
+            ts, n_in, n_out, hash_ids = _parse(line, f"{p}:{lineno}", source_block)
+            if max_prompt_tokens is not None and n_in > max_prompt_tokens:
+                skipped += 1
+                continue
             tokens: list[int] = []
             for h in hash_ids:
                 start = TOKEN_BASE + h * source_block
@@ -122,15 +192,21 @@ def load_mooncake_trace(
                 if len(tokens) >= n_in:
                     break
             idx = len(requests)
-            out_start = _OUTPUT_BASE + idx * (1 << 20)
+            out_start = _OUTPUT_BASE + idx * _OUTPUT_STRIDE
             requests.append(
                 WorkloadRequest(
                     request_id=f"trace-{idx}",
-                    arrival_ms=float(ts),
+                    arrival_ms=ts,
                     prompt_token_ids=tuple(tokens[:n_in]),
                     output_token_ids=tuple(range(out_start, out_start + max(1, n_out))),
                 )
             )
     if not requests:
-        raise WorkloadError(f"trace: {str(p)!r} holds no request")
-    return Workload(f"mooncake:{p.name}", sorted_by_arrival(requests))
+        if lines:
+            raise WorkloadError(
+                f"trace: {str(p)!r} holds no request with input_length <= "
+                f"max_prompt_tokens={max_prompt_tokens} ({lines} longer skipped); raise "
+                "max_prompt_tokens"
+            )
+        raise WorkloadError(f"trace: {str(p)!r} holds no request; {_FORMAT}")
+    return Workload(f"mooncake:{p.name}", sorted_by_arrival(requests), skipped)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from hybridkv.workloads.types import Workload, WorkloadError, WorkloadRequest, sorted_by_arrival
 
-__all__ = ["SYNTHETIC_WORKLOADS", "SyntheticOptions", "synthetic_workload"]
+__all__ = ["SYNTHETIC_WORKLOADS", "SyntheticOptions", "synthetic_workload", "zipf_weights"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,9 +46,13 @@ class _Tokens:
         return out
 
 
+def zipf_weights(n: int, s: float) -> list[float]:
+    """Zipf(``s``) popularity of ``n`` items, most popular first (unnormalised)."""
+    return [1.0 / (k + 1) ** s for k in range(n)]
+
+
 def _zipf_index(rng: random.Random, n: int, s: float = 1.1) -> int:
-    weights = [1.0 / (k + 1) ** s for k in range(n)]
-    return rng.choices(range(n), weights=weights)[0]
+    return rng.choices(range(n), weights=zipf_weights(n, s))[0]
 
 
 def _sessions(

@@ -39,10 +39,14 @@ class WorkloadRequest:
 
 @dataclass(frozen=True)
 class Workload:
-    """A named, ordered list of requests (by arrival time)."""
+    """A named, ordered list of requests (by arrival time).
+
+    ``skipped``: requests of the source a loader left out on purpose (e.g. prompts longer than
+    :func:`~hybridkv.workloads.mooncake.load_mooncake_trace`'s ``max_prompt_tokens``)."""
 
     name: str
     requests: tuple[WorkloadRequest, ...]
+    skipped: int = 0
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -52,7 +56,7 @@ class Workload:
 
     def head(self, n: int) -> Workload:
         """The first ``n`` requests."""
-        return Workload(self.name, self.requests[:n])
+        return Workload(self.name, self.requests[:n], self.skipped)
 
     @property
     def prompt_tokens(self) -> int:

@@ -1,11 +1,12 @@
-"""A small reference allocator that speaks the runner's batch language.
+"""Test support: a small reference allocator that speaks the runner's batch language.
 
 :class:`ToyCache` hands out block ids and state slots per group of a
 :class:`~hybridkv.plan.MemoryLayout` and describes each request's share of a step as a
-:class:`~hybridkv.engine.batch.RequestStep`.  It drives the runner in tests, independently of
-the real cache manager and scheduler (which :class:`~hybridkv.engine.llm_engine.LLMEngine`
-wires); it is deliberately simple (free lists with the lowest id first, reference counts, no
-eviction, no hashing) but follows the same rules:
+:class:`~hybridkv.engine.batch.RequestStep`.  It drives the runner in tests (through
+:class:`support.paged_generator.PagedGenerator`), independently of the real cache manager and
+scheduler (which :class:`~hybridkv.engine.llm_engine.LLMEngine` wires); it is deliberately
+simple (free lists with the lowest id first, reference counts, no eviction, no hashing) but
+follows the same rules:
 
 * ids: groups sharing a pool (``uniform``) share its ids; in an ``arena`` a group carves
   blocks out of whole free chunks it takes on demand (chunks are not given back);
