@@ -1,9 +1,13 @@
-"""``hybridkv run``: outputs, statistics, ``--verify``, prompt files and one-line errors."""
+"""``hybridkv run``: outputs, statistics, ``--verify``, prompt files, the model list, and
+one-line errors for bad input, every one found before the model is loaded."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.cli.main import main
+from hybridkv.cli import run_cmd, run_prompts
+from hybridkv.cli.main import build_parser, main
+from hybridkv.engine import llm_engine
 from hybridkv.engine import models as engine_models
+from hybridkv.units import parse_bytes
 
 SMALL = ["--num-requests", "4", "--max-tokens", "4", "--quiet"]
 
@@ -129,57 +136,236 @@ def test_checkpoint_with_tokenizer_reads_text(
     assert "verify: all 2 requests (6 tokens) identical" in out
 
 
+def _bad_inputs(tmp: Path) -> None:
+    """The files the bad-input rows name (``{tmp}`` in their arguments)."""
+    (tmp / "empty.txt").write_text("\n   \n", encoding="utf-8")
+    (tmp / "words.txt").write_text("1 2 three\n", encoding="utf-8")
+    (tmp / "vocab.txt").write_text("1 2 999\n", encoding="utf-8")
+    (tmp / "long.txt").write_text("1 " * 600 + "\n", encoding="utf-8")
+    (tmp / "binary.bin").write_bytes(bytes(range(256)))
+    (tmp / "latin1.txt").write_bytes("caf\u00e9 1 2\n".encode("latin-1"))
+    (tmp / "binary.gz").write_bytes(gzip.compress(bytes(range(256))))
+    (tmp / "broken.gz").write_bytes(gzip.compress(b"1 2 3\n")[:12])
+    (tmp / "no-config").mkdir()
+    (tmp / "bert").mkdir()
+    (tmp / "bert" / "config.json").write_text('{"model_type": "bert"}', encoding="utf-8")
+    (tmp / "no-weights").mkdir()
+    (tmp / "no-weights" / "config.json").write_text(
+        '{"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8, '
+        '"num_attention_heads": 2}',
+        encoding="utf-8",
+    )
+
+
+_NO_CUDA = not torch.cuda.is_available()
+_CUDA_COUNT = 0 if _NO_CUDA else torch.cuda.device_count()
+_NO_CUDA_MESSAGE = "--device: 'cuda' asked for CUDA, but this torch ("
+_TINY = "llama, gemma2, gemma3_text, gpt_oss, qwen3_next, granitemoehybrid, nemotron_h,"
+_EXPECTED = "give a text file, one prompt per line (plain or gzip-compressed)"
+
+#: (row id, arguments, a key phrase of the one error line).  Every error must come before the
+#: model is loaded (the test makes loading fail loudly).
+BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
+    ("device-tpu", ("--device", "tpu"), "--device: cannot parse 'tpu'; valid: cpu, cuda or cuda:N"),
+    ("device-meta", ("--device", "meta"), "--device: 'meta' is a meta device"),
+    ("device-cuda", ("--device", "cuda"), _NO_CUDA_MESSAGE),
+    (
+        "device-cuda-99",
+        ("--device", "cuda:99"),
+        "asked for CUDA, but this torch ("
+        if _NO_CUDA
+        else f"names CUDA device 99, but this machine has {_CUDA_COUNT} (cuda:0..",
+    ),
+    (
+        "prompts-binary",
+        ("--prompts", "{tmp}/binary.bin"),
+        "binary.bin' is not UTF-8 text (a NUL byte at byte 0: binary, or UTF-16); " + _EXPECTED,
+    ),
+    (
+        "prompts-latin1",
+        ("--prompts", "{tmp}/latin1.txt"),
+        "latin1.txt' is not UTF-8 text (byte 3); " + _EXPECTED,
+    ),
+    (
+        "prompts-gzip-binary",
+        ("--prompts", "{tmp}/binary.gz"),
+        "binary.gz' (gzip, decompressed) is not UTF-8 text (a NUL byte at byte 0",
+    ),
+    ("prompts-gzip-broken", ("--prompts", "{tmp}/broken.gz"), "broken.gz' is a broken gzip file"),
+    ("prompts-directory", ("--prompts", "{tmp}"), "' is a directory; " + _EXPECTED),
+    (
+        "prompts-missing",
+        ("--prompts", "{tmp}/missing.txt"),
+        "missing.txt' does not exist; " + _EXPECTED,
+    ),
+    ("prompts-empty", ("--prompts", "{tmp}/empty.txt"), "empty.txt' holds no prompt; " + _EXPECTED),
+    ("prompts-words", ("--prompts", "{tmp}/words.txt"), "words.txt:1: 'three' is not a token id"),
+    (
+        "prompts-vocab",
+        ("--prompts", "{tmp}/vocab.txt", "--model", "llama"),
+        "vocab.txt:1: token id 999 is outside the vocabulary [0, 256)",
+    ),
+    (
+        "prompt-longer-than-model",
+        ("--prompts", "{tmp}/long.txt"),
+        "long.txt:1: the prompt has 600 tokens, too long for max_model_len 512 (the model's "
+        "limit, at most 2048)",
+    ),
+    (
+        "prompt-longer-than-max-model-len",
+        ("--max-model-len", "16"),
+        "--shared-prefix 32: the generated prompts have up to 45 tokens (the shared prefix + "
+        "their own), too long for --max-model-len 16",
+    ),
+    (
+        "num-requests-0",
+        ("--num-requests", "0"),
+        "--num-requests: must be a positive integer, got 0",
+    ),
+    (
+        "max-tokens-negative",
+        ("--max-tokens", "-1"),
+        "--max-tokens: must be a positive integer, got -1",
+    ),
+    ("waves-0", ("--waves", "0"), "--waves: must be a positive integer, got 0"),
+    ("shared-prefix-negative", ("--shared-prefix", "-1"), "--shared-prefix: must be >= 0, got -1"),
+    ("block-size-0", ("--block-size", "0"), "--block-size: must be a positive integer, got 0"),
+    (
+        "kernel-block-size",
+        ("--kernel-block-size", "5"),
+        "--kernel-block-size: 5 does not divide block_size 16",
+    ),
+    ("memory-unit", ("--memory", "12XB"), "--memory: cannot parse '12XB' as a size"),
+    ("memory-0", ("--memory", "0"), "--memory: size must be positive"),
+    ("memory-too-small", ("--memory", "4KiB"), "--memory: 4 KiB (4096 B) holds no request"),
+    ("num-blocks-too-few", ("--num-blocks", "1"), "--num-blocks 1: a budget of"),
+    (
+        "model-unknown",
+        ("--model", "no-such-model"),
+        f"--model: 'no-such-model' is neither a built-in tiny model ({_TINY}",
+    ),
+    ("model-no-config", ("--model", "{tmp}/no-config"), "no-config' has no config.json; give a"),
+    ("model-file", ("--model", "{tmp}/empty.txt"), "empty.txt' is a file; give a checkpoint"),
+    ("model-unsupported", ("--model", "{tmp}/bert"), "config.model_type: 'bert' is not supported"),
+    (
+        "model-no-weights",
+        ("--model", "{tmp}/no-weights"),
+        "no-weights' has a config.json but no weights (none of *.safetensors, *.bin)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "phrase"), [r[1:] for r in BAD_INPUTS], ids=[r[0] for r in BAD_INPUTS]
+)
 def test_bad_input_is_one_line_and_exit_2(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    argv: tuple[str, ...],
+    phrase: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n   \n", encoding="utf-8")
-    words = tmp_path / "words.txt"
-    words.write_text("1 2 three\n", encoding="utf-8")
-    vocab = tmp_path / "vocab.txt"
-    vocab.write_text("1 2 999\n", encoding="utf-8")
-    no_config = tmp_path / "no-config"
-    no_config.mkdir()
-    bert = tmp_path / "bert"
-    bert.mkdir()
-    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}), encoding="utf-8")
-    binary = tmp_path / "binary.bin"
-    binary.write_bytes(bytes(range(256)))
-    broken_gz = tmp_path / "broken.gz"
-    broken_gz.write_bytes(gzip.compress(b"1 2 3\n")[:12])
-    cases = {
-        ("--device", "tpu"): "device: cannot parse 'tpu'; valid: cpu, cuda or cuda:N",
-        ("--device", "meta"): "device: 'meta' is a meta device",
-        ("--prompts", str(binary)): f"--prompts: {str(binary)!r} is not UTF-8 text (byte 128)",
-        ("--prompts", str(broken_gz)): "is a broken gzip file",
-        ("--prompts", str(tmp_path)): f"--prompts: {str(tmp_path)!r} is a directory",
-        ("--num-requests", "0"): "--num-requests: must be a positive integer, got 0",
-        ("--block-size", "0"): "--block-size: must be a positive integer, got 0",
-        ("--memory", "0"): "--memory: size must be positive",
-        ("--prompts", str(empty)): "holds no prompt (one prompt per line)",
-        ("--prompts", str(words)): f"{words}:1: 'three' is not a token id",
-        ("--prompts", str(vocab), "--model", "llama"): "token id 999 is outside the vocabulary",
-        ("--prompts", str(tmp_path / "missing.txt")): "cannot read",
-        ("--model", str(no_config)): "nor a directory holding config.json",
-        ("--model", "no-such-model"): "is neither a built-in tiny model (llama, gemma2,",
-        ("--model", str(bert)): "'bert' is not supported",
-        ("--max-model-len", "16"): "36 tokens; prompts must be shorter than max_model_len 16",
-        ("--max-tokens", "0"): "--max-tokens: must be a positive integer, got 0",
-        ("--memory", "lots"): "cannot parse 'lots' as a size",
-        ("--memory", "4KiB"): "holds no request",
+    if argv == ("--device", "cuda") and not _NO_CUDA:
+        pytest.skip("this torch has a CUDA device")
+    _bad_inputs(tmp_path)
+
+    def no_loading(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"the model was loaded before the error: {args}")
+
+    monkeypatch.setattr(llm_engine, "load_model", no_loading)
+    code, out, err = run(capsys, *(a.format(tmp=tmp_path) for a in argv), "--quiet")
+    assert "Traceback" not in out + err
+    assert code == 2, (out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hybridkv run: error: "), err
+    assert phrase in lines[0]
+    assert out == ""
+
+
+def test_argparse_errors_exit_2_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--strategy", "bogus"])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and "Traceback" not in err
+    lines = err.splitlines()
+    assert lines[0].startswith("usage: hybridkv run ")
+    assert [line for line in lines if "error" in line] == [
+        "hybridkv run: error: argument --strategy: invalid choice: 'bogus' (choose from "
+        "'arena', 'uniform', 'pools')"
+    ]
+
+
+def test_a_cuda_index_past_the_devices_names_the_count(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as on a machine with two GPUs: the check needs no device, only the count
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    code, _, err = run(capsys, "--device", "cuda:2", "--quiet")
+    assert code == 2
+    assert err == (
+        "hybridkv run: error: --device: 'cuda:2' names CUDA device 2, but this machine has 2 "
+        "(cuda:0..cuda:1)\n"
+    )
+
+
+_NO_ENGINE = """
+import sys
+sys.modules["torch"] = None  # as on a core install: importing it raises ImportError
+sys.modules["transformers"] = None
+from hybridkv.cli.main import main
+code = main(sys.argv[1:])
+assert sys.modules["torch"] is None and sys.modules["transformers"] is None
+sys.exit(code)
+"""
+
+
+def _without_engine(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _NO_ENGINE, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_run_without_the_engine_extra() -> None:
+    proc = _without_engine("run", "--quiet")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        "hybridkv run: error: needs the engine extra (torch, transformers): pip install "
+        "'hybridkv[engine]' (cannot import torch, transformers)\n"
+    )
+    # help and the model list need neither
+    help_proc = _without_engine("run", "--help")
+    assert help_proc.returncode == 0, help_proc.stderr
+    assert "--list-models" in help_proc.stdout and "lfm3 (short_conv + sliding(8) + full)" in (
+        " ".join(help_proc.stdout.split())
+    )
+    listed = _without_engine("run", "--list-models")
+    assert listed.returncode == 0, listed.stderr
+    assert "short_conv" in listed.stdout
+
+
+def test_every_option_shows_its_default() -> None:
+    parser = build_parser(["run"])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    run_parser = sub.choices["run"]
+    formatter = run_parser._get_formatter()
+    shown = {
+        a.option_strings[0]: formatter._get_help_string(a) or ""
+        for a in run_parser._actions
+        if a.dest != "help"
     }
-    if not torch.cuda.is_available():
-        cases[("--device", "cuda")] = "asked for CUDA, but this torch"
-        cases[("--device", "cuda:1")] = "asked for CUDA, but this torch"
-    else:
-        n = torch.cuda.device_count()
-        cases[("--device", f"cuda:{n}")] = f"names CUDA device {n}, but this machine has {n}"
-    for argv, message in cases.items():
-        code, out, err = run(capsys, *argv, "--quiet")
-        assert "Traceback" not in out + err
-        assert code == 2, (argv, out, err)
-        assert err.count("\n") == 1 and err.startswith("hybridkv run: error: "), err
-        assert message in err, (argv, err)
+    assert len(shown) == 21
+    assert [flag for flag, text in shown.items() if "default" not in text] == []
+    for flag in ("--memory", "--block-size", "--state-block-size", "--max-model-len"):
+        assert flag in shown  # the names plan and simulate use
+    assert "--kv-cache-dtype" not in shown  # the engine caches in the model's dtype
+    # the defaults run states without importing torch are the engine's
+    assert run_prompts.MAX_MODEL_LEN_CAP == llm_engine.DEFAULT_MAX_MODEL_LEN
+    assert parse_bytes(run_cmd._DEFAULT_MEMORY) == llm_engine.DEFAULT_MEMORY_BYTES
 
 
 def test_gzip_prompts_are_read(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -196,6 +382,20 @@ def test_list_models_names_every_tiny_model(capsys: pytest.CaptureFixture[str]) 
 
     code, out, _ = run(capsys, "--list-models")
     assert code == 0
-    listed = [line.split()[0] for line in out.splitlines()[1:-1]]
-    assert listed == list(TINY_MODELS)
-    assert "lfm3              short conv + sliding (window 8) + full attention" in out
+    lines = out.splitlines()
+    assert lines[1].split() == [
+        "name",
+        "architecture",
+        "layers",
+        "cache",
+        "what",
+        "it",
+        "exercises",
+    ]
+    assert [line.split()[0] for line in lines[2:-1]] == list(TINY_MODELS)
+    assert (
+        "  lfm3              lfm3              2 short_conv + 2 sliding(8) + 2 full  short conv + "
+        "sliding (window 8) + full attention"
+    ) in lines
+    assert "  nemotron_h        nemotron_h        2 mamba2 + 1 full + 1 uncached " in out
+    assert lines[-1].startswith("default: lfm3; or give a checkpoint directory")

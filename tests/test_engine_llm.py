@@ -15,10 +15,11 @@ from hybridkv.engine import (
     LLMEngine,
     ModelSourceError,
     PromptError,
+    llm_engine,
     reference_copy,
     verify_completions,
 )
-from hybridkv.engine.errors import EngineError
+from hybridkv.engine.errors import DeviceError, EngineError
 from hybridkv.engine.models import load_model
 from hybridkv.engine.verify import Mismatch, greedy_reference
 from hybridkv.errors import PlanError, UnsupportedModelTypeError
@@ -147,8 +148,68 @@ def test_model_sources(tmp_path: Path) -> None:
         '"num_attention_heads": 2}',
         encoding="utf-8",
     )
-    with pytest.raises(ModelSourceError, match="cannot load"):
+    with pytest.raises(ModelSourceError, match=r"cannot load '.*' \(OSError: "):
         LLMEngine(tmp_path)  # a config but no weights
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelSourceError, match=r"cannot load '.*' \(SafetensorError: "):
+        LLMEngine(tmp_path)
+
+
+def _no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"loaded {args} before the error")
+
+    monkeypatch.setattr(llm_engine, "load_model", fail)
+
+
+def test_bad_devices_and_budgets_fail_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_loading(monkeypatch)
+    with pytest.raises(DeviceError, match="cannot parse 'tpu'; valid: cpu, cuda or cuda:N"):
+        LLMEngine("llama", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="asked for CUDA, but this torch"):
+            LLMEngine("llama", device="cuda")
+    # the plan is made from the config first: a budget too small fails with no weights loaded
+    with pytest.raises(PlanError, match=r"memory_bytes: 4 KiB \(4096 B\) holds no request"):
+        LLMEngine("lfm3", cache=CacheConfig(memory_bytes=4096))
+    with pytest.raises(PlanError, match="kernel_block_size: 5 does not divide block_size 16"):
+        LLMEngine("llama", cache=CacheConfig(kernel_block_size=5))
+
+
+@pytest.mark.parametrize("name", ["lfm3", "qwen3_next", "deepseek_v3", "gpt_oss"])
+def test_plan_from_the_config_is_the_engines_plan(name: str) -> None:
+    from hybridkv.models import spec_from_config
+
+    config = llm_engine.model_config(name)
+    data = {**config.to_dict(), "dtype": "float32"}
+    spec = spec_from_config(data, kv_cache_dtype="float32")
+    model = _models(name)[0]
+    for cache in (
+        CacheConfig(block_size=4, state_block_size=8, max_model_len=64),
+        CacheConfig(strategy="pools", num_blocks=9, max_model_len=32),
+        CacheConfig(strategy="uniform", memory_bytes=8 << 20),
+    ):
+        max_len = cache.max_model_len or llm_engine.default_max_model_len(config)
+        before = llm_engine._plan_cache(spec, max_len, cache)
+        engine = LLMEngine(model, cache=cache)
+        assert (before.layout, before.memory_bytes) == (
+            engine.plan.layout,
+            engine.plan.memory_bytes,
+        )
+        assert engine.vocab_size == llm_engine.config_vocab_size(config)
+        assert engine.max_model_len == max_len
+
+
+def test_prompt_problem_without_a_model() -> None:
+    limits = {"vocab_size": 10, "max_model_len": 4}
+    assert llm_engine.prompt_problem([1, 2, 3], **limits) is None
+    assert llm_engine.prompt_problem([], **limits) == "the prompt is empty"
+    assert llm_engine.prompt_problem([1, 10], **limits) == (
+        "token id 10 is outside the vocabulary [0, 10)"
+    )
+    assert llm_engine.prompt_problem([1, 2, 3, 4], **limits) == (
+        "the prompt has 4 tokens; prompts must be shorter than max_model_len 4"
+    )
 
 
 class _StuckScheduler:

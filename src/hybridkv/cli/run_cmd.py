@@ -2,12 +2,18 @@
 
 By default: the built-in tiny hybrid model (short conv + sliding + full attention, random
 weights), eight prompts sharing a 32-token prefix, admitted in two waves so the second finds
-the prefix cached.  ``--prompts FILE`` reads one prompt per line (text when the model
-directory has a tokenizer, else whitespace-separated token ids).  ``--verify`` re-runs every
-request through transformers' own ``generate`` and exits 1 on any token mismatch.
+the prefix cached.  ``--list-models`` lists the built-in tiny models.  ``--prompts FILE``
+reads one prompt per line (text when the model directory has a tokenizer, else
+whitespace-separated token ids); a gzip-compressed file is read transparently.  ``--verify``
+re-runs every request through transformers' own ``generate`` and exits 1 on any token
+mismatch.
 
-Outputs go to stdout, progress to stderr.  Bad input (unknown model, config-less directory,
-unmapped architecture, empty prompt file, prompt too long) is a one-line error and exit 2.
+Outputs go to stdout, progress to stderr.  Bad input is a one-line error and exit 2, found
+before the model is loaded: a missing engine extra (torch, transformers), a bad number, size
+or device, an unknown model, a directory without ``config.json`` or with an architecture
+hybridkv does not map, an unreadable, binary or empty prompt file, a prompt with token ids
+outside the vocabulary or too long for ``--max-model-len``, a budget that holds no request.
+``--help`` and ``--list-models`` import neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -17,44 +23,115 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.cli.common import add_block_options
+from hybridkv.cli.run_prompts import (
+    DEFAULT_REQUESTS,
+    MAX_MODEL_LEN_CAP,
+    RunInputError,
+    prompt_lines,
+    prompts_for,
+    read_prompts,
+)
+from hybridkv.cli.run_report import describe, output_line, summary_lines, verify_lines
 from hybridkv.errors import HybridKVError
 
 if TYPE_CHECKING:
-    from hybridkv.engine import Completion, EngineStats, LLMEngine, VerifyResult
+    from hybridkv.engine import CacheConfig, LLMEngine
+    from hybridkv.models.tiny import TinyModel
+    from hybridkv.scheduler import SchedulerConfig
 
+__all__ = ["RunInputError", "add_arguments", "read_prompts", "run"]
+
+#: Weight files transformers loads a checkpoint from (safetensors, or PyTorch's format).
+_WEIGHT_FILES = ("*.safetensors", "*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: What the engine extra brings; ``hybridkv run`` needs both.
 _ENGINE_MODULES = ("torch", "transformers")
+#: Defaults of ``run`` (the engine's own where it has one).
+_DEFAULT_MEMORY = "64MiB"
+#: Kind labels of :func:`hybridkv.models.summary.cache_label` spelled out for the listing.
+_LABELS = {"none": "uncached"}
+#: Plan/cache fields in error messages -> the ``run`` flag that sets them.
+_FIELD_FLAGS = {
+    "memory_bytes": "--memory",
+    "max_model_len": "--max-model-len",
+    "block_size": "--block-size",
+    "kernel_block_size": "--kernel-block-size",
+    "state_block_size": "--state-block-size",
+    "strategy": "--strategy",
+}
 
 
-class RunInputError(HybridKVError, ValueError):
-    """A bad ``hybridkv run`` option or prompt file."""
+# ----------------------------------------------------------------- built-in tiny models
 
 
-def _tiny_model_lines() -> list[str]:
+def _tiny_caches(tiny: TinyModel) -> dict[str, int]:
+    """What each layer kind of ``tiny`` caches, counted (``{"short_conv": 2, "full": 2}``),
+    derived from its config by :mod:`hybridkv.models` (the engine measures the same: see
+    ``tests/test_engine_binding.py``); empty when hybridkv cannot derive it.  No torch."""
+    from hybridkv.models import spec_from_config
+    from hybridkv.models.summary import kind_counts
+    from hybridkv.models.tiny import TINY_COMMON
+
+    try:
+        spec = spec_from_config({"model_type": tiny.model_type, **TINY_COMMON, **tiny.overrides})
+    except HybridKVError:
+        return {}
+    return {_LABELS.get(k, k): n for k, n in kind_counts(spec).items()}
+
+
+def _tiny_choices() -> str:
+    """``"llama (full), gemma2 (sliding(8) + full), ..."`` for ``--model``'s help."""
     from hybridkv.models.tiny import TINY_MODELS
 
-    width = max(len(name) for name in TINY_MODELS)
-    return [f"{name.ljust(width)}  {m.description}" for name, m in TINY_MODELS.items()]
+    items = []
+    for name, tiny in TINY_MODELS.items():
+        caches = " + ".join(_tiny_caches(tiny)) or tiny.description
+        arch = "" if tiny.model_type == name else f"{tiny.model_type}: "
+        items.append(f"{name} ({arch}{caches})")
+    return ", ".join(items)
+
+
+def _list_models() -> int:
+    from hybridkv.cli.format import render_table
+    from hybridkv.models.summary import format_kind_counts
+    from hybridkv.models.tiny import DEFAULT_TINY_MODEL, TINY_MODELS
+
+    rows = [
+        [name, t.model_type, format_kind_counts(_tiny_caches(t)) or "-", t.description]
+        for name, t in TINY_MODELS.items()
+    ]
+    print("built-in tiny models (random weights, a few layers; hybridkv run --model NAME):")
+    table = render_table(["name", "architecture", "layers cache", "what it exercises"], rows)
+    for line in table.splitlines():
+        print(f"  {line}")
+    print(
+        f"default: {DEFAULT_TINY_MODEL}; or give a checkpoint directory (config.json + safetensors)"
+    )
+    return 0
+
+
+# ----------------------------------------------------------------- options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hybridkv.models.tiny import DEFAULT_TINY_MODEL, TINY_MODELS
+    """``run``'s options.  Imports neither torch nor transformers."""
+    from hybridkv.models.tiny import DEFAULT_TINY_MODEL
 
     parser.add_argument(
         "--model",
         default=DEFAULT_TINY_MODEL,
         metavar="NAME|DIR",
-        help="a built-in tiny model with random weights ("
-        + ", ".join(TINY_MODELS)
-        + "; --list-models describes them) or a checkpoint directory (config.json + "
-        "safetensors)",
+        help="a built-in tiny model with random weights, named by its transformers "
+        "architecture (what its layers cache): "
+        + _tiny_choices()
+        + "; or a checkpoint directory (config.json + safetensors).  --list-models "
+        "describes them",
     )
     parser.add_argument(
         "--list-models",
         action="store_true",
-        help="list the built-in tiny models and what their layers cache, then exit",
+        help="list the built-in tiny models, their architecture and what their layers "
+        "cache, then exit (default: run)",
     )
     parser.add_argument(
         "--prompts",
@@ -68,12 +145,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="requests to run (default: 8 generated prompts, or every line of --prompts, "
-        "cycled when fewer)",
+        help=f"requests to run (default: {DEFAULT_REQUESTS} generated prompts, or every "
+        "line of --prompts, cycled when N is larger)",
     )
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
     parser.add_argument(
-        "--waves", type=int, default=2, help="admit the requests in this many waves"
+        "--max-tokens", type=int, default=16, metavar="TOKENS", help="tokens per request"
+    )
+    parser.add_argument(
+        "--waves", type=int, default=2, metavar="N", help="admit the requests in N waves"
     )
     parser.add_argument(
         "--shared-prefix",
@@ -85,21 +164,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="re-run every request with transformers' generate and exit 1 on any difference",
+        help="re-run every request with transformers' generate and exit 1 on any difference "
+        "(default: no check)",
     )
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument(
         "--memory",
         default=None,
         metavar="SIZE",
-        help="KV-cache budget, e.g. 16MiB (default: 64MiB)",
+        help=f"KV-cache budget, e.g. 16MiB or 500kB (default: {_DEFAULT_MEMORY})",
     )
     budget.add_argument(
         "--num-blocks",
         type=int,
         default=None,
         metavar="N",
-        help="instead of --memory: room for N blocks of every group (default: from --memory)",
+        help="instead of --memory: room for N blocks of every group (default: the budget "
+        "is --memory)",
     )
     parser.add_argument(
         "--strategy",
@@ -107,13 +188,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("arena", "uniform", "pools"),
         help="memory layout",
     )
-    add_block_options(parser, kernel=True, state_default=16)
+    parser.add_argument(
+        "--block-size", type=int, default=16, metavar="TOKENS", help="attention block size"
+    )
+    parser.add_argument(
+        "--kernel-block-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="kernel block size, divides --block-size (default: --block-size)",
+    )
+    parser.add_argument(
+        "--state-block-size",
+        type=int,
+        default=16,
+        metavar="TOKENS",
+        help="recurrent-state checkpoint interval (default: 16, below the 256 of plan and "
+        "simulate to suit the short demo prompts)",
+    )
     parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,
         metavar="TOKENS",
-        help="longest request, prompt + output (default: the model's own limit, at most 2048)",
+        help="longest request, prompt + output (default: the model's own limit, at most "
+        f"{MAX_MODEL_LEN_CAP})",
     )
     parser.add_argument(
         "--token-budget", type=int, default=256, metavar="TOKENS", help="tokens per step"
@@ -121,16 +220,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, metavar="N", help="running requests at most"
     )
-    parser.add_argument("--seed", type=int, default=0, help="tiny-model weights and prompts")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the tiny-model weights and the prompts"
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEVICE",
+        help="torch device: cpu, cuda (the current CUDA device) or cuda:N",
+    )
     parser.add_argument(
         "--threads",
         type=int,
         default=None,
+        metavar="N",
         help="CPU threads for torch (default: 1 for a tiny model, whose matrices are too "
         "small to gain from more; torch's default otherwise)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress on stderr (default: progress shown)"
+    )
+
+
+# ----------------------------------------------------------------- checks before loading
 
 
 def _check_engine_extra() -> None:
@@ -144,12 +256,12 @@ def _check_engine_extra() -> None:
             missing.append(name)
     if missing:
         raise RunInputError(
-            f"needs the engine extra ({', '.join(missing)} not installed): "
-            "pip install 'hybridkv[engine]'"
+            f"needs the engine extra ({', '.join(_ENGINE_MODULES)}): pip install "
+            f"'hybridkv[engine]' (cannot import {', '.join(missing)})"
         )
 
 
-def _positive(args: argparse.Namespace) -> None:
+def _check_numbers(args: argparse.Namespace) -> None:
     for name in (
         "num_requests",
         "max_tokens",
@@ -171,66 +283,101 @@ def _positive(args: argparse.Namespace) -> None:
         raise RunInputError(f"--shared-prefix: must be >= 0, got {args.shared_prefix}")
 
 
+def _flagged(exc: HybridKVError, args: argparse.Namespace) -> RunInputError:
+    """``exc`` with its leading field name (``memory_bytes: ...``,
+    ``SchedulerConfig.token_budget: ...``) replaced by the ``run`` flag that sets it."""
+    text = str(exc)
+    field, sep, rest = text.partition(": ")
+    config_field = field.removeprefix("CacheConfig.").removeprefix("SchedulerConfig.")
+    if not sep:
+        return RunInputError(text)
+    if config_field == "memory_bytes" and args.num_blocks is not None:
+        return RunInputError(f"--num-blocks {args.num_blocks}: a budget of {rest}")
+    flag = _FIELD_FLAGS.get(config_field)
+    if flag is None and config_field != field and config_field.isidentifier():
+        flag = "--" + config_field.replace("_", "-")
+    return RunInputError(f"{flag}: {rest}" if flag is not None else text)
+
+
+def _configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
+    from hybridkv.engine import CacheConfig
+    from hybridkv.scheduler import SchedulerConfig
+    from hybridkv.units import parse_bytes
+
+    memory = None if args.memory is None else parse_bytes(args.memory, field="--memory")
+    if memory is None and args.num_blocks is None:
+        memory = parse_bytes(_DEFAULT_MEMORY, field="--memory")
+    try:
+        cache = CacheConfig(
+            strategy=args.strategy,
+            memory_bytes=memory,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            kernel_block_size=args.kernel_block_size,
+            state_block_size=args.state_block_size,
+            max_model_len=args.max_model_len,
+        )
+        scheduler = SchedulerConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs)
+    except HybridKVError as exc:
+        raise _flagged(exc, args) from None
+    return cache, scheduler
+
+
+def _check_device(device: str) -> None:
+    from hybridkv.engine.device import resolve_device
+    from hybridkv.engine.errors import DeviceError
+
+    try:
+        resolve_device(device)
+    except DeviceError as exc:
+        raise RunInputError(f"--device: {str(exc).removeprefix('device: ')}") from None
+
+
+def _model_config(model: str) -> Any:
+    """The transformers config of ``--model``, read without weights; one-line errors for an
+    unknown name, a path that is not a checkpoint directory, an unmapped architecture, a
+    directory without weight files."""
+    from hybridkv.engine.llm_engine import model_config
+    from hybridkv.models.tiny import TINY_MODELS
+
+    path = Path(model)
+    tiny = f"a built-in tiny model ({', '.join(TINY_MODELS)}; --list-models describes them)"
+    checkpoint = "a checkpoint directory (config.json + safetensors weights)"
+    if model not in TINY_MODELS:
+        if path.is_file():
+            holder = " (the directory that holds it)" if path.name == "config.json" else ""
+            raise RunInputError(
+                f"--model: {model!r} is a file; give {checkpoint}{holder} or {tiny}"
+            )
+        if not path.is_dir():
+            raise RunInputError(f"--model: {model!r} is neither {tiny} nor {checkpoint}")
+        if not (path / "config.json").is_file():
+            raise RunInputError(
+                f"--model: directory {model!r} has no config.json; give {checkpoint} or {tiny}"
+            )
+    try:
+        config = model_config(model)
+    except HybridKVError as exc:
+        raise RunInputError(f"--model: {model!r}: {str(exc).removeprefix('model: ')}") from None
+    if model not in TINY_MODELS and not any(any(path.glob(p)) for p in _WEIGHT_FILES):
+        raise RunInputError(
+            f"--model: directory {model!r} has a config.json but no weights (none of "
+            f"{', '.join(_WEIGHT_FILES)}); give {checkpoint} or {tiny}"
+        )
+    return config
+
+
 def _tokenizer(model: str) -> Any:
     path = Path(model)
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _prompt_lines(path: str) -> list[str]:
-    """The lines of a UTF-8 text file, gzip-compressed or not; one-line errors otherwise."""
-    import gzip
-
-    file = Path(path)
     try:
-        data = file.read_bytes()
-    except IsADirectoryError:
-        raise RunInputError(
-            f"--prompts: {path!r} is a directory; give a text file, one prompt per line"
-        ) from None
-    except OSError as exc:
-        raise RunInputError(f"--prompts: cannot read {path!r}: {exc.strerror}") from None
-    if data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as exc:
-            raise RunInputError(f"--prompts: {path!r} is a broken gzip file: {exc}") from None
-    try:
-        return data.decode("utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise RunInputError(
-            f"--prompts: {path!r} is not UTF-8 text (byte {exc.start}); give a text file, "
-            "one prompt per line (gzip allowed)"
-        ) from None
-
-
-def read_prompts(path: str, tokenizer: Any) -> list[list[int]]:
-    """Prompts of ``path`` (UTF-8 text, optionally gzip-compressed), one per non-blank line:
-    encoded text with ``tokenizer``, else whitespace-separated token ids.  Raises
-    :class:`RunInputError` naming the file (and line) for a missing, unreadable, binary or
-    empty file or a line that is not token ids."""
-    lines = _prompt_lines(path)
-    prompts: list[list[int]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        if tokenizer is not None:
-            prompts.append(list(tokenizer(line)["input_ids"]))
-            continue
-        try:
-            prompts.append([int(t) for t in line.split()])
-        except ValueError:
-            bad = next(t for t in line.split() if not t.lstrip("-").isdigit())
-            raise RunInputError(
-                f"--prompts: {path}:{number}: {bad!r} is not a token id; the model has no "
-                "tokenizer, so each line must hold whitespace-separated integer token ids"
-            ) from None
-    if not prompts:
-        raise RunInputError(f"--prompts: {path!r} holds no prompt (one prompt per line)")
-    return prompts
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RunInputError(f"--model: cannot load the tokenizer of {model!r}: {first}") from None
 
 
 def _eos_ids(model: Any) -> list[int]:
@@ -241,174 +388,64 @@ def _eos_ids(model: Any) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
 
 
-def _build(args: argparse.Namespace) -> LLMEngine:
-    from hybridkv.engine import CacheConfig, LLMEngine
-    from hybridkv.scheduler import SchedulerConfig
-    from hybridkv.units import parse_bytes
+def _build(args: argparse.Namespace, cache: CacheConfig, scheduler: SchedulerConfig) -> LLMEngine:
+    from hybridkv.engine import LLMEngine, ModelSourceError
+    from hybridkv.errors import PlanError
 
-    memory = None if args.memory is None else parse_bytes(args.memory, field="--memory")
-    cache = CacheConfig(
-        strategy=args.strategy,
-        memory_bytes=memory,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        kernel_block_size=args.kernel_block_size,
-        state_block_size=args.state_block_size,
-        max_model_len=args.max_model_len,
-    )
-    scheduler = SchedulerConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs)
-    return LLMEngine(
-        args.model,
-        cache=cache,
-        scheduler=scheduler,
-        device=args.device,
-        seed=args.seed,
-        keep_logits=args.verify,
-    )
-
-
-def _describe(engine: LLMEngine) -> list[str]:
-    from hybridkv.units import format_bytes
-
-    layout = engine.layout
-    lines = [
-        f"model {engine.name} ({engine.spec.model_type}): {layout.strategy.value} layout, "
-        f"{format_bytes(engine.plan.memory_bytes)} budget, max_model_len "
-        f"{engine.max_model_len}, schedule alignment {layout.schedule_alignment} tokens"
-    ]
-    for g in layout.groups:
-        layers = ",".join(str(layer) for layer in g.layers)
-        lines.append(
-            f"  group {g.group_id} {g.spec.kind.value}: layers {layers}, block {g.block_size} "
-            f"tokens (kernel {g.kernel_block_size}), {format_bytes(g.block_bytes)} per block"
+    try:
+        return LLMEngine(
+            args.model,
+            cache=cache,
+            scheduler=scheduler,
+            device=args.device,
+            seed=args.seed,
+            keep_logits=args.verify,
         )
-    return lines
-
-
-def _output_line(c: Completion, tokenizer: Any) -> str:
-    text = (
-        repr(tokenizer.decode(list(c.token_ids), skip_special_tokens=True))
-        if tokenizer is not None
-        else " ".join(str(t) for t in c.token_ids)
-    )
-    notes = [f"{len(c.prompt_token_ids)} prompt tokens", f"{c.num_cached_tokens} cached"]
-    if c.num_preemptions:
-        notes.append(f"preempted {c.num_preemptions}x")
-    notes.append(c.finish_reason.value)
-    return f"{c.request_id} ({', '.join(notes)}): {text}"
-
-
-def _per_group(labels: tuple[str, ...], values: tuple[Any, ...], fmt: str = "{}") -> str:
-    return ", ".join(f"{label} {fmt.format(v)}" for label, v in zip(labels, values, strict=True))
-
-
-def _summary(stats: EngineStats, num_requests: int) -> list[str]:
-    from hybridkv.cli.format import percent
-
-    windowed = [
-        (label, n)
-        for label, n in zip(stats.groups, stats.window_blocks_released, strict=True)
-        if label.split(":")[1] in ("sliding_window", "chunked_local")
-    ]
-    lines = [
-        f"{num_requests} requests: {stats.generated_tokens} tokens generated in "
-        f"{stats.seconds:.2f} s ({stats.tokens_per_second:.1f} tokens/s), {stats.steps} steps, "
-        f"{stats.forward_passes} forward passes, up to {stats.max_batch_requests} requests "
-        "per step",
-        f"prefix cache: {stats.prefix_hit_tokens} of {stats.admitted_tokens} admitted prompt "
-        f"tokens served from the cache ({percent(stats.hit_rate, 1)})",
-        "  hit rate per group (what each group alone could serve, of "
-        f"{stats.query_tokens} queried tokens): "
-        + ", ".join(
-            f"{label} {percent(rate, 1)}"
-            for label, rate in zip(stats.groups, stats.group_hit_rates, strict=True)
-        ),
-        f"peak blocks per group: {_per_group(stats.groups, stats.peak_blocks)}",
-    ]
-    if windowed:
-        lines.append(
-            "window blocks released: " + ", ".join(f"{label} {n}" for label, n in windowed)
-        )
-    lines.append(f"preemptions: {stats.preemptions}")
-    return lines
-
-
-def _verify_lines(result: VerifyResult) -> list[str]:
-    diff = (
-        "" if result.max_logit_diff is None else f" (max |logit diff| {result.max_logit_diff:.1e})"
-    )
-    if result.ok:
-        return [
-            f"verify: all {result.num_requests} requests ({result.num_tokens} tokens) identical "
-            f"to transformers' generate{diff}"
-        ]
-    lines = [
-        f"verify: {len(result.mismatches)} of {result.num_requests} requests DIFFER from "
-        f"transformers' generate{diff}"
-    ]
-    for m in result.mismatches:
-        lines.append(
-            f"  {m.request_id}: first difference at output token {m.position}: engine "
-            f"{m.got}, transformers {m.want}"
-        )
-    return lines
-
-
-def _list_models() -> int:
-    from hybridkv.models.tiny import DEFAULT_TINY_MODEL
-
-    print("built-in tiny models (random weights, a few layers; hybridkv run --model NAME):")
-    for line in _tiny_model_lines():
-        print(f"  {line}")
-    print(f"default: {DEFAULT_TINY_MODEL}; or give a checkpoint directory")
-    return 0
+    except PlanError as exc:
+        raise _flagged(exc, args) from None
+    except ModelSourceError as exc:  # transformers could not load the weights
+        raise RunInputError(f"--model: {str(exc).removeprefix('model: ')}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     if args.list_models:
         return _list_models()
-    _positive(args)
-    if args.memory is not None:
-        from hybridkv.units import parse_bytes
-
-        parse_bytes(args.memory, field="--memory")
+    # Every check below comes before the model is loaded (seconds to minutes).
     _check_engine_extra()
+    _check_numbers(args)
+    cache, scheduler = _configs(args)
+    _check_device(args.device)
+    lines = None if args.prompts is None else prompt_lines(args.prompts)
+    config = _model_config(args.model)
 
-    from hybridkv.cli.progress import Progress
-    from hybridkv.engine import verify_completions
-    from hybridkv.engine.demo import run_in_waves, shared_prefix_prompts
-    from hybridkv.engine.device import resolve_device
-    from hybridkv.engine.models import TINY_MODELS, load_model
+    from hybridkv.engine.llm_engine import config_vocab_size, default_max_model_len
+    from hybridkv.models.tiny import TINY_MODELS
 
-    resolve_device(args.device)
-    if args.model not in TINY_MODELS and not Path(args.model).is_dir():
-        raise RunInputError(
-            f"--model: {args.model!r} is neither a built-in tiny model ("
-            + ", ".join(TINY_MODELS)
-            + "; see --list-models) nor a checkpoint directory"
-        )
-    threads = args.threads or (1 if args.model in TINY_MODELS else None)
+    tiny = args.model in TINY_MODELS
+    tokenizer = None if tiny else _tokenizer(args.model)
+    prompts = prompts_for(
+        args,
+        lines,
+        tokenizer,
+        vocab_size=config_vocab_size(config),
+        max_model_len=args.max_model_len or default_max_model_len(config),
+    )
+    threads = args.threads or (1 if tiny else None)
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    tokenizer = None if args.model in TINY_MODELS else _tokenizer(args.model)
-    file_prompts = None if args.prompts is None else read_prompts(args.prompts, tokenizer)
+
+    from hybridkv.cli.progress import Progress
+    from hybridkv.engine import verify_completions
+    from hybridkv.engine.demo import run_in_waves
+    from hybridkv.engine.models import load_model
+
     if not args.quiet:
         print(f"loading {args.model} ...", file=sys.stderr)
-    engine = _build(args)
-    if file_prompts is None:
-        prompts = shared_prefix_prompts(
-            args.num_requests or 8,
-            vocab_size=engine.vocab_size,
-            shared_prefix=args.shared_prefix,
-            seed=args.seed,
-        )
-    else:
-        n = args.num_requests or len(file_prompts)
-        prompts = [file_prompts[i % len(file_prompts)] for i in range(n)]
+    engine = _build(args, cache, scheduler)
     eos = _eos_ids(engine.model)
-    for line in _describe(engine):
+    for line in describe(engine):
         print(line)
     bar = Progress("run", enabled=not args.quiet)
     try:
@@ -423,8 +460,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     for c in done:
-        print(_output_line(c, tokenizer))
-    for line in _summary(engine.stats(), len(done)):
+        print(output_line(c, tokenizer))
+    for line in summary_lines(engine.stats(), len(done)):
         print(line)
     if not args.verify:
         return 0
@@ -432,6 +469,6 @@ def run(args: argparse.Namespace) -> int:
         print("verifying with transformers' generate ...", file=sys.stderr)
     reference = load_model(args.model, seed=args.seed).to(args.device)
     result = verify_completions(reference, done, eos)
-    for line in _verify_lines(result):
+    for line in verify_lines(result):
         print(line)
     return 0 if result.ok else 1

@@ -56,11 +56,11 @@ from hybridkv.engine.device import resolve_device
 from hybridkv.engine.errors import EngineError, ModelSourceError, PromptError
 from hybridkv.engine.manager_bridge import step_from_tables
 from hybridkv.engine.metrics import CacheTracker, EngineStats, group_labels
-from hybridkv.engine.models import TINY_MODELS, load_model
+from hybridkv.engine.models import TINY_MODELS, load_model, tiny_config
 from hybridkv.engine.probe import probe_model, probe_model_spec
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.views import StorageViews
-from hybridkv.errors import PlanError
+from hybridkv.errors import HybridKVError, PlanError
 from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
 from hybridkv.scheduler import (
     FinishReason,
@@ -72,7 +72,17 @@ from hybridkv.scheduler import (
 from hybridkv.specs import ModelSpec
 from hybridkv.storage import KVCacheStorage
 
-__all__ = ["DEFAULT_MEMORY_BYTES", "CacheConfig", "Completion", "LLMEngine"]
+__all__ = [
+    "DEFAULT_MAX_MODEL_LEN",
+    "DEFAULT_MEMORY_BYTES",
+    "CacheConfig",
+    "Completion",
+    "LLMEngine",
+    "config_vocab_size",
+    "default_max_model_len",
+    "model_config",
+    "prompt_problem",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +158,61 @@ class _Live:
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
-def _default_max_len(model: Any) -> int:
-    text = model.config.get_text_config(decoder=True)
+def default_max_model_len(config: Any) -> int:
+    """The engine's ``max_model_len`` for a model with transformers config ``config`` when
+    :class:`CacheConfig` names none: its ``max_position_embeddings``, at most
+    :data:`DEFAULT_MAX_MODEL_LEN` (that, when the config has no limit)."""
+    text = config.get_text_config(decoder=True)
     limit = getattr(text, "max_position_embeddings", None)
     if isinstance(limit, int) and limit > 0:
         return min(limit, DEFAULT_MAX_MODEL_LEN)
     return DEFAULT_MAX_MODEL_LEN
+
+
+def config_vocab_size(config: Any) -> int:
+    """The vocabulary size of a model with transformers config ``config``."""
+    return int(config.get_text_config(decoder=True).vocab_size)
+
+
+def model_config(source: str | Path) -> Any:
+    """The transformers config of tiny model or checkpoint directory ``source``, read without
+    loading any weight (what :class:`LLMEngine` checks before it loads the model).
+
+    Raises :class:`~hybridkv.engine.errors.ModelSourceError` when ``source`` is neither a tiny
+    model nor a directory with a ``config.json``, or transformers cannot read the config, and
+    :class:`~hybridkv.errors.UnsupportedModelTypeError` (or another
+    :class:`~hybridkv.errors.ConfigError`) when :mod:`hybridkv.models` cannot map it.
+    """
+    name = str(source)
+    if name in TINY_MODELS:
+        return tiny_config(name)
+    path = Path(source)
+    _check_architecture(path)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelSourceError(f"model: cannot read the config of {name!r}: {first}") from exc
+
+
+def prompt_problem(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> str | None:
+    """Why an engine with ``vocab_size`` and ``max_model_len`` cannot serve ``prompt`` (an
+    empty prompt, a token id outside ``[0, vocab_size)``, ``max_model_len`` tokens or more: one
+    output token must fit), or ``None`` when it can.  What :meth:`LLMEngine.check_prompt`
+    checks, usable before the model is loaded."""
+    if not prompt:
+        return "the prompt is empty"
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        return f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
+    if len(prompt) >= max_model_len:
+        return (
+            f"the prompt has {len(prompt)} tokens; prompts must be shorter than max_model_len "
+            f"{max_model_len}"
+        )
+    return None
 
 
 class LLMEngine:
@@ -167,7 +226,10 @@ class LLMEngine:
     directories are loaded with ``dtype`` and ``seed`` and moved to ``device``; a given model
     stays where it is and the cache follows it.
 
-    The plan comes from what the model really caches (:func:`probe_model_spec`).
+    The plan comes from what the model really caches (:func:`probe_model_spec`).  For a name or
+    a directory, the same plan is first made from the config alone (:func:`model_config`,
+    :func:`hybridkv.models.spec_from_config`), so a bad device, an unmapped architecture or a
+    budget that holds no request raises before any weight is loaded.
     ``scheduler`` defaults to :class:`SchedulerConfig` (``collect_block_ids`` is forced on: the
     runner needs the tables).  ``keep_logits`` keeps every sampled token's logits in its
     :class:`Completion`.  Finished requests accumulate in :attr:`completions` (request id ->
@@ -198,14 +260,15 @@ class LLMEngine:
             name = str(getattr(net.config, "name_or_path", "") or net.config.model_type)
         else:
             name = str(model)
-            if name not in TINY_MODELS:
-                _check_architecture(Path(model))
+            config = model_config(model)
+            max_len = cache.max_model_len or default_max_model_len(config)
+            _preflight_plan(config, dtype, max_len, cache)
             net = load_model(model, seed=seed, dtype=dtype).to(device)
         self.name = name
         probe = probe_model(net)
         self.spec: ModelSpec = probe_model_spec(probe, name=name)
-        self.max_model_len = cache.max_model_len or _default_max_len(net)
-        self.plan: Plan = self._make_plan(cache)
+        self.max_model_len = cache.max_model_len or default_max_model_len(net.config)
+        self.plan: Plan = _plan_cache(self.spec, self.max_model_len, cache)
         self.layout = self.plan.layout
         device = next(net.parameters()).device
         self.storage = KVCacheStorage(self.layout, device=device)
@@ -216,7 +279,7 @@ class LLMEngine:
         if not sched.collect_block_ids:
             sched = replace(sched, collect_block_ids=True)
         self.scheduler = Scheduler(self.manager, sched, max_model_len=self.max_model_len)
-        self.vocab_size = int(net.config.get_text_config(decoder=True).vocab_size)
+        self.vocab_size = config_vocab_size(net.config)
         self.keep_logits = keep_logits
         self.completions: dict[str, Completion] = {}
         self._live: dict[str, _Live] = {}
@@ -227,31 +290,6 @@ class LLMEngine:
         self._seconds = 0.0
         self._model_seconds = 0.0
         self._next_id = 0
-
-    def _make_plan(self, cache: CacheConfig) -> Plan:
-        options: dict[str, Any] = {
-            "max_model_len": self.max_model_len,
-            "strategy": cache.strategy,
-            "block_size": cache.block_size,
-            "kernel_block_size": cache.kernel_block_size,
-            "state_block_size": cache.state_block_size,
-            "chunk_alignment": cache.chunk_alignment,
-        }
-        if cache.num_blocks is None:
-            memory = cache.memory_bytes or DEFAULT_MEMORY_BYTES
-            return make_plan(self.spec, memory_bytes=memory, **options)
-        # The arena planner may pad state pages differently for another budget (other chunk
-        # sizes): size the budget from a plan until the plan it gives agrees.
-        plan = make_plan(self.spec, memory_bytes=1 << 40, **options)
-        if plan.layout.strategy is Strategy.POOLS:
-            # Weights proportional to block bytes give every pool the same number of blocks.
-            options["pool_ratios"] = [g.block_bytes for g in plan.layout.groups]
-        for _ in range(4):
-            memory = _budget_for_blocks(plan.layout, cache.num_blocks)
-            if memory == plan.memory_bytes:
-                break
-            plan = make_plan(self.spec, memory_bytes=memory, **options)
-        return plan
 
     # ----------------------------------------------------------------- requests
 
@@ -280,19 +318,11 @@ class LLMEngine:
         naming ``request_id`` for an empty prompt, a token id outside ``[0, vocab_size)``, or
         ``max_model_len`` tokens or more (one output token must fit).  Reads only."""
         prompt = tuple(prompt_token_ids)
-        if not prompt:
-            raise PromptError(f"request {request_id!r}: the prompt is empty")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise PromptError(
-                f"request {request_id!r}: token id {bad[0]!r} is outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
-        if len(prompt) >= self.max_model_len:
-            raise PromptError(
-                f"request {request_id!r}: the prompt has {len(prompt)} tokens; prompts must be "
-                f"shorter than max_model_len {self.max_model_len}"
-            )
+        problem = prompt_problem(
+            prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
+        if problem is not None:
+            raise PromptError(f"request {request_id!r}: {problem}")
         return prompt
 
     def has_unfinished(self) -> bool:
@@ -434,6 +464,58 @@ class LLMEngine:
             preemptions=self.scheduler.num_preemptions,
             peak_usage=t.peak_usage,
         )
+
+
+def _plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan:
+    """The plan of ``spec``'s cache as ``cache`` asks for it (see :class:`CacheConfig`)."""
+    options: dict[str, Any] = {
+        "max_model_len": max_model_len,
+        "strategy": cache.strategy,
+        "block_size": cache.block_size,
+        "kernel_block_size": cache.kernel_block_size,
+        "state_block_size": cache.state_block_size,
+        "chunk_alignment": cache.chunk_alignment,
+    }
+    if cache.num_blocks is None:
+        memory = cache.memory_bytes or DEFAULT_MEMORY_BYTES
+        return make_plan(spec, memory_bytes=memory, **options)
+    # The arena planner may pad state pages differently for another budget (other chunk
+    # sizes): size the budget from a plan until the plan it gives agrees.
+    plan = make_plan(spec, memory_bytes=1 << 40, **options)
+    if plan.layout.strategy is Strategy.POOLS:
+        # Weights proportional to block bytes give every pool the same number of blocks.
+        options["pool_ratios"] = [g.block_bytes for g in plan.layout.groups]
+    for _ in range(4):
+        memory = _budget_for_blocks(plan.layout, cache.num_blocks)
+        if memory == plan.memory_bytes:
+            break
+        plan = make_plan(spec, memory_bytes=memory, **options)
+    return plan
+
+
+def _preflight_plan(
+    config: Any, dtype: torch.dtype, max_model_len: int, cache: CacheConfig
+) -> None:
+    """Raise the :class:`PlanError` the engine's plan would raise, before any weight is loaded.
+
+    The spec comes from ``config`` (:func:`hybridkv.models.spec_from_config`, every cache in
+    the engine's ``dtype``), which equals what the probe measures on the loaded model for
+    every architecture hybridkv maps (``tests/test_engine_binding.py``).  When the config
+    cannot be derived here, nothing is checked: the plan from the probe decides.
+    """
+    from hybridkv.models import spec_from_config
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    data = config.to_dict()
+    for part in (data, data.get("text_config")):
+        if isinstance(part, dict):
+            part["dtype"] = dtype_name
+            part.pop("torch_dtype", None)
+    try:
+        spec = spec_from_config(data, kv_cache_dtype=dtype_name)
+    except HybridKVError:
+        return
+    _plan_cache(spec, max_model_len, cache)
 
 
 def _budget_for_blocks(layout: MemoryLayout, num_blocks: int) -> int:

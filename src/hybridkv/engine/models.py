@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from pickle import UnpicklingError
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from hybridkv.engine.errors import ModelSourceError
 from hybridkv.models.tiny import DEFAULT_TINY_MODEL, TINY_COMMON, TINY_MODELS, TinyModel
@@ -49,7 +51,8 @@ def load_model(
 
     The global torch RNG is left as it was.  Raises :class:`ModelSourceError` when
     ``source`` is neither a tiny model name nor a directory with a ``config.json``, or when
-    transformers cannot load the checkpoint (missing weights, unknown architecture).
+    transformers cannot load the checkpoint (missing or corrupt weights, unknown
+    architecture).
     """
     from transformers import AutoModelForCausalLM
 
@@ -74,10 +77,20 @@ def load_model(
             )
         try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        except (OSError, ValueError, KeyError) as exc:
-            # transformers' own words on a missing weight file or an unknown architecture
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelSourceError(f"model: cannot load {name!r}: {first}") from exc
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            RuntimeError,
+            SafetensorError,
+            UnpicklingError,
+        ) as exc:
+            # transformers' own words on a missing or corrupt weight file (safetensors header,
+            # pickle, shape mismatch) or an unknown architecture
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+            raise ModelSourceError(
+                f"model: cannot load {name!r} ({type(exc).__name__}: {first})"
+            ) from exc
     return model.eval()
 
 
