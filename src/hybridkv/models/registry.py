@@ -21,6 +21,7 @@ from hybridkv.models.config import (
     model_dtype,
     select_text_config,
 )
+from hybridkv.models.generic import derive_generic, generic_refusal
 from hybridkv.specs import DType, ModelSpec
 
 __all__ = ["ARCHITECTURES", "spec_from_config", "supported_model_types"]
@@ -37,8 +38,13 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+#: Any other attention-only decoder (see :mod:`hybridkv.models.generic`).
+GENERIC = Architecture(derive_generic, {}, "generic")
+
+
 def supported_model_types() -> list[str]:
-    """Every ``model_type`` :func:`spec_from_config` accepts, sorted."""
+    """Every ``model_type`` with a registry entry, sorted.  :func:`spec_from_config` also
+    accepts any other attention-only decoder config (:mod:`hybridkv.models.generic`)."""
     return sorted(ARCHITECTURES)
 
 
@@ -71,9 +77,13 @@ def spec_from_config(
     ``ssm_state_dtype`` overrides recurrent-state tensors (default: what transformers caches,
     float32).  ``name`` defaults to the config's ``_name_or_path`` or its ``model_type``.
 
+    A ``model_type`` without a registry entry is derived from the fields attention-only
+    configs share (:mod:`hybridkv.models.generic`; the spec's notes say so).
+
     Nothing is mutated.  Raises :class:`~hybridkv.errors.UnsupportedModelTypeError` for an
-    unknown ``model_type`` (listing the supported ones), :class:`~hybridkv.errors.ConfigError`
-    for a missing or invalid field or an impossible ``tp_size``, and
+    unregistered ``model_type`` the generic path cannot derive (saying why),
+    :class:`~hybridkv.errors.ConfigError` for a missing or invalid field or an impossible
+    ``tp_size``, and
     :class:`~hybridkv.errors.SpecError` for an unknown dtype name.
     """
     tp = _tp(tp_size)
@@ -81,10 +91,14 @@ def spec_from_config(
     model_type, data = select_text_config(raw, ARCHITECTURES)
     arch = ARCHITECTURES.get(model_type)
     if arch is None:
-        raise UnsupportedModelTypeError(
-            f"config.model_type: {model_type!r} is not supported; supported: "
-            f"{', '.join(supported_model_types())}"
-        )
+        reason = generic_refusal(model_type, dict(data))
+        if reason is not None:
+            raise UnsupportedModelTypeError(
+                f"config.model_type: {model_type!r} is not supported: it has no registry entry "
+                f"and cannot be derived from the shared attention fields ({reason}); "
+                f"registered: {', '.join(supported_model_types())}"
+            )
+        arch = GENERIC
     dtype = model_dtype(data, model_type)
     ctx = DeriveContext(
         tp_size=tp,
