@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,10 @@ def test_unknown_names_suggest_close_matches() -> None:
     with pytest.raises(UnknownModelError) as info:
         resolve_model("gpt-oss-2b")
     message = str(info.value)
-    assert "model: 'gpt-oss-2b' is neither a catalog name nor a path to a config.json" in message
+    assert (
+        "model: 'gpt-oss-2b' is neither a catalog name, a path to a config.json nor a model id "
+        "in the local Hugging Face cache" in message
+    )
     assert "close matches: gpt-oss-20b" in message
     with pytest.raises(UnknownModelError, match=r"catalog: gpt-oss-20b, gpt-oss-120b"):
         catalog_config("no-such-model")
@@ -115,3 +119,42 @@ def test_summary_helpers() -> None:
     assert (
         cache_detail(resolve_model("gpt-oss-20b").layers[0].caches[0]) == "8 kv x 64, bf16, sinks"
     )
+
+
+def test_hugging_face_ids_are_found_in_the_local_hub_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridkv.models import resolve_model
+    from hybridkv.models.hub_cache import hub_cache_dir, hub_config_path
+
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert hub_cache_dir() == tmp_path / "hub"
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3-30B-A3B"
+    config = {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "hidden_size": 2048,
+        "max_position_embeddings": 40960,
+    }
+    old = repo / "snapshots" / "aaa"
+    main = repo / "snapshots" / "bbb"
+    for snap, layers in ((old, 2), (main, 48)):
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("bbb\n")
+    assert hub_config_path("Qwen/Qwen3-30B-A3B") == main / "config.json"
+    spec = resolve_model("Qwen/Qwen3-30B-A3B")
+    assert (spec.name, spec.model_type, spec.num_layers) == ("Qwen/Qwen3-30B-A3B", "qwen3_moe", 48)
+    # without refs/main: the most recent snapshot; unknown or malformed ids: not found
+    (repo / "refs" / "main").unlink()
+    os.utime(old / "config.json", (2_000_000_000, 2_000_000_000))
+    assert hub_config_path("Qwen/Qwen3-30B-A3B") == old / "config.json"
+    assert hub_config_path("Qwen/nope") is None
+    assert hub_config_path("../x") is None
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert hub_config_path("Qwen/Qwen3-30B-A3B") is None

@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridkv.errors import UnknownModelError
 from hybridkv.models.catalog_data import CATALOG_DATA
+from hybridkv.models.hub_cache import hub_cache_dir, hub_config_path
 from hybridkv.models.registry import spec_from_config
 from hybridkv.specs import DType, ModelSpec
 
@@ -77,8 +78,9 @@ def _unknown(model: str) -> UnknownModelError:
     ]
     hint = f"; close matches: {', '.join(close)}" if close else ""
     return UnknownModelError(
-        f"model: {model!r} is neither a catalog name nor a path to a config.json{hint}; "
-        f"catalog: {', '.join(catalog_names())}"
+        f"model: {model!r} is neither a catalog name, a path to a config.json nor a model "
+        f"id in the local Hugging Face cache ({hub_cache_dir()}){hint}; catalog: "
+        f"{', '.join(catalog_names())}"
     )
 
 
@@ -102,11 +104,13 @@ def resolve_model(
     kv_cache_dtype: str | DType | None = None,
     ssm_state_dtype: str | DType | None = None,
 ) -> ModelSpec:
-    """The :class:`ModelSpec` of a catalog model (name or HF id) or of a config file / directory.
+    """The :class:`ModelSpec` of a catalog model (name or HF id), of a config file / directory,
+    or of a Hugging Face id ``org/name`` found in the local hub cache
+    (:mod:`hybridkv.models.hub_cache`; nothing is downloaded).
 
-    Catalog names win over paths.  Raises :class:`~hybridkv.errors.UnknownModelError` (with
-    close catalog matches) when ``model`` is neither, and whatever :func:`spec_from_config`
-    raises for a bad config or setting.
+    Catalog names win over paths, paths over the hub cache.  Raises
+    :class:`~hybridkv.errors.UnknownModelError` (with close catalog matches) when ``model`` is
+    none of these, and whatever :func:`spec_from_config` raises for a bad config or setting.
     """
     entry = _BY_KEY.get(model.strip().lower())
     if entry is not None:
@@ -120,11 +124,15 @@ def resolve_model(
     path = Path(os.path.expanduser(model))
     if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
         name = (path.parent if path.is_file() else path).name or str(path)
-        return spec_from_config(
-            path,
-            tp_size=tp_size,
-            kv_cache_dtype=kv_cache_dtype,
-            name=name,
-            ssm_state_dtype=ssm_state_dtype,
-        )
-    raise _unknown(model)
+    else:
+        cached = hub_config_path(model)
+        if cached is None:
+            raise _unknown(model)
+        path, name = cached, model.strip()
+    return spec_from_config(
+        path,
+        tp_size=tp_size,
+        kv_cache_dtype=kv_cache_dtype,
+        name=name,
+        ssm_state_dtype=ssm_state_dtype,
+    )

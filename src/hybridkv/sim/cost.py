@@ -56,9 +56,13 @@ def load_model_config(model: str) -> dict[str, Any]:
     if model.lower() in names:
         cfg = catalog_config(model)
     else:
+        from hybridkv.models.hub_cache import hub_config_path
+
         path = Path(model)
         if path.is_dir():
             path = path / "config.json"
+        elif not path.is_file():
+            path = hub_config_path(model) or path
         try:
             cfg = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
