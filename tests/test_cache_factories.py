@@ -97,8 +97,9 @@ def arena(gs: Sequence[GroupPlan], num_chunks: int, blocks_per_chunk: int = 2) -
     return MemoryLayout(strategy=Strategy.ARENA, groups=tuple(gs), arena=plan)
 
 
-#: Strategies under test; ``arena_own`` is an arena layout with the ``own_first`` eviction.
-STRATEGIES = ("uniform", "pools", "arena", "arena_own")
+#: Strategies under test; ``arena_own`` is an arena layout with the ``own_first`` eviction,
+#: ``arena_one`` one whose chunks hold one block of the largest group (the whole-chunk paths).
+STRATEGIES = ("uniform", "pools", "arena", "arena_own", "arena_one")
 
 
 def eviction_for(strategy: str) -> str:
@@ -111,6 +112,8 @@ def layout_for(strategy: str, gs: Sequence[GroupPlan], capacity: int) -> MemoryL
         return uniform(gs, capacity * len(gs) + 1)
     if strategy == "pools":
         return pools(gs, capacity + 1)
+    if strategy == "arena_one":
+        return arena(gs, capacity * len(gs) + 1, blocks_per_chunk=1)
     return arena(gs, capacity * len(gs) // 2 + 1)
 
 

@@ -161,6 +161,10 @@ class ArenaOwnFirstMachine(CacheMachine):
     strategy = "arena_own"
 
 
+class ArenaOneBlockMachine(CacheMachine):
+    strategy = "arena_one"
+
+
 class UniformMachine(CacheMachine):
     strategy = "uniform"
 
@@ -174,10 +178,12 @@ ArenaMachine.TestCase.settings = ArenaMachine.TestCase.settings.__class__(
     ArenaMachine.TestCase.settings, **_settings
 )
 ArenaOwnFirstMachine.TestCase.settings = ArenaMachine.TestCase.settings
+ArenaOneBlockMachine.TestCase.settings = ArenaMachine.TestCase.settings
 UniformMachine.TestCase.settings = ArenaMachine.TestCase.settings
 PoolsMachine.TestCase.settings = ArenaMachine.TestCase.settings
 
 TestArena = ArenaMachine.TestCase
 TestArenaOwnFirst = ArenaOwnFirstMachine.TestCase
+TestArenaOneBlock = ArenaOneBlockMachine.TestCase
 TestUniform = UniformMachine.TestCase
 TestPools = PoolsMachine.TestCase

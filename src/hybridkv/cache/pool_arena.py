@@ -172,6 +172,21 @@ class ArenaPool(BlockPool):
         evicted: list[int] = []
         drain: list[int] = []  # cached blocks of an idle chunk this call reopened
         while len(out) < n:
+            if bpc == 1 and not fu and not drain and self.free_chunks:
+                # One block per chunk: whole free chunks are the blocks, no carving (the
+                # common case of equal page sizes, e.g. gpt-oss: O(1) per block, as uniform).
+                free = self.free_chunks
+                k = min(n - len(out), len(free))
+                taken = free[-k:]
+                del free[-k:]
+                taken.reverse()  # the lowest chunk first, as pop() would give them
+                owner = self.owner
+                for c in taken:
+                    owner[c] = g
+                    refs[c] = 1
+                    crefd[c] += 1
+                out += taken
+                continue
             if fu:
                 b = fu.popitem()[0]
             elif drain or (
@@ -242,6 +257,9 @@ class ArenaPool(BlockPool):
 
     def release(self, group_id: int, blocks: Sequence[int]) -> None:
         g = group_id
+        if self.bpc[g] == 1:
+            self._release_whole_chunks(g, blocks)
+            return
         refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
         fu, fc = self.free_uncached[g], self.free_cached[g]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
@@ -279,6 +297,30 @@ class ArenaPool(BlockPool):
             else:
                 self.owner[c] = -1
                 self.free_chunks.append(c)
+
+    def _release_whole_chunks(self, g: int, blocks: Sequence[int]) -> None:
+        """:meth:`release` for a group with one block per chunk (block id == chunk id): a
+        block whose last reference goes makes its chunk idle (cached) or free at once."""
+        refs, hashes = self.refs[g], self.hashes[g]
+        crefd, ccf, owner = self.chunk_refd, self.chunk_cached_free, self.owner
+        idle, idle_all, free = self.idle[g], self.idle_all, self.free_chunks
+        freed = 0
+        for b in blocks:
+            r = refs[b] - 1
+            refs[b] = r
+            if r:
+                continue
+            freed += 1
+            crefd[b] = 0
+            if hashes[b] is None:
+                owner[b] = -1
+                free.append(b)
+            else:
+                ccf[b] = 1
+                self.clock += 1
+                idle[b] = None
+                idle_all[b] = self.clock
+        self.used[g] -= freed
 
     def refresh(self, group_id: int, blocks: Sequence[int]) -> None:
         g = group_id
