@@ -359,6 +359,21 @@ class ArenaPool(BlockPool):
         return True
 
     # -- queries ------------------------------------------------------------------------------
+    def _fits_without_eviction(self, releases: GroupLists, needs: Sequence[int]) -> bool:
+        """True when uncached free blocks and free chunks alone cover ``needs`` (allocate then
+        evicts nothing).  Releases and touches only add to those, except a release that idles
+        a chunk of several blocks (its uncached free blocks leave the queue): with such a
+        release this O(groups) shortcut does not apply and says False."""
+        bpc = self.bpc
+        if any(releases[g] and bpc[g] > 1 for g in range(self.num_groups)):
+            return False
+        spare = len(self.free_chunks)
+        for g, need in enumerate(needs):
+            short = need - len(self.free_uncached[g])
+            if short > 0:
+                spare -= -(-short // bpc[g])
+        return spare >= 0
+
     def fits(
         self,
         cached: Sequence[set[int] | None],
@@ -371,6 +386,8 @@ class ArenaPool(BlockPool):
         # ``gone[g]`` (left g's LRU: chunk idled or block touched), ``revived`` / ``new_idle``
         # (idle chunks left / joined).  A touch that revives an idle chunk adds its siblings
         # to ``added``.  Stamps continue from ``self.clock`` as the real calls hand them out.
+        if self._fits_without_eviction(releases, needs):
+            return True
         free_chunks = len(self.free_chunks)
         idle = len(self.idle_all)
         unc = [len(q) for q in self.free_uncached]

@@ -1,0 +1,194 @@
+"""How the cache manager's calls scale: with the prompt length and with the live requests.
+
+Two tables, one row per (strategy, size), CPU time (``time.process_time``, so other load on
+the machine counts less), best of ``--repeat``:
+
+* **prompt**: one request of 1k, 8k, 64k and 200k tokens in an empty cache of a budget that
+  holds it: building the request (hashing), ``get_computed_blocks`` (a full hit on a copy
+  already cached), ``allocate_slots`` for the whole prompt, and ``free``; with microseconds
+  per 1k tokens, which stay flat when a call grows linearly;
+* **live**: 100, 1k and 10k requests of 512 tokens resident at once, then one decode step
+  (``allocate_slots(req, 1)`` for every request, crossing a block boundary): microseconds per
+  request per step, flat when a step grows linearly.
+
+    python benchmarks/bench_scaling.py --model gpt-oss-20b
+
+Prints both tables and a one-line summary, and writes JSON to ``--out``.  Token ids are
+deterministic (fixed seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridkv.cache import KVCacheManager
+from hybridkv.models import resolve_model
+from hybridkv.plan import Strategy, make_plan
+from hybridkv.specs import ModelSpec
+
+SEED = 0
+LIVE_PROMPT = 511  # + 1 decoded token = 512: the decode step opens a new block
+
+
+def _prompt_once(mgr: KVCacheManager, tokens: list[int], name: str) -> dict[str, float] | None:
+    """CPU ms of building, allocating and freeing one request, then of a full-hit lookup;
+    None when the whole prompt does not fit one allocation (pools: a sliding group's pool is
+    sized for one prefill chunk, not a whole long prompt at once)."""
+    n = len(tokens)
+    clock = time.process_time
+    t0 = clock()
+    req = mgr.make_request(name, tokens)
+    t1 = clock()
+    hit = mgr.get_computed_blocks(req)
+    t2 = clock()
+    if mgr.allocate_slots(req, n, new_computed_blocks=hit) is None:
+        return None
+    t3 = clock()
+    req.num_computed_tokens = n
+    req.append_token_ids([1])
+    t4 = clock()
+    mgr.free(req.request_id)
+    t5 = clock()
+    again = mgr.make_request(name + "+", tokens)
+    t6 = clock()
+    found = mgr.get_computed_blocks(again)
+    t7 = clock()
+    assert found.num_computed_tokens > 0
+    return {
+        "hash": (t1 - t0) * 1e3,
+        "allocate": (t3 - t2) * 1e3,
+        "free": (t5 - t4) * 1e3,
+        "lookup": (t7 - t6) * 1e3,
+    }
+
+
+def _prompt_row(
+    model: ModelSpec, strategy: str, n: int, repeat: int, rng: random.Random
+) -> dict[str, Any]:
+    plan = make_plan(
+        model,
+        memory_bytes=_budget(model, 2 * n + 4096),
+        max_model_len=n + 1024,
+        strategy=strategy,
+    )
+    best: dict[str, float] = {}
+    for rep in range(repeat):
+        tokens = [rng.randrange(1, 150_000) for _ in range(n)]
+        timings = _prompt_once(KVCacheManager(plan.layout), tokens, f"a{rep}")
+        if timings is None:
+            return {"strategy": strategy, "tokens": n, "error": "does not fit one allocation"}
+        for key, value in timings.items():
+            best[key] = min(best.get(key, value), value)
+    return {"strategy": strategy, "tokens": n, **{f"{k}_ms": v for k, v in best.items()}}
+
+
+def _budget(model: ModelSpec, tokens: int) -> int:
+    # resident bytes of `tokens` tokens, with room for rounding, state slots and checkpoints
+    return 4 * model.resident_bytes(tokens) + (256 << 20)
+
+
+def _live_row(
+    model: ModelSpec, strategy: str, live: int, repeat: int, rng: random.Random
+) -> dict[str, Any]:
+    plan = make_plan(
+        model,
+        memory_bytes=_budget(model, (LIVE_PROMPT + 64) * live),
+        max_model_len=4096,
+        strategy=strategy,
+    )
+    best = float("inf")
+    for rep in range(repeat):
+        mgr = KVCacheManager(plan.layout)
+        reqs = []
+        for i in range(live):
+            req = mgr.make_request(
+                f"r{rep}-{i}", [rng.randrange(1, 150_000) for _ in range(LIVE_PROMPT)]
+            )
+            hit = mgr.get_computed_blocks(req)
+            res = mgr.allocate_slots(req, LIVE_PROMPT, new_computed_blocks=hit)
+            assert res is not None, f"{strategy}: {live} live requests do not fit"
+            req.num_computed_tokens = LIVE_PROMPT
+            req.append_token_ids([7])
+            reqs.append(req)
+
+        t0 = time.process_time()
+        for r in reqs:
+            assert mgr.allocate_slots(r, 1) is not None
+        best = min(best, (time.process_time() - t0) * 1e3)
+    return {
+        "strategy": strategy,
+        "live": live,
+        "step_ms": best,
+        "us_per_request": 1e3 * best / live,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-oss-20b", help="catalog model")
+    parser.add_argument("--strategies", default="uniform,arena,pools")
+    parser.add_argument("--prompts", default="1000,8000,64000,200000", help="prompt tokens")
+    parser.add_argument("--live", default="100,1000,10000", help="live requests")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure (best kept)")
+    parser.add_argument("--out", default="results/bench_scaling.json")
+    args = parser.parse_args()
+    model = resolve_model(args.model)
+    strategies = [Strategy(s).value for s in args.strategies.split(",")]
+    rng = random.Random(SEED)
+    prompt_rows = [
+        _prompt_row(model, s, int(n), args.repeat, rng)
+        for s in strategies
+        for n in args.prompts.split(",")
+    ]
+    live_rows = [
+        _live_row(model, s, int(n), args.repeat, rng)
+        for s in strategies
+        for n in args.live.split(",")
+    ]
+    print(
+        f"{model.name}: one request of N tokens (CPU ms, best of {args.repeat}; us per 1k tokens)"
+    )
+    print(
+        f"{'strategy':9} {'tokens':>7} {'hash':>8} {'lookup':>8} {'allocate':>9} {'free':>8}  "
+        f"{'alloc us/1k':>11} {'free us/1k':>10}"
+    )
+    for r in prompt_rows:
+        if "error" in r:
+            print(f"{r['strategy']:9} {r['tokens']:7d}  n/a: {r['error']}")
+            continue
+        k = r["tokens"] / 1000
+        print(
+            f"{r['strategy']:9} {r['tokens']:7d} {r['hash_ms']:8.2f} {r['lookup_ms']:8.2f} "
+            f"{r['allocate_ms']:9.2f} {r['free_ms']:8.2f}  {1e3 * r['allocate_ms'] / k:11.1f} "
+            f"{1e3 * r['free_ms'] / k:10.1f}"
+        )
+    print(f"\n{model.name}: a decode step over N live requests of 512 tokens (CPU ms)")
+    print(f"{'strategy':9} {'live':>6} {'step ms':>9} {'us/request':>11}")
+    for r in live_rows:
+        print(f"{r['strategy']:9} {r['live']:6d} {r['step_ms']:9.2f} {r['us_per_request']:11.2f}")
+    longest = max(r["tokens"] for r in prompt_rows)
+    top = {r["strategy"]: r for r in prompt_rows if r["tokens"] == longest and "error" not in r}
+    summary = ", ".join(
+        f"{s} allocate {r['allocate_ms']:.1f} ms / free {r['free_ms']:.1f} ms"
+        for s, r in top.items()
+    )
+    print(f"\nsummary: {longest}-token prompt: {summary}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": model.name,
+        "seed": SEED,
+        "repeat": args.repeat,
+        "python": platform.python_version(),
+    }
+    out.write_text(json.dumps({"meta": meta, "prompt": prompt_rows, "live": live_rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
