@@ -131,13 +131,13 @@ def test_max_model_len_defaults(
         (["--memory", "lots"], "--memory: cannot parse 'lots'"),
         (["--memory", "0"], "--memory: size must be positive"),
         (["--block-size", "0"], "--block-size: must be a positive integer, got 0"),
-        (["--kernel-block-size", "3"], "kernel_block_size: 3 does not divide block_size 4"),
+        (["--kernel-block-size", "3"], "--kernel-block-size: 3 does not divide block_size 4"),
         (["--max-model-len", "0"], "--max-model-len: must be a positive integer, got 0"),
-        (["--pool-ratios", "1,x", "--strategy", "pools"], "pool_ratios: cannot parse"),
-        (["--pool-ratios", "1,2"], "pool_ratios: only the pools strategy takes ratios"),
-        (["--pool-ratios", "1", "--strategy", "pools"], "pool_ratios: got 1 ratios"),
+        (["--pool-ratios", "1,x", "--strategy", "pools"], "--pool-ratios: cannot parse"),
+        (["--pool-ratios", "1,2"], "--pool-ratios: only the pools strategy takes ratios"),
+        (["--pool-ratios", "1", "--strategy", "pools"], "--pool-ratios: got 1 ratios"),
         (["--tp", "0"], "--tp: must be a positive integer, got 0"),
-        (["--memory", "1000"], "memory_bytes: 1000 B (1000 B) holds no request"),
+        (["--memory", "1000"], "--memory: 1000 B (1000 B) holds no request"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -32,6 +32,7 @@ __all__ = [
     "check_positive",
     "max_model_len_for",
     "model_name",
+    "with_flag_names",
 ]
 
 #: KV-cache budget of ``plan`` and ``simulate`` when ``--memory`` is not given.  Small enough
@@ -174,3 +175,25 @@ def max_model_len_for(spec: ModelSpec, requested: int | None) -> int:
         return requested
     limit = spec.max_position_embeddings
     return MAX_MODEL_LEN_CAP if limit is None else min(limit, MAX_MODEL_LEN_CAP)
+
+
+#: Library field names (what typed errors name) -> the flag that sets them on the command line.
+FIELD_FLAGS: dict[str, str] = {
+    "memory_bytes": "--memory",
+    "max_model_len": "--max-model-len",
+    "block_size": "--block-size",
+    "kernel_block_size": "--kernel-block-size",
+    "state_block_size": "--state-block-size",
+    "pool_ratios": "--pool-ratios",
+    "chunk_alignment": "--chunk-alignment",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "tp_size": "--tp",
+}
+
+
+def with_flag_names(message: str) -> str:
+    """``message`` with a leading library field name (``memory_bytes: ...``) replaced by the
+    command-line flag that sets it (``--memory: ...``); other messages are unchanged."""
+    field, sep, rest = message.partition(": ")
+    flag = FIELD_FLAGS.get(field) if sep else None
+    return f"{flag}: {rest}" if flag is not None else message

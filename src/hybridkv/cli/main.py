@@ -70,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _load(args.command).run(args)
     except HybridKVError as exc:
-        print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)
+        from hybridkv.cli.common import with_flag_names
+
+        print(f"hybridkv {args.command}: error: {with_flag_names(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"hybridkv {args.command}: interrupted", file=sys.stderr)
