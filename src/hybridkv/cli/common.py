@@ -111,15 +111,19 @@ def add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
 
 
 def add_block_options(
-    parser: argparse.ArgumentParser, *, kernel: bool = False, state_default: int | None = None
+    parser: argparse.ArgumentParser,
+    *,
+    kernel: bool = False,
+    state_default: int | None = None,
+    state_why: str = "",
 ) -> None:
     """``--block-size``, ``--state-block-size`` and (``kernel``) ``--kernel-block-size``.
 
     ``state_default``: a fixed checkpoint interval (the engine's tiny models use 16), else the
-    planner's default per strategy.
+    planner's default per strategy; ``state_why`` says why it differs.
     """
     state_help = (
-        "recurrent-state checkpoint interval"
+        f"recurrent-state checkpoint interval (default: {state_default}{state_why})"
         if state_default is not None
         else "recurrent-state checkpoint interval (default: 256 for arena and pools, the "
         "unified attention block for uniform, as vLLM's align mode)"

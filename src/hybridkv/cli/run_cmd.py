@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.cli.common import add_block_options
 from hybridkv.cli.run_prompts import (
     DEFAULT_REQUESTS,
     MAX_MODEL_LEN_CAP,
@@ -188,23 +189,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("arena", "uniform", "pools"),
         help="memory layout",
     )
-    parser.add_argument(
-        "--block-size", type=int, default=16, metavar="TOKENS", help="attention block size"
-    )
-    parser.add_argument(
-        "--kernel-block-size",
-        type=int,
-        default=None,
-        metavar="TOKENS",
-        help="kernel block size, divides --block-size (default: --block-size)",
-    )
-    parser.add_argument(
-        "--state-block-size",
-        type=int,
-        default=16,
-        metavar="TOKENS",
-        help="recurrent-state checkpoint interval (default: 16, below the 256 of plan and "
-        "simulate to suit the short demo prompts)",
+    add_block_options(
+        parser,
+        kernel=True,
+        state_default=16,
+        state_why=", below the 256 of plan and simulate to suit the short demo prompts",
     )
     parser.add_argument(
         "--max-model-len",
