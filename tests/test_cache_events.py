@@ -16,7 +16,8 @@ from test_cache_factories import (
 
 
 def test_block_stored_carries_group_hashes_parent_and_token_count() -> None:
-    mgr = KVCacheManager(uniform(groups(full(), (full(), 8), state()), 40), enable_kv_events=True)
+    layout = uniform(groups(full(), (full(), 8), state()), 40)
+    mgr = KVCacheManager(layout, enable_kv_events=True, publish="computed")
     r0 = mgr.make_request("r0", tokens(17))
     h = r0.block_hashes  # hash-block size 4
     admit(mgr, r0, budget=8)  # ends at 8: a state checkpoint
@@ -40,6 +41,51 @@ def test_block_stored_carries_group_hashes_parent_and_token_count() -> None:
     assert mgr.take_events() == [AllBlocksCleared()]
 
 
+def test_scheduled_publication_stores_attention_blocks_at_their_allocation() -> None:
+    layout = uniform(groups(full(), (full(), 8), state()), 40)
+    mgr = KVCacheManager(layout, enable_kv_events=True)  # publish="scheduled", the default
+    r0 = mgr.make_request("r0", tokens(17))
+    h = r0.block_hashes
+    admit(mgr, r0, budget=8)  # the step that fills tokens 0..8: attention blocks at once
+    assert mgr.take_events() == [
+        BlockStored(0, (h[0], h[1]), None, 8, 4),
+        BlockStored(1, (h[1],), None, 8, 8),
+    ]
+    step(r0, 8)
+    assert mgr.allocate_slots(r0, 8) is not None  # the state checkpoint at 8 once computed
+    assert mgr.take_events() == [
+        BlockStored(2, (h[1],), h[0], 4, 4),
+        BlockStored(0, (h[2], h[3]), h[1], 8, 4),
+        BlockStored(1, (h[3],), h[1], 8, 8),
+    ]
+    step(r0, 8)
+    mgr.free("r0")
+    assert mgr.take_events() == [BlockStored(2, (h[3],), h[2], 4, 4)]
+    mgr.check_invariants()
+
+
+def test_blocks_published_for_a_step_that_never_ran_are_taken_back() -> None:
+    mgr = KVCacheManager(uniform(groups(full(), state()), 40), enable_kv_events=True)
+    r0 = mgr.make_request("r0", tokens(17))
+    h = r0.block_hashes
+    admit(mgr, r0, budget=8)
+    assert mgr.get_computed_blocks(mgr.make_request("q", tokens(17))).junction_tokens == 8
+    mgr.preempt("r0")  # before the step ran: its blocks hold nothing
+    assert mgr.take_events() == [
+        BlockStored(0, (h[0], h[1]), None, 8, 4),
+        BlockRemoved(0, (h[0], h[1])),
+    ]
+    hit = mgr.get_computed_blocks(mgr.make_request("q", tokens(17)))
+    assert (hit.num_computed_tokens, hit.junction_tokens) == (0, 0)
+    mgr.check_invariants()
+    admit(mgr, r0, budget=8)  # re-admitted: publishes again; computed this time, then freed
+    step(r0, 8)
+    mgr.free("r0")
+    hit = mgr.get_computed_blocks(mgr.make_request("q", tokens(17)))
+    assert (hit.num_computed_tokens, hit.junction_tokens) == (8, 8)
+    mgr.check_invariants()
+
+
 def test_block_removed_on_eviction() -> None:
     mgr = KVCacheManager(uniform(groups(full()), 4), enable_kv_events=True)
     r0 = mgr.make_request("r0", tokens(8))
@@ -50,6 +96,7 @@ def test_block_removed_on_eviction() -> None:
     assert mgr.take_events() == [
         BlockRemoved(0, (r0.block_hashes[1],)),
         BlockRemoved(0, (r0.block_hashes[0],)),
+        BlockStored(0, tuple(r1.block_hashes), None, 12, 4),  # published for its step
     ]
 
 

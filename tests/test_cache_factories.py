@@ -97,9 +97,19 @@ def arena(gs: Sequence[GroupPlan], num_chunks: int, blocks_per_chunk: int = 2) -
     return MemoryLayout(strategy=Strategy.ARENA, groups=tuple(gs), arena=plan)
 
 
+def arena_bounded(gs: Sequence[GroupPlan], num_chunks: int) -> MemoryLayout:
+    """Bounded chunks that the largest block does not divide (``2 * largest + 8`` bytes): the
+    largest group gets one block per chunk, the others ``chunk // block - 1`` unless they
+    divide it, and some block ids straddle two chunks."""
+    chunk = 2 * max(g.block_bytes for g in gs) + 8
+    plan = ArenaPlan(chunk_bytes=chunk, num_chunks=num_chunks)
+    return MemoryLayout(strategy=Strategy.ARENA, groups=tuple(gs), arena=plan)
+
+
 #: Strategies under test; ``arena_own`` is an arena layout with the ``own_first`` eviction,
-#: ``arena_one`` one whose chunks hold one block of the largest group (the whole-chunk paths).
-STRATEGIES = ("uniform", "pools", "arena", "arena_own", "arena_one")
+#: ``arena_one`` one whose chunks hold one block of the largest group (the whole-chunk paths),
+#: ``arena_bounded`` one whose chunks the blocks do not divide.
+STRATEGIES = ("uniform", "pools", "arena", "arena_own", "arena_one", "arena_bounded")
 
 
 def eviction_for(strategy: str) -> str:
@@ -114,6 +124,8 @@ def layout_for(strategy: str, gs: Sequence[GroupPlan], capacity: int) -> MemoryL
         return pools(gs, capacity + 1)
     if strategy == "arena_one":
         return arena(gs, capacity * len(gs) + 1, blocks_per_chunk=1)
+    if strategy == "arena_bounded":
+        return arena_bounded(gs, capacity * len(gs) + 1)
     return arena(gs, capacity * len(gs) // 2 + 1)
 
 

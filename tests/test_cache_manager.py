@@ -78,7 +78,11 @@ def test_lru_eviction_takes_the_tail_first() -> None:
     r1 = mgr.make_request("r1", tokens(20, start=1000))
     _, res = admit(mgr, r1)
     assert res is not None and res.new_block_ids == ((4, 5, 6, 3, 2),)
-    assert mgr.take_events() == [BlockRemoved(0, (h[2],)), BlockRemoved(0, (h[1],))]
+    assert mgr.take_events() == [
+        BlockRemoved(0, (h[2],)),
+        BlockRemoved(0, (h[1],)),
+        BlockStored(0, tuple(r1.block_hashes), None, 20, 4),  # published for its step
+    ]
     r2 = mgr.make_request("r2", tokens(13))
     hit = mgr.get_computed_blocks(r2)
     assert hit.num_computed_tokens == 4 and hit.blocks == ((1,),)

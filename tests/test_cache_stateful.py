@@ -3,8 +3,9 @@
 Requests arrive, get cache hits, prefill in chunks (sometimes ending at the junction),
 decode with lookahead, finish, get preempted, and the prefix cache is reset; after every step
 ``check_invariants()`` runs, refused allocations are checked to change nothing (full
-snapshots), hits are checked against the brute-force oracle, and a router's mirror of the KV
-events is checked to equal the cached hashes.
+snapshots), hits are checked against the brute-force oracle, a router's mirror of the KV
+events is checked to equal the cached hashes, and every cached block must hold data some step
+computed (both publication modes; some admissions are dropped before their step runs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hypothesis.stateful import (
 )
 
 from hybridkv.cache import (
+    PUBLISH_MODES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -48,19 +50,22 @@ class CacheMachine(RuleBasedStateMachine):
         self.running: list[Request] = []
         self.count = 0
         self.mirror: list[set[int]] = []
+        self.written: set[int] = set()
 
     @initialize(
         items=hst.lists(spec_items(), min_size=1, max_size=3),
         capacity=hst.integers(3, 10),
         events=hst.booleans(),
+        publish=hst.sampled_from(PUBLISH_MODES),
     )
-    def setup(self, items: list, capacity: int, events: bool) -> None:
+    def setup(self, items: list, capacity: int, events: bool, publish: str) -> None:
         layout = layout_for(self.strategy, groups(*items), capacity)
         self.mgr = KVCacheManager(
             layout,
             hasher="builtin",
             enable_kv_events=events,
             arena_eviction=eviction_for(self.strategy),
+            publish=publish,
         )
         self.mirror = [set() for _ in layout.groups]
 
@@ -76,8 +81,13 @@ class CacheMachine(RuleBasedStateMachine):
         self.waiting.append(self._m().make_request(f"r{self.count}", BASE[:prefix] + tail))
 
     @precondition(lambda self: self.waiting)
-    @rule(which=hst.integers(0, 7), budget=hst.integers(1, 24), to_junction=hst.booleans())
-    def admit(self, which: int, budget: int, to_junction: bool) -> None:
+    @rule(
+        which=hst.integers(0, 7),
+        budget=hst.integers(1, 24),
+        to_junction=hst.booleans(),
+        aborted=hst.booleans(),
+    )
+    def admit(self, which: int, budget: int, to_junction: bool, aborted: bool) -> None:
         mgr = self._m()
         req = self.waiting[which % len(self.waiting)]
         hit = mgr.get_computed_blocks(req)
@@ -94,9 +104,18 @@ class CacheMachine(RuleBasedStateMachine):
         if res is None:
             assert mgr.snapshot() == before
             return
+        if aborted:  # dropped before its step ran: nothing it was to write may stay cached
+            req.num_computed_tokens = hit.num_computed_tokens
+            mgr.preempt(req.request_id)
+            return
         self.waiting.remove(req)
         self.running.append(req)
         req.num_computed_tokens = hit.num_computed_tokens + n
+        self._wrote(req)
+
+    def _wrote(self, req: Request) -> None:
+        """Record the hash blocks ``req``'s steps have computed (content-addressed)."""
+        self.written.update(req.block_hashes[: req.num_computed_tokens // req.hash_block_size])
 
     @precondition(lambda self: self.running)
     @rule(which=hst.integers(0, 7), budget=hst.integers(1, 16), lookahead=hst.integers(0, 3))
@@ -112,6 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert mgr.snapshot() == before
             return
         req.num_computed_tokens += n
+        self._wrote(req)
 
     @precondition(lambda self: self.running)
     @rule(which=hst.integers(0, 7))
@@ -147,8 +167,11 @@ class CacheMachine(RuleBasedStateMachine):
                 self.mirror[event.group_id] -= set(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.mirror = [set() for _ in self.mirror]
+        cached = cached_hashes(mgr)
         if mgr._events.enabled:
-            assert self.mirror == cached_hashes(mgr)
+            assert self.mirror == cached
+        for g, hashes in enumerate(cached):  # a hit never serves data no step computed
+            assert hashes <= self.written, f"group {g} caches never-computed blocks"
         for req in self.running:
             assert mgr.has_blocks(req.request_id)
 
@@ -165,6 +188,10 @@ class ArenaOneBlockMachine(CacheMachine):
     strategy = "arena_one"
 
 
+class ArenaBoundedMachine(CacheMachine):
+    strategy = "arena_bounded"
+
+
 class UniformMachine(CacheMachine):
     strategy = "uniform"
 
@@ -179,11 +206,13 @@ ArenaMachine.TestCase.settings = ArenaMachine.TestCase.settings.__class__(
 )
 ArenaOwnFirstMachine.TestCase.settings = ArenaMachine.TestCase.settings
 ArenaOneBlockMachine.TestCase.settings = ArenaMachine.TestCase.settings
+ArenaBoundedMachine.TestCase.settings = ArenaMachine.TestCase.settings
 UniformMachine.TestCase.settings = ArenaMachine.TestCase.settings
 PoolsMachine.TestCase.settings = ArenaMachine.TestCase.settings
 
 TestArena = ArenaMachine.TestCase
 TestArenaOwnFirst = ArenaOwnFirstMachine.TestCase
 TestArenaOneBlock = ArenaOneBlockMachine.TestCase
+TestArenaBounded = ArenaBoundedMachine.TestCase
 TestUniform = UniformMachine.TestCase
 TestPools = PoolsMachine.TestCase

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.errors import PlanError
+from hybridkv.models import spec_from_config
 from hybridkv.plan import Strategy, make_plan
 from hybridkv.plan.arena import state_page_candidates
 from test_plan_factories import full, model, sliding, state, swa_full_model
@@ -153,3 +154,43 @@ def test_alignment_is_lowered_only_when_the_aligned_chunk_wastes_too_much() -> N
     assert chunk < 61 * 9 * two_mib
     assert ds.waste.total <= 0.01 * (40 << 30)
     assert any("not multiples of the 2097152 B chunk alignment" in n for n in ds.notes)
+
+
+def _zamba2_7b_shaped() -> dict[str, object]:
+    """A Zamba2-7B-shaped config: 81 Mamba2 layers, every sixth also attention (13)."""
+    hybrid = set(range(5, 81, 6))
+    return {
+        "model_type": "zamba2",
+        "hidden_size": 3584,
+        "num_hidden_layers": 81,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "mamba_d_state": 64,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_headdim": 64,
+        "mamba_ngroups": 2,
+        "n_mamba_heads": 112,
+        "max_position_embeddings": 4096,
+        "layers_block_type": ["hybrid" if i in hybrid else "mamba" for i in range(81)],
+    }
+
+
+def test_bounded_chunks_when_the_common_multiple_is_huge() -> None:
+    # 146 MiB state blocks and 5.7 MiB attention blocks: their common multiple (even with the
+    # state page padded) is a 2.25 GiB chunk, 3 chunks in 8 GiB, one request.  Bounded chunks
+    # of two state blocks hold as many requests as uniform.
+    spec = spec_from_config(_zamba2_7b_shaped())
+    plans = {
+        s: make_plan(spec, memory_bytes=8 << 30, max_model_len=4096, strategy=s)
+        for s in ("arena", "uniform")
+    }
+    arena = plans["arena"]
+    assert arena.layout.arena is not None
+    state_block = arena.layout.groups[0].block_bytes
+    assert state_block == 81 * 1894400
+    assert arena.layout.arena.chunk_bytes == 2 * state_block  # lcm with the 4 KiB alignment
+    assert arena.capacity.blocks_per_chunk == (2, 50)  # 51.46 attention blocks: 50 lent
+    assert arena.capacity.max_concurrent_requests == 4
+    assert plans["uniform"].capacity.max_concurrent_requests == 4
+    assert any("bounded chunks of 306892800 B" in n for n in arena.notes)

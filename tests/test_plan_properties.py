@@ -41,10 +41,11 @@ def _fits(plan: Plan, requests: int) -> bool:
     layout = plan.layout
     need = [blocks_for_request(g, plan.max_model_len) for g in layout.groups]
     if layout.arena is not None:
-        chunks = sum(
-            _cdiv(requests * n, layout.arena.chunk_bytes // g.block_bytes)
-            for g, n in zip(layout.groups, need, strict=True)
-        )
+        size = layout.arena.chunk_bytes
+        # a chunk lends every whole block, less one when the block does not divide it
+        lent = [size // g.block_bytes - (size % g.block_bytes > 0) for g in layout.groups]
+        assert min(lent) >= 1
+        chunks = sum(_cdiv(requests * n, k) for k, n in zip(lent, need, strict=True))
         return chunks <= layout.arena.num_chunks - 1
     return all(
         requests * sum(need[g] for g in pool.group_ids) <= pool.num_blocks - 1

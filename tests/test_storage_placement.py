@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridkv.plan import MemoryLayout
+from hybridkv.errors import PlanError
+from hybridkv.plan import ArenaPlan, MemoryLayout, Strategy
 from hybridkv.storage import KVCacheStorage, LayoutKind, Piece, place
 from test_storage_factories import (
     KINDS,
@@ -35,6 +36,54 @@ def _groups() -> tuple:
 
 def _arena() -> MemoryLayout:
     return arena_layout(equal_slots(_groups()), num_chunks=6, per=1)
+
+
+def _bounded_arena() -> MemoryLayout:
+    """Chunks no group's block divides: some block ids straddle two chunks."""
+    gs = equal_slots(_groups())
+    chunk = 2 * max(g.block_bytes for g in gs) + 64
+    assert all(chunk % g.block_bytes for g in gs)
+    return MemoryLayout(
+        strategy=Strategy.ARENA, groups=gs, arena=ArenaPlan(chunk_bytes=chunk, num_chunks=6)
+    )
+
+
+def test_bounded_chunks_lend_only_the_blocks_inside_them() -> None:
+    layout = _bounded_arena()
+    size = layout.arena.chunk_bytes
+    for kind in KINDS:
+        placement = place(layout, kind)
+        for gp, g in zip(placement.groups, layout.groups, strict=True):
+            assert gp.num_blocks == layout.num_block_ids(g.group_id) == 6 * size // g.block_bytes
+            lent = [b for c in range(6) for b in layout.chunk_blocks(g.group_id, c)]
+            assert len(lent) == len(set(lent)) == 6 * layout.blocks_per_chunk(g.group_id)
+            for c in range(6):
+                for b in layout.chunk_blocks(g.group_id, c):
+                    assert layout.chunk_of_block(g.group_id, b) == c
+                    for off, length in gp.block_extents(b):
+                        assert any(
+                            s <= off and off + length <= s + n
+                            for s, n in placement.chunk_extents(c)
+                        ), (kind, g.group_id, c, b)
+
+
+def test_bounded_chunk_ids_by_hand() -> None:
+    # the layout docstring's example: 64 KiB and 96 KiB blocks in 320 KiB chunks
+    gs = (
+        group(0, SPECS["full"], (0,), page_bytes=64 << 10),
+        group(1, SPECS["full"], (1,), page_bytes=96 << 10),
+    )
+    layout = MemoryLayout(
+        strategy=Strategy.ARENA, groups=gs, arena=ArenaPlan(chunk_bytes=320 << 10, num_chunks=4)
+    )
+    assert [layout.blocks_per_chunk(g) for g in (0, 1)] == [5, 2]
+    assert [list(layout.chunk_blocks(1, c)) for c in range(4)] == [[0, 1], [4, 5], [7, 8], [10, 11]]
+    assert [layout.chunk_of_block(1, b) for b in (2, 3, 6, 9)] == [0, 0, 1, 2]  # never lent
+    assert list(layout.chunk_blocks(0, 3)) == [15, 16, 17, 18, 19]
+    with pytest.raises(PlanError, match=r"holds no whole block of group 1 in every chunk"):
+        MemoryLayout(
+            strategy=Strategy.ARENA, groups=gs, arena=ArenaPlan(chunk_bytes=160 << 10, num_chunks=4)
+        )
 
 
 def test_arena_block_addressing_follows_layout_contract() -> None:
@@ -104,17 +153,16 @@ def test_uniform_per_layer_shares_slabs_across_groups() -> None:
 
 @st.composite
 def _ownership(draw: st.DrawFn) -> tuple[str, LayoutKind, dict[int, list[int]]]:
-    strategy = draw(st.sampled_from(["arena", "uniform"]))
+    strategy = draw(st.sampled_from(["arena", "arena_bounded", "uniform"]))
     kind = draw(st.sampled_from(KINDS))
     live: dict[int, list[int]] = {g: [] for g in range(4)}
-    if strategy == "arena":
-        layout = _arena()
+    if strategy != "uniform":
+        layout = _layout(strategy)
         for chunk in range(1, 6):
             owner = draw(st.sampled_from([None, 0, 1, 2, 3]))
             if owner is None:
                 continue
-            per = layout.blocks_per_chunk(owner)
-            ids = range(chunk * per, (chunk + 1) * per)
+            ids = layout.chunk_blocks(owner, chunk)
             live[owner] += draw(st.lists(st.sampled_from(ids), unique=True, max_size=3))
     else:
         for b in range(1, 10):
@@ -125,6 +173,8 @@ def _ownership(draw: st.DrawFn) -> tuple[str, LayoutKind, dict[int, list[int]]]:
 
 
 def _layout(strategy: str) -> MemoryLayout:
+    if strategy == "arena_bounded":
+        return _bounded_arena()
     return _arena() if strategy == "arena" else uniform_layout(_groups(), num_blocks=10)
 
 
@@ -161,5 +211,11 @@ def test_groups_never_alias_live_blocks(case: tuple[str, LayoutKind, dict[int, l
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_placement_invariants_hold(kind: LayoutKind) -> None:
-    for layout in (_arena(), uniform_layout(_groups()), pools_layout(_groups(), extra=8)):
+    layouts = (
+        _arena(),
+        _bounded_arena(),
+        uniform_layout(_groups()),
+        pools_layout(_groups(), extra=8),
+    )
+    for layout in layouts:
         place(layout, kind).check_invariants()

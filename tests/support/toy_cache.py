@@ -107,8 +107,7 @@ class ToyCache:
         free = self._free[self._pool[gid]]
         if not free and self._free_chunks:
             chunk = self._free_chunks.pop(0)
-            per_chunk = self.layout.blocks_per_chunk(gid)
-            free.extend(range(chunk * per_chunk, (chunk + 1) * per_chunk))
+            free.extend(self.layout.chunk_blocks(gid, chunk))
         if not free:
             raise AllocationError(f"toy cache: group {gid} has no free block left")
         block = free.pop(0)

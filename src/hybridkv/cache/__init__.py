@@ -15,6 +15,7 @@ Entry point: :class:`KVCacheManager` (``hybridkv.cache.manager``).  Layers, bott
 
 from __future__ import annotations
 
+from hybridkv.cache.coordinator import PUBLISH_MODES
 from hybridkv.cache.errors import (
     DuplicateRequestError,
     FinishedRequestError,
@@ -44,6 +45,7 @@ from hybridkv.cache.types import (
 )
 
 __all__ = [
+    "PUBLISH_MODES",
     "AllBlocksCleared",
     "AllocationResult",
     "BlockHash",

@@ -41,15 +41,18 @@ def check_arena(pool: ArenaPool) -> None:
         if refs[NULL_BLOCK_ID] or hashes[NULL_BLOCK_ID] is not None:
             raise InvariantError(f"group {g}: null block has a reference or a hash")
         for h, b in pool.maps[g].items():
-            if hashes[b] != h or pool.owner[b // pool.bpc[g]] != g:
+            if hashes[b] != h or pool.owner[_chunk_of(pool, g, b)] != g:
                 raise InvariantError(f"group {g} maps hash {h:#x} to block {b} lacking it")
+        for b, (r, bh) in enumerate(zip(refs, hashes, strict=True)):
+            if (r or bh is not None) and b not in _lent(pool, g, _chunk_of(pool, g, b)):
+                raise InvariantError(f"group {g}: block {b} is used but no chunk lends it")
         if sum(1 for h in hashes if h is not None) != len(pool.maps[g]):
             raise InvariantError(f"group {g}: cached blocks and map entries differ")
         if sum(1 for r in refs if r) != pool.used[g]:
             raise InvariantError(f"group {g}: used counter {pool.used[g]} is wrong")
         for q, name in ((pool.free_uncached[g], "uncached"), (pool.free_cached[g], "LRU")):
             for b in q:
-                c = b // pool.bpc[g]
+                c = _chunk_of(pool, g, b)
                 if pool.owner[c] != g or not pool.chunk_refd[c] or refs[b]:
                     raise InvariantError(f"group {g}: block {b} in the {name} queue wrongly")
                 if (hashes[b] is None) != (name == "uncached"):
@@ -60,13 +63,21 @@ def check_arena(pool: ArenaPool) -> None:
         _check_chunk(pool, c, free_set)
 
 
+def _chunk_of(pool: ArenaPool, g: int, b: int) -> int:
+    return b * pool.block_bytes[g] // pool.chunk_bytes
+
+
+def _lent(pool: ArenaPool, g: int, c: int) -> range:
+    """The block ids chunk ``c`` lends group ``g``."""
+    return range(pool.first[g][c], pool.first[g][c] + pool.bpc[g])
+
+
 def _check_chunk(pool: ArenaPool, c: int, free_set: set[int]) -> None:
     owner = pool.owner[c]
     for g in range(pool.num_groups):
         if g == owner:
             continue
-        bpc = pool.bpc[g]
-        for x in range(c * bpc, (c + 1) * bpc):
+        for x in _lent(pool, g, c):
             if pool.refs[g][x] or pool.hashes[g][x] is not None:
                 raise InvariantError(f"chunk {c}: group {g} uses block {x} it does not hold")
     if owner < 0:
@@ -75,10 +86,9 @@ def _check_chunk(pool: ArenaPool, c: int, free_set: set[int]) -> None:
         return
     if c in free_set:
         raise InvariantError(f"chunk {c} is owned by group {owner} and on the free stack")
-    bpc = pool.bpc[owner]
     refs, hashes = pool.refs[owner], pool.hashes[owner]
     fu, fc = pool.free_uncached[owner], pool.free_cached[owner]
-    blocks = range(c * bpc, (c + 1) * bpc)
+    blocks = _lent(pool, owner, c)
     refd = sum(1 for x in blocks if refs[x])
     cached_free = sum(1 for x in blocks if not refs[x] and hashes[x] is not None)
     if refd != pool.chunk_refd[c] or cached_free != pool.chunk_cached_free[c]:

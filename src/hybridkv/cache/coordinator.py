@@ -24,11 +24,19 @@ from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan,
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
 from hybridkv.cache.types import AllocationResult, BlockId
-from hybridkv.errors import InvariantError
+from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout
 from hybridkv.specs import CacheKind
 
-__all__ = ["HitResult", "HybridCoordinator", "RequestState"]
+__all__ = ["PUBLISH_MODES", "HitResult", "HybridCoordinator", "RequestState"]
+
+#: When attention blocks join the prefix cache: ``scheduled`` (default) at the allocation of
+#: the step that fills them, as vLLM does, so requests admitted later in the same step hit
+#: them (the runner writes a step's tokens before reading them); ``computed`` only once the
+#: scheduler reports them computed (the next allocation or the free).  State checkpoints are
+#: always published once computed: a recurrent layer cannot read a state its own pass is
+#: still producing.
+PUBLISH_MODES = ("scheduled", "computed")
 
 
 class RequestState:
@@ -72,7 +80,10 @@ class HybridCoordinator:
         events: EventLog,
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
+        publish: str = "scheduled",
     ) -> None:
+        if publish not in PUBLISH_MODES:
+            raise PlanError(f"publish: unknown mode {publish!r}; valid: {', '.join(PUBLISH_MODES)}")
         self.layout = layout
         self.events = events
         self.pool = make_block_pool(layout, events, arena_eviction=arena_eviction)
@@ -93,6 +104,12 @@ class HybridCoordinator:
         self._closed = [m for m in self.managers if m.prefix_closed]
         self._open = [m for m in self.managers if not m.prefix_closed]
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
+        #: Attention managers that publish a step's blocks at its allocation (``scheduled``).
+        self._scheduled: list[tuple[int, KindManager]] = (
+            [(i, m) for i, m in enumerate(self.managers) if m.publishes_scheduled]
+            if publish == "scheduled"
+            else []
+        )
         self.requests: dict[str, RequestState] = {}
         self._nothing = AllocationResult(((),) * self.num_groups, (), (), ())
 
@@ -185,6 +202,10 @@ class HybridCoordinator:
                 if total > rs.num_slots:
                     rs.num_slots = total
                 rs.min_computed = num_computed
+                for i, m in self._scheduled:
+                    st = rs.groups[i]
+                    if step_end // m.block_size > st.num_cached:
+                        m.publish_scheduled(st, request, step_end)
                 return self._nothing
         if not self._fits(plans):
             return None
@@ -208,6 +229,8 @@ class HybridCoordinator:
                 continue
             added = managers[i].apply_new(groups[i], p, pool.allocate(i, p.need), out)
             new_ids.append(cast(tuple[BlockId, ...], tuple(added)))
+        for i, m in self._scheduled:
+            m.publish_scheduled(groups[i], request, step_end)
         if total > rs.num_slots:
             rs.num_slots = total
         rs.min_computed = num_computed

@@ -64,6 +64,11 @@ class KVCacheManager:
     ``max_model_len``: slots are never allocated past it (lookahead is clipped).
     ``arena_eviction``: ``"chunk_lru"`` (default) or ``"own_first"`` for arena layouts (see
     :mod:`hybridkv.cache.pool_arena`).
+    ``publish``: ``"scheduled"`` (default): attention blocks join the prefix cache at the
+    allocation of the step that fills them, so requests admitted later in the same step hit
+    them; the runner must write a step's new tokens before reading them (hybridkv's engine
+    orders its passes so).  ``"computed"``: only once reported computed.  See
+    :data:`hybridkv.cache.coordinator.PUBLISH_MODES`.
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class KVCacheManager:
         enable_kv_events: bool = False,
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
+        publish: str = "scheduled",
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -84,7 +90,11 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self._events = EventLog(enabled=enable_kv_events)
         self._coord = HybridCoordinator(
-            layout, events=self._events, max_model_len=max_model_len, arena_eviction=arena_eviction
+            layout,
+            events=self._events,
+            max_model_len=max_model_len,
+            arena_eviction=arena_eviction,
+            publish=publish,
         )
         self._stats = StatsCollector(len(layout.groups))
         self._known: dict[str, Request] = {}

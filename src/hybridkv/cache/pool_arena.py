@@ -1,8 +1,9 @@
 """The ``arena`` strategy: one region of chunks, carved into blocks by the group holding each.
 
-Chunk ``c`` of group ``g`` holds ``g``'s block ids ``[c * bpc(g), (c + 1) * bpc(g))`` where
-``bpc(g) = chunk_bytes // block_bytes(g)`` (see :mod:`hybridkv.plan.layout`).  Chunk 0 is
-reserved for the null blocks.  A chunk is in one of three states:
+Chunk ``c`` lends group ``g`` the ``bpc(g)`` block ids starting at ``first(g, c)``, and block
+``b`` lies in chunk ``b * block_bytes(g) // chunk_bytes`` (``MemoryLayout.blocks_per_chunk``,
+``chunk_first_block`` and ``chunk_of_block``; ``[c * bpc, (c + 1) * bpc)`` when the block
+divides the chunk).  Chunk 0 is reserved for the null blocks.  A chunk is in one of three states:
 
 * **free**: held by nobody, on the arena's free-chunk stack;
 * **active**: held by group ``g`` with at least one referenced block; its free blocks wait in
@@ -107,8 +108,10 @@ class ArenaPool(BlockPool):
         self.chunk_bytes = arena.chunk_bytes
         self.bpc = [layout.blocks_per_chunk(g) for g in groups]
         self.block_bytes = [layout.groups[g].block_bytes for g in groups]
-        self.refs = [[0] * (nc * self.bpc[g]) for g in groups]
-        self.hashes = [[None] * (nc * self.bpc[g]) for g in groups]
+        #: ``first[g][c]``: the first block id chunk ``c`` lends group ``g``.
+        self.first = [[layout.chunk_first_block(g, c) for c in range(nc)] for g in groups]
+        self.refs = [[0] * layout.num_block_ids(g) for g in groups]
+        self.hashes = [[None] * layout.num_block_ids(g) for g in groups]
         self.maps = [{} for _ in groups]
         self.free_uncached: list[dict[int, None]] = [{} for _ in groups]
         # Cached free blocks of active chunks -> last-use stamp, in non-decreasing stamp order.
@@ -126,15 +129,15 @@ class ArenaPool(BlockPool):
     # -- chunk transitions --------------------------------------------------------------------
     def _carve(self, g: int, c: int) -> None:
         self.owner[c] = g
-        bpc = self.bpc[g]
-        self.free_uncached[g].update(dict.fromkeys(range((c + 1) * bpc - 1, c * bpc - 1, -1)))
+        f = self.first[g][c]
+        self.free_uncached[g].update(dict.fromkeys(range(f + self.bpc[g] - 1, f - 1, -1)))
 
     def _activate(self, g: int, c: int, exclude: int) -> None:
         """Idle chunk ``c`` becomes active: its free blocks (but ``exclude``) join g's queues,
         the cached ones at the most-recently-used end of the LRU, each with a new stamp."""
-        bpc = self.bpc[g]
+        f = self.first[g][c]
         hashes, fu, fc = self.hashes[g], self.free_uncached[g], self.free_cached[g]
-        for x in range((c + 1) * bpc - 1, c * bpc - 1, -1):
+        for x in range(f + self.bpc[g] - 1, f - 1, -1):
             if x == exclude:
                 continue
             if hashes[x] is None:
@@ -146,10 +149,10 @@ class ArenaPool(BlockPool):
     def _reclaim(self, c: int) -> None:
         """Evict every cached block of idle chunk ``c`` and return it to nobody."""
         h = self.owner[c]
-        bpc = self.bpc[h]
+        f = self.first[h][c]
         hashes, m = self.hashes[h], self.maps[h]
         evicted: list[int] = []
-        for x in range(c * bpc, (c + 1) * bpc):
+        for x in range(f, f + self.bpc[h]):
             hx = hashes[x]
             if hx is not None:
                 del m[hx]
@@ -168,6 +171,7 @@ class ArenaPool(BlockPool):
         refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
         fu, fc, m = self.free_uncached[g], self.free_cached[g], self.maps[g]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
+        bb, cb, first = self.block_bytes[g], self.chunk_bytes, self.first[g]
         out: list[int] = []
         evicted: list[int] = []
         drain: list[int] = []  # cached blocks of an idle chunk this call reopened
@@ -183,9 +187,10 @@ class ArenaPool(BlockPool):
                 owner = self.owner
                 for c in taken:
                     owner[c] = g
-                    refs[c] = 1
                     crefd[c] += 1
-                out += taken
+                    blk = first[c]
+                    refs[blk] = 1
+                    out.append(blk)
                 continue
             if fu:
                 b = fu.popitem()[0]
@@ -203,7 +208,7 @@ class ArenaPool(BlockPool):
                 assert h is not None
                 del m[h]
                 hashes[b] = None
-                ccf[b // bpc] -= 1
+                ccf[b * bb // cb] -= 1
                 evicted.append(h)
             elif self.free_chunks:
                 self._carve(g, self.free_chunks.pop())
@@ -214,7 +219,8 @@ class ArenaPool(BlockPool):
                 if self.owner[c] == g:
                     del self.idle[g][c]
                     del self.idle_all[c]
-                    for x in range((c + 1) * bpc - 1, c * bpc - 1, -1):
+                    f = first[c]
+                    for x in range(f + bpc - 1, f - 1, -1):
                         if hashes[x] is None:
                             fu[x] = None
                         else:
@@ -226,7 +232,7 @@ class ArenaPool(BlockPool):
             else:
                 raise InvariantError(f"ArenaPool.allocate: group {g} out of blocks ({n} wanted)")
             refs[b] = 1
-            crefd[b // bpc] += 1
+            crefd[b * bb // cb] += 1
             out.append(b)
         for x in drain:  # left over: the chunk is active now, its cached blocks go first
             fc[x] = 0
@@ -238,12 +244,13 @@ class ArenaPool(BlockPool):
 
     def touch(self, group_id: int, blocks: Sequence[int]) -> None:
         g = group_id
-        refs, bpc, fc = self.refs[g], self.bpc[g], self.free_cached[g]
+        refs, fc = self.refs[g], self.free_cached[g]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
+        bb, cb = self.block_bytes[g], self.chunk_bytes
         for b in blocks:
             r = refs[b]
             if not r:
-                c = b // bpc
+                c = b * bb // cb
                 if crefd[c]:
                     del fc[b]
                 else:
@@ -263,13 +270,14 @@ class ArenaPool(BlockPool):
         refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
         fu, fc = self.free_uncached[g], self.free_cached[g]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
+        bb, cb = self.block_bytes[g], self.chunk_bytes
         for b in blocks:
             r = refs[b] - 1
             refs[b] = r
             if r:
                 continue
             self.used[g] -= 1
-            c = b // bpc
+            c = b * bb // cb
             left = crefd[c] - 1
             crefd[c] = left
             cached = hashes[b] is not None
@@ -282,7 +290,8 @@ class ArenaPool(BlockPool):
                     fu[b] = None
                 continue
             # No referenced block left: the chunk's other (free) blocks leave g's queues.
-            for x in range(c * bpc, (c + 1) * bpc):
+            f = self.first[g][c]
+            for x in range(f, f + bpc):
                 if x != b:
                     if hashes[x] is None:
                         del fu[x]
@@ -299,11 +308,12 @@ class ArenaPool(BlockPool):
                 self.free_chunks.append(c)
 
     def _release_whole_chunks(self, g: int, blocks: Sequence[int]) -> None:
-        """:meth:`release` for a group with one block per chunk (block id == chunk id): a
-        block whose last reference goes makes its chunk idle (cached) or free at once."""
+        """:meth:`release` for a group with one block per chunk: a block whose last reference
+        goes makes its chunk idle (cached) or free at once."""
         refs, hashes = self.refs[g], self.hashes[g]
         crefd, ccf, owner = self.chunk_refd, self.chunk_cached_free, self.owner
         idle, idle_all, free = self.idle[g], self.idle_all, self.free_chunks
+        bb, cb = self.block_bytes[g], self.chunk_bytes
         freed = 0
         for b in blocks:
             r = refs[b] - 1
@@ -311,24 +321,26 @@ class ArenaPool(BlockPool):
             if r:
                 continue
             freed += 1
-            crefd[b] = 0
+            c = b if bb == cb else b * bb // cb
+            crefd[c] = 0
             if hashes[b] is None:
-                owner[b] = -1
-                free.append(b)
+                owner[c] = -1
+                free.append(c)
             else:
-                ccf[b] = 1
+                ccf[c] = 1
                 self.clock += 1
-                idle[b] = None
-                idle_all[b] = self.clock
+                idle[c] = None
+                idle_all[c] = self.clock
         self.used[g] -= freed
 
     def refresh(self, group_id: int, blocks: Sequence[int]) -> None:
         g = group_id
-        refs, bpc, fc = self.refs[g], self.bpc[g], self.free_cached[g]
+        refs, fc = self.refs[g], self.free_cached[g]
+        bb, cb = self.block_bytes[g], self.chunk_bytes
         for b in blocks:
             if refs[b]:
                 continue
-            c = b // bpc
+            c = b * bb // cb
             if self.chunk_refd[c]:
                 if b in fc:
                     self.clock += 1
@@ -392,7 +404,7 @@ class ArenaPool(BlockPool):
         idle = len(self.idle_all)
         unc = [len(q) for q in self.free_uncached]
         cac = [len(q) for q in self.free_cached]
-        crefd, ccf = self.chunk_refd, self.chunk_cached_free
+        crefd, ccf, cb = self.chunk_refd, self.chunk_cached_free, self.chunk_bytes
         sim: dict[int, list[int]] = {}  # chunk -> [referenced, cached free] as simulated
         clock = self.clock
         added: dict[int, dict[int, int]] = {}
@@ -404,12 +416,13 @@ class ArenaPool(BlockPool):
             if not rel:
                 continue
             refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
+            bb, first = self.block_bytes[g], self.first[g]
             to_cache = cached[g] or ()
             add_g = added.setdefault(g, {})
             for b in rel:
                 if refs[b] != 1:
                     continue
-                c = b // bpc
+                c = b * bb // cb
                 st = sim.get(c)
                 if st is None:
                     st = sim[c] = [crefd[c], ccf[c]]
@@ -428,7 +441,7 @@ class ArenaPool(BlockPool):
                 cac[g] -= st[1]
                 if st[1]:  # the chunk's cached free blocks leave g's LRU
                     gone_g = gone.setdefault(g, set())
-                    for x in range(c * bpc, (c + 1) * bpc):
+                    for x in range(first[c], first[c] + bpc):
                         if x == b or (hashes[x] is None and x not in to_cache):
                             continue
                         if add_g.pop(x, None) is None:
@@ -446,11 +459,12 @@ class ArenaPool(BlockPool):
             if not tch:
                 continue
             refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
+            bb, first = self.block_bytes[g], self.first[g]
             to_cache = cached[g] or ()
             for b in tch:
                 if refs[b]:
                     continue
-                c = b // bpc
+                c = b * bb // cb
                 st = sim.get(c)
                 if st is None:
                     st = sim[c] = [crefd[c], ccf[c]]
@@ -461,7 +475,7 @@ class ArenaPool(BlockPool):
                     if new_idle.pop(c, None) is None:
                         revived.add(c)
                     add_g = added.setdefault(g, {})
-                    for x in range((c + 1) * bpc - 1, c * bpc - 1, -1):
+                    for x in range(first[c] + bpc - 1, first[c] - 1, -1):
                         if x != b and (hashes[x] is not None or x in to_cache):
                             clock += 1
                             add_g[x] = clock

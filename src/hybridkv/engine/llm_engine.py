@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.cache import KVCacheManager
+from hybridkv.cache import PUBLISH_MODES, KVCacheManager
 from hybridkv.engine.batch import StepBatch
 from hybridkv.engine.device import resolve_device
 from hybridkv.engine.errors import EngineError, ModelSourceError, PromptError
@@ -109,8 +109,11 @@ class CacheConfig:
     shared pool), or
     :data:`DEFAULT_MEMORY_BYTES`.
     ``max_model_len`` (tokens) defaults to the model's ``max_position_embeddings``, at most
-    2048.  Raises :class:`~hybridkv.errors.PlanError` when both budgets are given or a count
-    is not positive.
+    2048.  ``publish``: when the manager publishes attention blocks (``scheduled``: at the
+    allocation of the step that fills them, so requests admitted in the same step hit them;
+    the runner orders its passes so that they are written before they are read; or
+    ``computed``).  Raises :class:`~hybridkv.errors.PlanError` when both budgets are given, a
+    count is not positive or ``publish`` is unknown.
     """
 
     strategy: str = "arena"
@@ -121,10 +124,16 @@ class CacheConfig:
     state_block_size: int | None = None
     max_model_len: int | None = None
     chunk_alignment: int = 4096
+    publish: str = "scheduled"
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "num_blocks", "max_model_len"):
             _positive(name, getattr(self, name))
+        if self.publish not in PUBLISH_MODES:
+            raise PlanError(
+                f"CacheConfig.publish: unknown mode {self.publish!r}; valid: "
+                f"{', '.join(PUBLISH_MODES)}"
+            )
         if self.memory_bytes is not None and self.num_blocks is not None:
             raise PlanError(
                 f"CacheConfig: give memory_bytes ({self.memory_bytes}) or num_blocks "
@@ -274,7 +283,9 @@ class LLMEngine:
         self.storage = KVCacheStorage(self.layout, device=device)
         self.runner = ModelRunner(net, self.layout, StorageViews(self.storage), probe=probe)
         self.model = net
-        self.manager = KVCacheManager(self.layout, max_model_len=self.max_model_len)
+        self.manager = KVCacheManager(
+            self.layout, max_model_len=self.max_model_len, publish=cache.publish
+        )
         sched = scheduler or SchedulerConfig()
         if not sched.collect_block_ids:
             sched = replace(sched, collect_block_ids=True)

@@ -13,7 +13,9 @@ How a step runs
    attention that only mixes tokens of the same request (each request gathers its own keys).
    Recurrent layers scan along the sequence, so a model with them runs one pass per *bucket*
    of requests with the same number of new tokens and the same "has a cached state" flag, as
-   an unpadded ``[B, T]`` batch (padding would leak into the recurrent state).
+   an unpadded ``[B, T]`` batch (padding would leak into the recurrent state).  A request
+   whose cached prefix holds blocks another request writes in this step (a same-step prefix
+   hit: the manager publishes blocks at allocation) runs in a later pass than that writer.
 4. **Store** the final states into ``write_slot`` s, then do ``copies_after``.
 
 Attention layers write the new K/V into their group's views during the pass; MLA layers write
@@ -163,16 +165,49 @@ class ModelRunner:
         """True when a step runs as one packed sequence (no state, no cache-length reads)."""
         return not (self.binding.has_state or self.probe.reads_cache_length)
 
+    def _levels(self, batch: StepBatch) -> list[int]:
+        """Per request, how many passes must run before its own: a request whose computed
+        prefix holds a block another request of this step writes (a same-step prefix hit,
+        published at allocation) runs after that writer."""
+        writer: dict[tuple[int, int], int] = {}
+        for i, r in enumerate(batch.requests):
+            for gid, table in r.block_tables.items():
+                size = self.layout.groups[gid].block_size
+                for j in range(r.num_computed // size, -(-r.end // size)):
+                    writer[(gid, table[j])] = i
+        deps: list[set[int]] = []
+        for i, r in enumerate(batch.requests):
+            found: set[int] = set()
+            for gid, table in r.block_tables.items():
+                size = self.layout.groups[gid].block_size
+                for b in table[: r.num_computed // size]:
+                    w = writer.get((gid, b))
+                    if w is not None and w != i:
+                        found.add(w)
+            deps.append(found)
+        level = [0] * len(deps)
+        for _ in range(len(deps)):  # longest path in the (acyclic) writer -> reader graph
+            changed = False
+            for i, found in enumerate(deps):
+                for w in found:
+                    if level[w] + 1 > level[i]:
+                        level[i] = level[w] + 1
+                        changed = True
+            if not changed:
+                return level
+        raise BatchError("requests of one step read each other's new tokens (a cycle)")
+
     def _buckets(self, batch: StepBatch) -> list[list[int]]:
-        if self.packed:
+        if self.packed:  # one pass writes every layer's new tokens before attending
             return [list(range(len(batch.requests)))]
+        level = self._levels(batch)
         buckets: dict[tuple[int, ...], list[int]] = {}
         for i, r in enumerate(batch.requests):
-            key: tuple[int, ...] = (r.num_new, r.num_computed > 0)
+            key: tuple[int, ...] = (level[i], r.num_new, r.num_computed > 0)
             if self.probe.reads_cache_length:
                 key += (r.num_computed,)
             buckets.setdefault(key, []).append(i)
-        return list(buckets.values())
+        return [buckets[k] for k in sorted(buckets, key=lambda k: k[0])]
 
     def _copy_slots(self, copies: list[tuple[int, StateIO]], *, after: bool) -> None:
         for gid, io in copies:

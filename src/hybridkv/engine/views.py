@@ -68,9 +68,10 @@ def torch_dtype(dtype: DType) -> torch.dtype:
 
 
 def group_block_ids(layout: MemoryLayout, group_id: int) -> int:
-    """How many block ids group ``group_id`` may use (the null block ``0`` included)."""
+    """Size of group ``group_id``'s block-id space (the null block ``0`` included; arena:
+    one stride over the whole region, ids no chunk lends included)."""
     if layout.arena is not None:
-        return layout.arena.num_chunks * layout.blocks_per_chunk(group_id)
+        return layout.num_block_ids(group_id)
     return layout.pool_of(group_id).num_blocks
 
 

@@ -183,7 +183,7 @@ def _arena_ledger(
     chunk = arena.chunk_bytes
     allocated = padded_layers = padded_pages = leftovers = free = held_chunks = 0
     for g in layout.groups:
-        per_chunk = chunk // g.block_bytes
+        per_chunk = layout.blocks_per_chunk(g.group_id)
         held = requests * need[g.group_id]
         chunks = _cdiv(held, per_chunk)
         held_chunks += chunks

@@ -103,8 +103,20 @@ def state_page_candidates(page_bytes: int) -> list[int]:
 def _evaluate(
     groups: tuple[GroupPlan, ...], need: Sequence[int], memory_bytes: int, alignment: int
 ) -> _Candidate:
-    chunk = lcm(alignment, *(g.block_bytes for g in groups))
-    per_chunk = [chunk // g.block_bytes for g in groups]
+    return _evaluate_chunk(
+        groups, need, memory_bytes, lcm(alignment, *(g.block_bytes for g in groups))
+    )
+
+
+def _lent(chunk: int, block: int) -> int:
+    """Blocks of ``block`` bytes every chunk of ``chunk`` bytes lends (see plan.layout)."""
+    return chunk // block - (1 if chunk % block else 0)
+
+
+def _evaluate_chunk(
+    groups: tuple[GroupPlan, ...], need: Sequence[int], memory_bytes: int, chunk: int
+) -> _Candidate:
+    per_chunk = [_lent(chunk, g.block_bytes) for g in groups]
     num_chunks = memory_bytes // chunk
     min_bytes = (1 + sum(_cdiv(n, p) for n, p in zip(need, per_chunk, strict=True))) * chunk
     capacity = arena_capacity(per_chunk, num_chunks - 1, need) if num_chunks >= 2 else 0
@@ -112,8 +124,44 @@ def _evaluate(
         capacity * n * (g.block_bytes - g.used_block_bytes)
         for g, n in zip(groups, need, strict=True)
     )
+    # Bounded chunks: what a chunk lends a group whose block does not divide it is short of
+    # the chunk by less than two blocks; count it for the chunks the capacity point uses.
+    inside = sum(
+        _cdiv(capacity * n, p) * (chunk - p * g.block_bytes)
+        for g, n, p in zip(groups, need, per_chunk, strict=True)
+    )
     tails = memory_bytes - num_chunks * chunk
-    return _Candidate(groups, chunk, num_chunks, capacity, tails + chunk + padding, min_bytes)
+    return _Candidate(
+        groups, chunk, num_chunks, capacity, tails + chunk + padding + inside, min_bytes
+    )
+
+
+#: Bounded chunk sizes tried: up to this many multiples of the largest block (rounded up to
+#: the alignment) and of the smallest aligned chunk holding whole largest blocks.
+_BOUNDED_MULTIPLES = 64
+
+
+def _bounded(
+    base: tuple[GroupPlan, ...], need: Sequence[int], memory_bytes: int, alignment: int
+) -> _Candidate | None:
+    """The best bounded chunk, whatever the page-size mix: ``k`` largest blocks rounded up to
+    the alignment, or ``k`` times the least aligned multiple of the largest block (which then
+    loses nothing to it), ``k = 1 .. 64``; a group whose block does not divide the chunk
+    gets ``chunk // block - 1`` blocks of every chunk (see :mod:`hybridkv.plan.layout`)."""
+    largest = max(g.block_bytes for g in base)
+    whole = lcm(largest, alignment)
+    sizes = {_cdiv(k * largest, alignment) * alignment for k in range(1, _BOUNDED_MULTIPLES + 1)}
+    sizes.update(k * whole for k in range(1, _BOUNDED_MULTIPLES + 1))
+    best: _Candidate | None = None
+    for chunk in sorted(sizes):
+        if memory_bytes // chunk < 2:
+            break
+        if any(chunk % g.block_bytes and chunk < 2 * g.block_bytes for g in base):
+            continue
+        cand = _evaluate_chunk(base, need, memory_bytes, chunk)
+        if best is None or cand.score(memory_bytes) > best.score(memory_bytes):
+            best = cand
+    return best
 
 
 def _search(
@@ -188,6 +236,14 @@ def plan_arena(
         if best.meets_aim(memory_bytes):
             break
     assert best is not None
+    lcm_best = best
+    for alignment in _alignments(options.chunk_alignment):
+        if best.meets_aim(memory_bytes):
+            break
+        bounded = _bounded(base, need, memory_bytes, alignment)
+        if bounded is not None and bounded.score(memory_bytes) > best.score(memory_bytes):
+            best = bounded
+            least = min(least, bounded.min_bytes)
     alignment = options.chunk_alignment
     if best.capacity < 1:
         raise too_small_error(
@@ -204,6 +260,20 @@ def plan_arena(
         for g, raw in zip(best.groups, base, strict=True)
         if g.page_bytes != raw.page_bytes
     ]
+    if best is not lcm_best:
+        short = [
+            f"group {g.group_id} {_lent(best.chunk_bytes, g.block_bytes)} blocks"
+            for g in best.groups
+            if best.chunk_bytes % g.block_bytes
+        ]
+        notes.append(
+            f"arena: bounded chunks of {best.chunk_bytes} B ({best.capacity} max-length "
+            f"requests) instead of a common multiple of every group's block "
+            f"({lcm_best.chunk_bytes} B, {lcm_best.capacity} requests, "
+            f"{100 * lcm_best.waste / memory_bytes:.1f}% lost); a chunk lends "
+            + ", ".join(short)
+            + " (less than two blocks short of the chunk)"
+        )
     if best.chunk_bytes % alignment:
         notes.append(
             f"arena: chunks of {best.chunk_bytes} B are not multiples of the {alignment} B "

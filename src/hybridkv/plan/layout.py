@@ -8,16 +8,22 @@ Block ids
 * ``uniform`` and ``pools``: each :class:`PoolPlan` has block ids ``0 .. num_blocks-1`` and
   block ``b`` occupies bytes ``[b * block_bytes, (b + 1) * block_bytes)`` of that pool.  Block
   ``0`` is the null block (a placeholder for skipped positions) and is never allocated.
-* ``arena``: one region of ``num_chunks`` chunks of ``chunk_bytes``.  Group ``g`` sees block
-  ids ``0 .. num_chunks * blocks_per_chunk(g) - 1``; block ``b`` of group ``g`` occupies bytes
-  ``[b * block_bytes(g), (b + 1) * block_bytes(g))`` of the arena, i.e. chunk
-  ``b // blocks_per_chunk(g)``.  ``chunk_bytes`` is a multiple of every group's
-  ``block_bytes``, so every group can index the arena with one stride.  A group may only use
-  blocks of chunks it currently holds.  Chunk ``0`` is reserved: block ``0`` of every group is
-  the null block and lives there.
+* ``arena``: one region of ``num_chunks`` chunks of ``chunk_bytes`` (``C``).  Every group
+  indexes the whole region with one stride, its ``block_bytes`` (``B``): block ``b`` occupies
+  bytes ``[b * B, (b + 1) * B)``, in chunk ``b * B // C`` (:meth:`MemoryLayout.chunk_of_block`).
+  When ``B`` divides ``C``, chunk ``c`` holds the ``C / B`` blocks ``[c * C / B, (c + 1) * C /
+  B)``.  Otherwise (bounded chunks with a page-size mix, see :mod:`hybridkv.plan.arena`) chunk
+  ``c`` lends group ``g`` the ``blocks_per_chunk(g) = C // B - 1`` blocks that start at its
+  first whole block ``ceil(c * C / B)`` (:meth:`MemoryLayout.chunk_first_block`): the same
+  count in every chunk, losing less than ``2 * B`` bytes per chunk; the ids in between
+  (blocks straddling two chunks, or the one extra block some chunks could hold) are never
+  handed out.  A group may only use blocks of chunks it currently holds.  Chunk ``0`` is
+  reserved: block ``0`` of every group is the null block and lives there.
 
 Example (arena): groups with 64 KiB and 96 KiB blocks, ``chunk_bytes`` = 192 KiB.  Group 0 has 3
-blocks per chunk, group 1 has 2.  Group 1's block 5 is chunk 2, bytes 480..576 KiB.
+blocks per chunk, group 1 has 2.  Group 1's block 5 is chunk 2, bytes 480..576 KiB.  With
+``chunk_bytes`` = 320 KiB instead, group 1 gets ``320 // 96 - 1 = 2`` blocks per chunk: chunk 1
+(bytes 320..640 KiB) lends it blocks 4 and 5 (block 3, 288..384 KiB, straddles chunks 0 and 1).
 """
 
 from __future__ import annotations
@@ -237,11 +243,13 @@ class MemoryLayout:
     def _check_arena(self) -> None:
         if self.arena is None or self.pools:
             raise PlanError("MemoryLayout: the arena strategy needs `arena` and no `pools`")
+        chunk = self.arena.chunk_bytes
         for g in self.groups:
-            if self.arena.chunk_bytes % g.block_bytes:
+            if chunk % g.block_bytes and chunk < 2 * g.block_bytes:
                 raise PlanError(
-                    f"ArenaPlan.chunk_bytes: {self.arena.chunk_bytes} is not a multiple of "
-                    f"group {g.group_id}'s block_bytes {g.block_bytes}"
+                    f"ArenaPlan.chunk_bytes: {chunk} holds no whole block of group "
+                    f"{g.group_id} in every chunk (block_bytes {g.block_bytes}); give a "
+                    f"multiple of it or at least {2 * g.block_bytes}"
                 )
 
     def _check_pools(self) -> None:
@@ -285,11 +293,37 @@ class MemoryLayout:
                 return pool
         raise PlanError(f"MemoryLayout.pool_of: no pool holds group {group_id}")
 
-    def blocks_per_chunk(self, group_id: int) -> int:
-        """Arena only: how many of group ``group_id``'s blocks one chunk holds."""
+    def _arena_plan(self, what: str) -> ArenaPlan:
         if self.arena is None:
-            raise PlanError("MemoryLayout.blocks_per_chunk: only the arena strategy has chunks")
-        return self.arena.chunk_bytes // self.groups[group_id].block_bytes
+            raise PlanError(f"MemoryLayout.{what}: only the arena strategy has chunks")
+        return self.arena
+
+    def blocks_per_chunk(self, group_id: int) -> int:
+        """Arena only: how many of group ``group_id``'s blocks every chunk lends it."""
+        chunk = self._arena_plan("blocks_per_chunk").chunk_bytes
+        block = self.groups[group_id].block_bytes
+        return chunk // block - (1 if chunk % block else 0)
+
+    def chunk_first_block(self, group_id: int, chunk: int) -> int:
+        """Arena only: the first of the ``blocks_per_chunk`` block ids ``chunk`` lends."""
+        size = self._arena_plan("chunk_first_block").chunk_bytes
+        return -(-chunk * size // self.groups[group_id].block_bytes)
+
+    def chunk_of_block(self, group_id: int, block_id: int) -> int:
+        """Arena only: the chunk holding the start of block ``block_id`` of the group."""
+        size = self._arena_plan("chunk_of_block").chunk_bytes
+        return block_id * self.groups[group_id].block_bytes // size
+
+    def chunk_blocks(self, group_id: int, chunk: int) -> range:
+        """Arena only: the block ids ``chunk`` lends group ``group_id``."""
+        first = self.chunk_first_block(group_id, chunk)
+        return range(first, first + self.blocks_per_chunk(group_id))
+
+    def num_block_ids(self, group_id: int) -> int:
+        """Arena only: the size of the group's block-id space, ``total_bytes // block_bytes``
+        (one stride over the whole region; ids the group never gets included)."""
+        arena = self._arena_plan("num_block_ids")
+        return arena.total_bytes // self.groups[group_id].block_bytes
 
     @property
     def total_bytes(self) -> int:

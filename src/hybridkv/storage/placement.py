@@ -296,11 +296,9 @@ class _Region(NamedTuple):
 
 
 def _region(layout: MemoryLayout, group: GroupPlan) -> _Region:
-    if layout.arena is not None:
-        per_chunk = layout.blocks_per_chunk(group.group_id)
-        return _Region(
-            0, layout.arena.num_chunks * per_chunk, group.block_bytes, layout.total_bytes
-        )
+    if layout.arena is not None:  # one stride over the whole region (see plan.layout)
+        num_ids = layout.num_block_ids(group.group_id)
+        return _Region(0, num_ids, group.block_bytes, layout.total_bytes)
     pool = layout.pool_of(group.group_id)
     return _Region(pool.pool_id, pool.num_blocks, pool.block_bytes, pool.total_bytes)
 
@@ -317,7 +315,14 @@ def _arena_slots(layout: MemoryLayout) -> int:
             f"of slots (members + padded_members), got {counts}; use cross_layer or "
             "cross_layer_head_major, or pad the groups"
         )
-    return next(iter(counts.values()))
+    slots = next(iter(counts.values()))
+    chunk = layout.arena.chunk_bytes if layout.arena is not None else 0
+    if chunk % slots:
+        raise LayoutUnsupportedError(
+            f"kind: per_layer on the arena strategy needs chunk_bytes ({chunk}) to split into "
+            f"{slots} equal slab pieces; use cross_layer or cross_layer_head_major"
+        )
+    return slots
 
 
 # --------------------------------------------------------------------------- arrangers

@@ -31,6 +31,8 @@ __all__ = ["ChunkedLocalManager", "FullAttentionManager", "SlidingWindowManager"
 class _AttentionManager(KindManager):
     """Shared table logic of the per-token kinds."""
 
+    publishes_scheduled: ClassVar[bool] = True
+
     def _cache_items(
         self, table: list[int], hashes: Sequence[int], lo: int, hi: int
     ) -> list[tuple[int, int, int]] | None:
@@ -51,8 +53,42 @@ class _AttentionManager(KindManager):
         out.reverse()
         return out or None
 
+    def publish_scheduled(self, st: GroupState, request: Request, step_end: int) -> None:
+        """Publish the blocks the running step fills (``[num_cached, step_end // bs)``).
+
+        The ``scheduled`` publication mode: a request admitted later in the same step hits
+        them, so the runner must write a step's new tokens before any read of them (one pass
+        writes every layer's new tokens before attending; passes run writers first).
+        """
+        upto = min(step_end // self.block_size, len(st.table))
+        if upto > st.num_cached:
+            items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto)
+            if items:
+                self._publish(items, request)
+            st.num_cached = upto
+
+    def _unpublish_uncomputed(self, st: GroupState, request: Request, computed: int) -> None:
+        """Take back what :meth:`publish_scheduled` offered beyond ``computed`` blocks: the
+        step that would have written them did not run (freed or preempted before it did)."""
+        table, held, refs, m = st.table, self.block_hashes, self.refs, self.map
+        hashes, k = request.block_hashes, self.stride
+        gone: list[int] = []
+        for j in range(computed, min(st.num_cached, len(table))):
+            b = table[j]
+            h = hashes[(j + 1) * k - 1]
+            if b and held[b] == h and refs[b] == 1:
+                del m[h]
+                held[b] = None
+                gone.append(h)
+        st.num_cached = computed
+        if gone and self.events.enabled:
+            self.events.removed(self.group_id, tuple(gone))  # type: ignore[arg-type]
+
     def release_all(self, st: GroupState, request: Request) -> None:
-        upto = min(request.num_computed_tokens // self.block_size, len(st.table))
+        computed = request.num_computed_tokens // self.block_size
+        if st.num_cached > computed:
+            self._unpublish_uncomputed(st, request, computed)
+        upto = min(computed, len(st.table))
         if upto > st.num_cached:
             items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto)
             if items:

@@ -11,9 +11,11 @@ answers four questions:
 
 An allocation is planned for every group first (no mutation), checked against the pool as a
 whole, then applied in three phases over all groups: (1) cache and release, (2) touch hit
-blocks, (3) allocate new blocks.  A block is published only once its tokens are computed,
-i.e. below ``request.num_computed_tokens`` as the scheduler reports it at the next call (or at
-``free``), so a hit never reads KV that a running step is still writing.
+blocks, (3) allocate new blocks.  A block is published once its tokens are computed, i.e.
+below ``request.num_computed_tokens`` as the scheduler reports it at the next call (or at
+``free``); attention kinds may publish earlier, at the allocation of the step that fills them
+(:meth:`KindManager.publish_scheduled`, the coordinator's ``scheduled`` mode), under the
+runner's contract that a step writes its new tokens before anything reads them.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class KindManager(ABC):
     kinds: ClassVar[tuple[CacheKind, ...]]
     #: True when a hit of n tokens implies hits of every shorter aligned length.
     prefix_closed: ClassVar[bool] = False
+    #: True when the kind can publish a step's blocks at its allocation (attention kinds).
+    publishes_scheduled: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -202,6 +206,11 @@ class KindManager(ABC):
         if new:
             st.table.extend(new)
         return new
+
+    def publish_scheduled(self, st: GroupState, request: Request, step_end: int) -> None:
+        """Publish what the step ending at ``step_end`` fills, before it runs (the
+        ``scheduled`` mode; only kinds with :attr:`publishes_scheduled`)."""
+        raise InvariantError(f"group {self.group_id}: {self.spec.kind} publishes once computed")
 
     def _publish(self, items: list[tuple[int, int, int]], request: Request) -> None:
         pool, g = self.pool, self.group_id
