@@ -138,7 +138,8 @@ class HybridkvAdapter:
         """vLLM's admission gate (``full_sequence_must_fit``), with vLLM's per-kind counts:
         full attention and MLA the whole sequence, sliding windows ``cdiv(min(W - 1 +
         token_budget, L), bs) + 1``, chunked local the same with the chunk, states two slots;
-        minus the blocks the hit already holds.  A query: nothing changes."""
+        minus the blocks the hit already holds, whose evictable (unreferenced) ones the hit
+        takes out of the free count as vLLM's does.  A query: nothing changes."""
         length = req.num_tokens
         needs = []
         for g, held in zip(self.manager.layout.groups, hit.blocks, strict=True):
@@ -153,7 +154,8 @@ class HybridkvAdapter:
                 need = -(-length // bs)
             needs.append(max(0, need - sum(1 for b in held if b)))
         none: list[None] = [None] * len(needs)
-        return bool(self.manager.pool.fits(none, none, none, needs))
+        touches = [[b for b in held if b] or None for held in hit.blocks]
+        return bool(self.manager.pool.fits(none, none, touches, needs))
 
     def append_token(self, req: vd.SimRequest, token_id: int) -> None:
         r = self._reqs[req.request_id]

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from hybridkv.cache import KVCacheManager, StateCopy, StateSlot
+from hybridkv.cache import BlockStored, KVCacheManager, StateCopy, StateSlot
 from hybridkv.cache.kinds import KIND_MANAGERS, manager_class
 from hybridkv.specs import CacheKind
-from test_cache_factories import admit, full, groups, pools, state, step, swa, tokens, uniform
+from test_cache_factories import (
+    admit,
+    full,
+    groups,
+    pools,
+    run_to_completion,
+    state,
+    step,
+    swa,
+    tokens,
+    uniform,
+)
 
 
 def test_registry_dispatches_on_kind() -> None:
@@ -81,9 +92,45 @@ def test_sliding_window_sinks_stay_and_gate_hits() -> None:
     step(r0, 16)
     r0.append_token_ids([1])
     assert mgr.allocate_slots(r0, 1) is not None
-    assert mgr.get_block_ids("r0") == ([1, 0, 0, 4, 5],)  # sink block 0 stays
+    # sink block 0 stays; block 2 (tokens 4..8) left the window uncached (no hit at a
+    # likely position reads it: tail retention), so it is the first block reused
+    assert mgr.get_block_ids("r0") == ([1, 0, 0, 4, 2],)
     step(r0, 1)
     mgr.free("r0")
     hit = mgr.get_computed_blocks(mgr.make_request("r1", [*tokens(16), 7]))
     assert hit.num_computed_tokens == 16 and hit.blocks == ((1, 0, 0, 4),)
     mgr.check_invariants()
+
+
+def _window_run(retention: str) -> tuple[KVCacheManager, list[int]]:
+    """A 20-token prompt on a 4-token window (blocks of 4, alignment 4), 2 decoded tokens."""
+    mgr = KVCacheManager(
+        uniform(groups(swa(4)), 30), enable_kv_events=True, window_retention=retention
+    )
+    r0 = mgr.make_request("r0", tokens(20))
+    run_to_completion(mgr, r0, outputs=[1, 2])
+    stored = [
+        r0.block_hashes.index(h)
+        for e in mgr.take_events()
+        if isinstance(e, BlockStored)
+        for h in e.block_hashes
+    ]
+    return mgr, stored
+
+
+def test_window_tail_retention_caches_only_likely_hit_tails() -> None:
+    # tails: a hit at the prompt's end (19 -> 16 resend, 20 sibling) reads blocks 3 and 4;
+    # the computed end (22 -> 20) reads block 4 too.  Blocks 0..2 leave uncached.
+    mgr, stored = _window_run("tails")
+    assert sorted(stored) == [3, 4]
+    assert mgr.get_computed_blocks(mgr.make_request("resend", tokens(20))).num_computed_tokens == 16
+    longer = mgr.make_request("longer", [*tokens(20), 9, 9])
+    assert mgr.get_computed_blocks(longer).num_computed_tokens == 20
+    # a sibling sharing 12 tokens needs block 2 (tokens 8..12): not kept, no hit
+    sibling = mgr.make_request("sibling", [*tokens(12), 50, 51, 52])
+    assert mgr.get_computed_blocks(sibling).num_computed_tokens == 0
+    mgr.check_invariants()
+    mgr, stored = _window_run("all")
+    assert sorted(stored) == [0, 1, 2, 3, 4]
+    sibling = mgr.make_request("sibling", [*tokens(12), 50, 51, 52])
+    assert mgr.get_computed_blocks(sibling).num_computed_tokens == 12

@@ -90,7 +90,7 @@ def test_lru_eviction_takes_the_tail_first() -> None:
 
 
 def test_full_plus_sliding_window_releases_and_hits() -> None:
-    mgr = KVCacheManager(uniform(groups(full(), swa(8)), 20))
+    mgr = KVCacheManager(uniform(groups(full(), swa(8)), 20), window_retention="all")
     r0 = mgr.make_request("r0", tokens(18))
     _, res = admit(mgr, r0)
     assert res is not None and res.new_block_ids == ((1, 2, 3, 4, 5), (6, 7, 8, 9, 10))
@@ -119,7 +119,7 @@ def test_full_plus_sliding_window_releases_and_hits() -> None:
 def test_sliding_window_frees_before_allocating_in_the_same_call() -> None:
     # 6 usable blocks: r0 holds 3 SWA blocks; its next chunk needs 3 more, and only fits
     # because the 2 out-of-window blocks are released first within the call.
-    mgr = KVCacheManager(uniform(groups(swa(4)), 5))
+    mgr = KVCacheManager(uniform(groups(swa(4)), 5), window_retention="all")
     r0 = mgr.make_request("r0", tokens(24))
     _, res = admit(mgr, r0, budget=12)
     assert res is not None and res.new_block_ids == ((1, 2, 3),)
@@ -136,7 +136,7 @@ def test_sliding_window_frees_before_allocating_in_the_same_call() -> None:
 
 def test_three_groups_two_windows_and_state_fixed_point() -> None:
     gs = groups(full(), swa(8), (swa(12), 8), (state(), 8))
-    mgr = KVCacheManager(pools(gs, 30))
+    mgr = KVCacheManager(pools(gs, 30), window_retention="all")
     assert (mgr.hash_block_size, mgr.schedule_alignment) == (4, 8)
     r0 = mgr.make_request("r0", tokens(24))
     _, res = admit(mgr, r0)
@@ -224,7 +224,7 @@ def test_state_plus_sliding_window_without_full_attention() -> None:
 
 
 def test_chunked_local_attention_keeps_only_the_current_chunk() -> None:
-    mgr = KVCacheManager(uniform(groups(full(), chunked(8)), 30))
+    mgr = KVCacheManager(uniform(groups(full(), chunked(8)), 30), window_retention="all")
     r0 = mgr.make_request("r0", tokens(20))
     _, res = admit(mgr, r0)
     assert res is not None

@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 
 from hybridkv.cache import (
     PUBLISH_MODES,
+    WINDOW_RETENTION,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -57,8 +58,9 @@ class CacheMachine(RuleBasedStateMachine):
         capacity=hst.integers(3, 10),
         events=hst.booleans(),
         publish=hst.sampled_from(PUBLISH_MODES),
+        retention=hst.sampled_from(WINDOW_RETENTION),
     )
-    def setup(self, items: list, capacity: int, events: bool, publish: str) -> None:
+    def setup(self, items: list, capacity: int, events: bool, publish: str, retention: str) -> None:
         layout = layout_for(self.strategy, groups(*items), capacity)
         self.mgr = KVCacheManager(
             layout,
@@ -66,6 +68,7 @@ class CacheMachine(RuleBasedStateMachine):
             enable_kv_events=events,
             arena_eviction=eviction_for(self.strategy),
             publish=publish,
+            window_retention=retention,
         )
         self.mirror = [set() for _ in layout.groups]
 

@@ -67,7 +67,10 @@ def test_chunked_prefill_then_decode_exact_steps() -> None:
 
 def test_state_layout_splits_at_alignment_and_junction() -> None:
     # alignment = lcm(4, 4, 8) = 8; shared prefix 30 tokens -> junction 28, aligned 24
-    mgr = KVCacheManager(_layout([(FULL, 4), (SWA, 4), (STATE, 8)], 40))
+    # every window block cached, so r1 hits r0's first chunk (with the default tail
+    # retention r0 keeps only the window before its prompt's end: r1 would start from 0)
+    layout = _layout([(FULL, 4), (SWA, 4), (STATE, 8)], 40)
+    mgr = KVCacheManager(layout, window_retention="all")
     sched = Scheduler(mgr, SchedulerConfig(token_budget=16), max_model_len=100)
     prefix = list(range(100, 130))
     for i in range(4):

@@ -15,7 +15,7 @@ Entry point: :class:`KVCacheManager` (``hybridkv.cache.manager``).  Layers, bott
 
 from __future__ import annotations
 
-from hybridkv.cache.coordinator import PUBLISH_MODES
+from hybridkv.cache.coordinator import PUBLISH_MODES, WINDOW_RETENTION
 from hybridkv.cache.errors import (
     DuplicateRequestError,
     FinishedRequestError,
@@ -46,6 +46,7 @@ from hybridkv.cache.types import (
 
 __all__ = [
     "PUBLISH_MODES",
+    "WINDOW_RETENTION",
     "AllBlocksCleared",
     "AllocationResult",
     "BlockHash",

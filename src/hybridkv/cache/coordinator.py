@@ -28,7 +28,7 @@ from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout
 from hybridkv.specs import CacheKind
 
-__all__ = ["PUBLISH_MODES", "HitResult", "HybridCoordinator", "RequestState"]
+__all__ = ["PUBLISH_MODES", "WINDOW_RETENTION", "HitResult", "HybridCoordinator", "RequestState"]
 
 #: When attention blocks join the prefix cache: ``scheduled`` (default) at the allocation of
 #: the step that fills them, as vLLM does, so requests admitted later in the same step hit
@@ -37,6 +37,13 @@ __all__ = ["PUBLISH_MODES", "HitResult", "HybridCoordinator", "RequestState"]
 #: always published once computed: a recurrent layer cannot read a state its own pass is
 #: still producing.
 PUBLISH_MODES = ("scheduled", "computed")
+
+#: Which blocks of windowed kinds (sliding window, chunked local) join the prefix cache:
+#: ``tails`` (default): only those a hit at a likely position reads (the window before the
+#: prompt's end, the request's hit and junction, and its computed end when freed; the rest
+#: leave the window uncached, so they are reused before any cached block is evicted);
+#: ``all``: every computed block.
+WINDOW_RETENTION = ("tails", "all")
 
 
 class RequestState:
@@ -81,7 +88,13 @@ class HybridCoordinator:
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
         publish: str = "scheduled",
+        window_retention: str = "tails",
     ) -> None:
+        if window_retention not in WINDOW_RETENTION:
+            raise PlanError(
+                f"window_retention: unknown policy {window_retention!r}; valid: "
+                f"{', '.join(WINDOW_RETENTION)}"
+            )
         if publish not in PUBLISH_MODES:
             raise PlanError(f"publish: unknown mode {publish!r}; valid: {', '.join(PUBLISH_MODES)}")
         self.layout = layout
@@ -101,6 +114,8 @@ class HybridCoordinator:
             for g in layout.groups
         ]
         self.num_groups = len(self.managers)
+        for m in self.managers:
+            m.dense_windows = window_retention == "all"
         self._closed = [m for m in self.managers if m.prefix_closed]
         self._open = [m for m in self.managers if not m.prefix_closed]
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
@@ -212,6 +227,8 @@ class HybridCoordinator:
         if rs is None:
             marks = tuple(x for x in (num_new_computed_tokens, junction) if x)
             rs = RequestState(request, [m.new_state() for m in managers], marks)
+            for m, st in zip(managers, rs.groups, strict=True):
+                m.start(st, request, marks)
             self.requests[request.request_id] = rs
         groups = rs.groups
         for i, p in enumerate(plans):
@@ -337,6 +354,7 @@ class HybridCoordinator:
                         st.pending,
                         st.pending_index,
                         st.source,
+                        st.keep,
                     )
                     for st in rs.groups
                 ],

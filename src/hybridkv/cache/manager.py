@@ -69,6 +69,9 @@ class KVCacheManager:
     them; the runner must write a step's new tokens before reading them (hybridkv's engine
     orders its passes so).  ``"computed"``: only once reported computed.  See
     :data:`hybridkv.cache.coordinator.PUBLISH_MODES`.
+    ``window_retention``: ``"tails"`` (default) publishes only the sliding-window / local-chunk
+    blocks a hit at a likely position reads; ``"all"`` every computed one (see
+    :data:`hybridkv.cache.coordinator.WINDOW_RETENTION`).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class KVCacheManager:
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
         publish: str = "scheduled",
+        window_retention: str = "tails",
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -95,6 +99,7 @@ class KVCacheManager:
             max_model_len=max_model_len,
             arena_eviction=arena_eviction,
             publish=publish,
+            window_retention=window_retention,
         )
         self._stats = StatsCollector(len(layout.groups))
         self._known: dict[str, Request] = {}

@@ -34,11 +34,27 @@ class _AttentionManager(KindManager):
     publishes_scheduled: ClassVar[bool] = True
 
     def _cache_items(
-        self, table: list[int], hashes: Sequence[int], lo: int, hi: int
+        self,
+        table: list[int],
+        hashes: Sequence[int],
+        lo: int,
+        hi: int,
+        keep: Sequence[tuple[int, int]] | None = None,
     ) -> list[tuple[int, int, int]] | None:
-        """Blocks ``table[lo:hi]`` to publish: computed, not null, hash not yet cached."""
+        """Blocks ``table[lo:hi]`` to publish: computed, not null, hash not yet cached, and
+        (when ``keep`` is given) inside one of its ``[lo, hi)`` ranges."""
         m, k, held = self.map, self.stride, self.block_hashes
         out: list[tuple[int, int, int]] = []
+        if keep is not None:
+            for a, z in keep:
+                for j in range(max(lo, a), min(hi, z)):
+                    b = table[j]
+                    if b and held[b] is None:
+                        h = hashes[(j + 1) * k - 1]
+                        if h not in m:
+                            out.append((j, b, h))
+            out.sort()
+            return out or None
         for j in range(lo, hi):
             b = table[j]
             if b and held[b] is None:
@@ -62,7 +78,7 @@ class _AttentionManager(KindManager):
         """
         upto = min(step_end // self.block_size, len(st.table))
         if upto > st.num_cached:
-            items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto)
+            items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto, st.keep)
             if items:
                 self._publish(items, request)
             st.num_cached = upto
@@ -90,7 +106,7 @@ class _AttentionManager(KindManager):
             self._unpublish_uncomputed(st, request, computed)
         upto = min(computed, len(st.table))
         if upto > st.num_cached:
-            items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto)
+            items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto, st.keep)
             if items:
                 self._publish(items, request)
             st.num_cached = upto
@@ -169,6 +185,33 @@ class _WindowedManager(_AttentionManager):
     def new_state(self) -> GroupState:
         return GroupState(released=self.sink_blocks)
 
+    def start(self, st: GroupState, request: Request, marks: Sequence[int]) -> None:
+        """Tail retention: the ranges a hit at the prompt's end (a resend, or a longer
+        sibling), at the request's hit or at its junction would read."""
+        if self.dense_windows:
+            return
+        p = request.num_prompt_tokens
+        ends = {p - 1, p, *marks}
+        keep = [self._tail(e) for e in sorted(ends) if e > 0]
+        if self.sink_blocks:
+            keep.insert(0, (0, self.sink_blocks))
+        st.keep = tuple(keep)
+
+    def release_all(self, st: GroupState, request: Request) -> None:
+        if st.keep is not None:  # tail retention: also the window before the computed end
+            computed = request.num_computed_tokens // self.block_size
+            if st.num_cached > computed:
+                self._unpublish_uncomputed(st, request, computed)
+            tail = self._tail(request.num_computed_tokens)
+            st.keep = (*st.keep, tail)
+            st.num_cached = min(st.num_cached, tail[0])
+        super().release_all(st, request)
+
+    def _tail(self, end: int) -> tuple[int, int]:
+        """Table range a hit at ``end`` (aligned down) reads, sinks aside."""
+        j = end // self.alignment * self.alignment // self.block_size
+        return (min(max(self.first_kept_block(j * self.block_size), self.sink_blocks), j), j)
+
     def _flags(self, hashes: Sequence[int], top: int) -> bytes:
         """``flags[i] == 1`` iff block ``i`` (< ``top``) of the request is cached here."""
         k = self.stride
@@ -239,7 +282,9 @@ class _WindowedManager(_AttentionManager):
         cache = None
         num_cached = st.num_cached
         if computed_blocks > num_cached:
-            cache = self._cache_items(table, request.block_hashes, num_cached, computed_blocks)
+            cache = self._cache_items(
+                table, request.block_hashes, num_cached, computed_blocks, st.keep
+            )
             num_cached = computed_blocks
         release = None
         released = st.released

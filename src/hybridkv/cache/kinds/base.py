@@ -43,12 +43,14 @@ class GroupState:
     table entries already offered to the prefix cache.  ``released``: table entries below it
     that the kind may have nulled.  ``pending`` / ``pending_index`` / ``source``: state kinds'
     checkpoint awaiting publication (index of the block it ends) and hit checkpoint awaiting
-    its copy (0 = none).
+    its copy (0 = none).  ``keep``: windowed kinds under tail retention, the ``[lo, hi)`` table
+    ranges worth publishing (None: every block).
     """
 
-    __slots__ = ("num_cached", "pending", "pending_index", "released", "source", "table")
+    __slots__ = ("keep", "num_cached", "pending", "pending_index", "released", "source", "table")
 
     def __init__(self, released: int = 0) -> None:
+        self.keep: tuple[tuple[int, int], ...] | None = None
         self.table: list[int] = []
         self.num_cached = 0
         self.released = released
@@ -95,6 +97,8 @@ class KindManager(ABC):
     prefix_closed: ClassVar[bool] = False
     #: True when the kind can publish a step's blocks at its allocation (attention kinds).
     publishes_scheduled: ClassVar[bool] = False
+    #: Windowed kinds: publish every computed block (True) or only likely-hit tails.
+    dense_windows: bool = True
 
     def __init__(
         self,
@@ -155,6 +159,9 @@ class KindManager(ABC):
     # -- allocation ---------------------------------------------------------------------------
     def new_state(self) -> GroupState:
         return GroupState()
+
+    def start(self, st: GroupState, request: Request, marks: Sequence[int]) -> None:  # noqa: B027
+        """Hook at a request's first allocation (``marks``: its hit and junction, tokens)."""
 
     @abstractmethod
     def plan(
