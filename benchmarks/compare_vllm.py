@@ -37,6 +37,7 @@ from hybridkv.specs import (  # noqa: E402
     AttentionSpec,
     CacheKind,
     ChunkedLocalSpec,
+    MLASpec,
     ModelSpec,
     SlidingWindowSpec,
     StateSpec,
@@ -137,15 +138,19 @@ class HybridkvAdapter:
     def _full_sequence_fits(self, req: vd.SimRequest, hit: ComputedBlocks) -> bool:
         """vLLM's admission gate (``full_sequence_must_fit``), with vLLM's per-kind counts:
         full attention and MLA the whole sequence, sliding windows ``cdiv(min(W - 1 +
-        token_budget, L), bs) + 1``, chunked local the same with the chunk, states two slots;
-        minus the blocks the hit already holds, whose evictable (unreferenced) ones the hit
-        takes out of the free count as vLLM's does.  A query: nothing changes."""
+        token_budget, L), bs) + 1``, chunked local the same with the chunk, states two new
+        slots; minus the blocks the hit already holds (not for states), whose evictable
+        (unreferenced) ones the hit takes out of the free count as vLLM's does.  A query:
+        nothing changes."""
         length = req.num_tokens
         needs = []
         for g, held in zip(self.manager.layout.groups, hit.blocks, strict=True):
             spec, bs = g.spec, g.block_size
             if spec.kind is CacheKind.STATE:
-                need = 2  # the running slot and the checkpoint its first chunk ends with
+                # the running slot and the checkpoint its first chunk ends with, both new:
+                # a hit checkpoint is copied into the running slot, not written in place
+                needs.append(2)
+                continue
             elif isinstance(spec, SlidingWindowSpec):
                 need = -(-min(spec.window - 1 + self.token_budget, length) // bs) + 1
             elif isinstance(spec, ChunkedLocalSpec):
@@ -196,6 +201,17 @@ def vllm_groups(model: ModelSpec, block_size: int) -> list[vd.GroupDesc]:
                     "block_size": block_size,
                     "mamba_shapes": tuple(t.shape for t in spec.tensors),
                     "mamba_dtype_bytes": tuple(t.dtype.itemsize for t in spec.tensors),
+                }
+            )
+        elif isinstance(spec, MLASpec):
+            out.append(
+                {
+                    "kind": "mla",
+                    "num_layers": n,
+                    "num_kv_heads": 1,
+                    "head_dim": spec.latent_dim,
+                    "dtype_bytes": spec.dtype.itemsize,
+                    "block_size": block_size,
                 }
             )
         elif isinstance(spec, AttentionSpec):

@@ -87,8 +87,10 @@ class VllmUnavailable(RuntimeError):
 class GroupDesc:
     """Layers of one kind, described with plain data (sizes in tokens and bytes).
 
-    ``kind`` is "full", "sliding" (needs ``window``) or "mamba" (needs ``mamba_shapes`` and one
-    ``mamba_dtype_bytes`` entry per shape).  Attention page = 2*block*heads*head_dim*bytes."""
+    ``kind`` is "full", "sliding" (needs ``window``), "mla" (one latent of ``head_dim`` per
+    token, ``num_kv_heads`` 1) or "mamba" (needs ``mamba_shapes`` and one
+    ``mamba_dtype_bytes`` entry per shape).  Attention page = 2*block*heads*head_dim*bytes
+    (MLA: block*head_dim*bytes)."""
 
     kind: str
     num_layers: int
@@ -103,8 +105,8 @@ class GroupDesc:
     @classmethod
     def from_any(cls, value: GroupDesc | Mapping[str, Any]) -> GroupDesc:
         d = value if isinstance(value, GroupDesc) else cls(**dict(value))
-        if d.kind not in ("full", "sliding", "mamba"):
-            raise ValueError(f"kind={d.kind!r}: must be 'full', 'sliding' or 'mamba'")
+        if d.kind not in ("full", "sliding", "mla", "mamba"):
+            raise ValueError(f"kind={d.kind!r}: must be 'full', 'sliding', 'mla' or 'mamba'")
         if d.kind == "sliding" and d.window <= 0:
             raise ValueError(f"window={d.window}: a sliding group needs a window > 0")
         if d.kind == "mamba" and (
@@ -115,7 +117,8 @@ class GroupDesc:
 
     @property
     def attn_bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        kv = 1 if self.kind == "mla" else 2
+        return kv * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def state_bytes(self) -> int:
@@ -217,6 +220,8 @@ def _layer_specs(v: SimpleNamespace, descs: list[GroupDesc], align: int) -> tupl
             kw = {"block_size": block, "num_kv_heads": d.num_kv_heads, "head_size": d.head_dim}
             if d.kind == "full":
                 specs[name] = v.iface.FullAttentionSpec(dtype=dtypes[d.dtype_bytes], **kw)
+            elif d.kind == "mla":
+                specs[name] = v.iface.MLAAttentionSpec(dtype=dtypes[d.dtype_bytes], **kw)
             else:
                 specs[name] = v.iface.SlidingWindowSpec(
                     dtype=dtypes[d.dtype_bytes], sliding_window=d.window, **kw
