@@ -51,6 +51,8 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["simulate", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
     (["simulate", "--model", "no-such-model"], "'no-such-model' is neither a catalog name"),
     (["simulate", "--pool-ratios", "x"], "cannot parse --pool-ratios"),
+    (["simulate", "--window-retention", "some"], "argument --window-retention: invalid choice"),
+    (["simulate", "--publish", "later"], "argument --publish: invalid choice"),
     (["simulate", "--strategy", "pools", "--pool-ratios", "1,2,3"], "--pool-ratios: got 3"),
     (["simulate", "--trace", "synthetic:nope"], "unknown synthetic workload 'nope'"),
     (["simulate", "--trace", "{tmp}/missing.jsonl"], "missing.jsonl"),

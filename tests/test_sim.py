@@ -155,3 +155,24 @@ def test_interpretation_is_computed_from_the_results(results: list) -> None:  # 
     assert f"{best.strategy}" in line and f"{best.hit_rate:.1%}" in line
     for r in results:
         assert f"{r.hit_rate:.1%}" in line
+
+
+def test_publication_policies_reach_the_manager() -> None:
+    # chat sessions on gpt-oss (window 128): the dense policy caches every window block, the
+    # tails policy only those a likely hit reads; same workload, both finish everything
+    model = resolve_model("gpt-oss-20b")
+    profile = ModelProfile.from_config(load_model_config("gpt-oss-20b"))
+    work = synthetic_workload("chat", SyntheticOptions(num_requests=40, seed=5))
+    out = {}
+    for retention in ("tails", "all"):
+        for publish in ("scheduled", "computed"):
+            cfg = SimConfig(
+                memory_bytes=1 << 30,
+                max_model_len=16384,
+                window_retention=retention,
+                publish=publish,
+            )
+            r = simulate(model, profile, work, cfg)
+            assert r.finished == 40
+            out[retention, publish] = r.hit_rate
+    assert len(set(out.values())) > 1, out  # the options change what is cached

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridkv.cache import PUBLISH_MODES, WINDOW_RETENTION
 from hybridkv.cli.common import (
     CliInputError,
     add_block_options,
@@ -87,6 +88,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-arrivals", action="store_true", help="ignore arrival times: all requests at once"
+    )
+    parser.add_argument(
+        "--window-retention",
+        default="tails",
+        choices=list(WINDOW_RETENTION),
+        help="sliding-window blocks cached: only the windows a hit at a likely position reads "
+        "(prompt end, hit, junction, computed end), or all",
+    )
+    parser.add_argument(
+        "--publish",
+        default="scheduled",
+        choices=list(PUBLISH_MODES),
+        help="attention blocks join the prefix cache when their step is scheduled (requests "
+        "of the same step hit them) or once computed",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads")
     parser.add_argument(
@@ -193,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             accelerator=args.accelerator,
             use_arrivals=not args.no_arrivals,
+            window_retention=args.window_retention,
+            publish=args.publish,
         )
         for strategy in strategies
     ]

@@ -63,6 +63,8 @@ class SimConfig:
     use_arrivals: bool = True
     hasher: str = "builtin"
     timeline_points: int = 400
+    window_retention: str = "tails"
+    publish: str = "scheduled"
 
     def __post_init__(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -249,7 +251,13 @@ def simulate(
     """
     plan = plan_for(model, config)
     layout = plan.layout
-    mgr = KVCacheManager(layout, hasher=config.hasher, max_model_len=config.max_model_len)
+    mgr = KVCacheManager(
+        layout,
+        hasher=config.hasher,
+        max_model_len=config.max_model_len,
+        publish=config.publish,
+        window_retention=config.window_retention,
+    )
     sched = Scheduler(
         mgr,
         SchedulerConfig(
