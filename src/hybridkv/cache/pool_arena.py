@@ -48,13 +48,13 @@ O(1) per block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from itertools import chain
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from hybridkv.cache.arena_fits import ArenaFits
 from hybridkv.cache.arena_invariants import check_arena
 from hybridkv.cache.events import EventLog
-from hybridkv.cache.pool_base import BlockPool, GroupLists
+from hybridkv.cache.pool_base import BlockPool
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
@@ -66,24 +66,7 @@ __all__ = ["ARENA_EVICTION_POLICIES", "ArenaPool"]
 ARENA_EVICTION_POLICIES = ("chunk_lru", "own_first")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _bounded(
-    rest: list[tuple[int, int]], cac: list[int], idle: int, bpc: list[int], *, most: bool
-) -> bool:
-    """Whether every ``(group, blocks)`` of ``rest`` is served, in order, from its ``cac``
-    cached blocks and the ``idle`` chunks when each takes the most (or fewest) chunks it can."""
-    for g, n in rest:
-        b = bpc[g]
-        if n > cac[g] + idle * b:
-            return False
-        idle -= min(idle, _cdiv(n, b)) if most else _cdiv(max(0, n - cac[g]), b)
-    return True
-
-
-class ArenaPool(BlockPool):
+class ArenaPool(ArenaFits, BlockPool):
     """Chunks shared by every group of an ``arena`` layout."""
 
     strategy: ClassVar[Strategy] = Strategy.ARENA
@@ -192,6 +175,31 @@ class ArenaPool(BlockPool):
                     refs[blk] = 1
                     out.append(blk)
                 continue
+            if bpc == 1 and not fu and not drain and not fc and self.idle_all:
+                # One block per chunk, nothing free: the oldest idle chunk (own first under
+                # own_first) of a group with one block per chunk changes hands in place.
+                own = self.idle[g]
+                c = next(iter(own if self.own_first and own else self.idle_all))
+                ho = self.owner[c]
+                if self.bpc[ho] == 1:
+                    x = self.first[ho][c]
+                    hx = self.hashes[ho][x]
+                    assert hx is not None
+                    del self.maps[ho][hx]
+                    self.hashes[ho][x] = None
+                    del self.idle[ho][c]
+                    del self.idle_all[c]
+                    ccf[c] = 0
+                    if ho == g:
+                        evicted.append(hx)
+                    elif self.events.enabled:
+                        self.events.removed(ho, (hx,))  # type: ignore[arg-type]
+                    self.owner[c] = g
+                    crefd[c] += 1
+                    blk = first[c]
+                    refs[blk] = 1
+                    out.append(blk)
+                    continue
             if fu:
                 b = fu.popitem()[0]
             elif drain or (
@@ -371,202 +379,6 @@ class ArenaPool(BlockPool):
         return True
 
     # -- queries ------------------------------------------------------------------------------
-    def _fits_without_eviction(self, releases: GroupLists, needs: Sequence[int]) -> bool:
-        """True when uncached free blocks and free chunks alone cover ``needs`` (allocate then
-        evicts nothing).  Releases and touches only add to those, except a release that idles
-        a chunk of several blocks (its uncached free blocks leave the queue): with such a
-        release this O(groups) shortcut does not apply and says False."""
-        bpc = self.bpc
-        if any(releases[g] and bpc[g] > 1 for g in range(self.num_groups)):
-            return False
-        spare = len(self.free_chunks)
-        for g, need in enumerate(needs):
-            short = need - len(self.free_uncached[g])
-            if short > 0:
-                spare -= -(-short // bpc[g])
-        return spare >= 0
-
-    def fits(
-        self,
-        cached: Sequence[set[int] | None],
-        releases: GroupLists,
-        touches: GroupLists,
-        needs: Sequence[int],
-    ) -> bool:
-        # Replays the three phases on counters plus, for the LRU walk, the changes to the
-        # cached queues: ``added[g]`` (released into an active chunk: block -> new stamp),
-        # ``gone[g]`` (left g's LRU: chunk idled or block touched), ``revived`` / ``new_idle``
-        # (idle chunks left / joined).  A touch that revives an idle chunk adds its siblings
-        # to ``added``.  Stamps continue from ``self.clock`` as the real calls hand them out.
-        if self._fits_without_eviction(releases, needs):
-            return True
-        free_chunks = len(self.free_chunks)
-        idle = len(self.idle_all)
-        unc = [len(q) for q in self.free_uncached]
-        cac = [len(q) for q in self.free_cached]
-        crefd, ccf, cb = self.chunk_refd, self.chunk_cached_free, self.chunk_bytes
-        sim: dict[int, list[int]] = {}  # chunk -> [referenced, cached free] as simulated
-        clock = self.clock
-        added: dict[int, dict[int, int]] = {}
-        gone: dict[int, set[int]] = {}
-        revived: set[int] = set()
-        new_idle: dict[int, int] = {}
-        for g in range(self.num_groups):
-            rel = releases[g]
-            if not rel:
-                continue
-            refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
-            bb, first = self.block_bytes[g], self.first[g]
-            to_cache = cached[g] or ()
-            add_g = added.setdefault(g, {})
-            for b in rel:
-                if refs[b] != 1:
-                    continue
-                c = b * bb // cb
-                st = sim.get(c)
-                if st is None:
-                    st = sim[c] = [crefd[c], ccf[c]]
-                is_cached = hashes[b] is not None or b in to_cache
-                st[0] -= 1
-                if st[0]:
-                    if is_cached:
-                        cac[g] += 1
-                        st[1] += 1
-                        clock += 1
-                        add_g[b] = clock
-                    else:
-                        unc[g] += 1
-                    continue
-                unc[g] -= bpc - 1 - st[1]
-                cac[g] -= st[1]
-                if st[1]:  # the chunk's cached free blocks leave g's LRU
-                    gone_g = gone.setdefault(g, set())
-                    for x in range(first[c], first[c] + bpc):
-                        if x == b or (hashes[x] is None and x not in to_cache):
-                            continue
-                        if add_g.pop(x, None) is None:
-                            gone_g.add(x)
-                if is_cached:
-                    st[1] += 1
-                if st[1]:
-                    idle += 1
-                    clock += 1
-                    new_idle[c] = clock
-                else:
-                    free_chunks += 1
-        for g in range(self.num_groups):
-            tch = touches[g]
-            if not tch:
-                continue
-            refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
-            bb, first = self.block_bytes[g], self.first[g]
-            to_cache = cached[g] or ()
-            for b in tch:
-                if refs[b]:
-                    continue
-                c = b * bb // cb
-                st = sim.get(c)
-                if st is None:
-                    st = sim[c] = [crefd[c], ccf[c]]
-                if not st[0]:  # idle chunk revived: its other cached blocks get new stamps
-                    idle -= 1
-                    unc[g] += bpc - st[1]
-                    cac[g] += st[1]
-                    if new_idle.pop(c, None) is None:
-                        revived.add(c)
-                    add_g = added.setdefault(g, {})
-                    for x in range(first[c] + bpc - 1, first[c] - 1, -1):
-                        if x != b and (hashes[x] is not None or x in to_cache):
-                            clock += 1
-                            add_g[x] = clock
-                elif b in added.get(g, ()):
-                    del added[g][b]
-                else:
-                    gone.setdefault(g, set()).add(b)
-                st[0] += 1
-                st[1] -= 1
-                cac[g] -= 1
-        # Blocks each group still needs once its uncached blocks and the free chunks are used
-        # (free chunks go in group order, whatever is evicted after).
-        rest: list[tuple[int, int]] = []
-        for g, n in enumerate(needs):
-            if not n:
-                continue
-            n -= min(n, unc[g])
-            if not n:
-                continue
-            bpc = self.bpc[g]
-            k = min(free_chunks, _cdiv(n, bpc))
-            free_chunks -= k
-            n -= k * bpc
-            if n > 0:
-                rest.append((g, n))
-        if not rest:
-            return True
-        if self.own_first:
-            for g, n in rest:
-                k = _cdiv(max(0, n - cac[g]), self.bpc[g])
-                if k > idle:
-                    return False
-                idle -= k
-            return True
-        # A group evicts at least ``lo`` and at most ``hi`` idle chunks; fewer taken leaves
-        # more for later groups.  Decide from those bounds when they agree, else walk.
-        if _bounded(rest, cac, idle, self.bpc, most=True):
-            return True
-        if not _bounded(rest, cac, idle, self.bpc, most=False):
-            return False
-        idle_seq = chain(
-            (s for c, s in self.idle_all.items() if c not in revived), new_idle.values()
-        )
-        peeked: list[int] = []  # an idle chunk's stamp read but not taken by the last walk
-        for g, n in rest[:-1]:
-            k = self._walk(g, n, idle_seq, peeked, gone.get(g), added.get(g))
-            if k < 0:
-                return False
-            idle -= k
-        g, n = rest[-1]  # nobody after it: the order it evicts in does not matter
-        return n <= cac[g] + idle * self.bpc[g]
-
-    def _walk(
-        self,
-        g: int,
-        n: int,
-        idle_seq: Iterator[int],
-        peeked: list[int],
-        gone: set[int] | None,
-        added: dict[int, int] | None,
-    ) -> int:
-        """Idle chunks ``g`` takes to evict ``n`` blocks in LRU order (-1: it cannot): its own
-        cached blocks (the kept LRU, then ``added``) against idle chunks (``idle_seq``, shared by
-        the groups of one :meth:`fits`: a chunk one group takes is gone for the next; ``peeked``
-        holds the stamp of the one read but not taken)."""
-        fc = self.free_cached[g]
-        own: Iterator[int] = iter(fc.values())
-        if gone:
-            own = (s for b, s in fc.items() if b not in gone)
-        if added:
-            own = chain(own, added.values())
-        bpc = self.bpc[g]
-        a = next(own, None)
-        head = peeked.pop() if peeked else None
-        taken = 0
-        while n > 0:
-            if head is None:
-                head = next(idle_seq, None)
-            if a is not None and (head is None or a < head):
-                n -= 1
-                a = next(own, None)
-            elif head is not None:
-                n -= bpc
-                head = None
-                taken += 1
-            else:
-                return -1
-        if head is not None:
-            peeked.append(head)
-        return taken
-
     def num_free(self, group_id: int) -> int:
         g = group_id
         chunks = len(self.free_chunks) + len(self.idle_all)
