@@ -134,3 +134,22 @@ def test_window_tail_retention_caches_only_likely_hit_tails() -> None:
     assert sorted(stored) == [0, 1, 2, 3, 4]
     sibling = mgr.make_request("sibling", [*tokens(12), 50, 51, 52])
     assert mgr.get_computed_blocks(sibling).num_computed_tokens == 12
+
+
+def test_window_grid_keeps_tails_at_multiples_next_to_a_prefix_group() -> None:
+    # equal bytes per token in the full and the 4-token-window group: grid = 16 * 4 = 64
+    mgr = KVCacheManager(uniform(groups(full(), swa(4)), 200), enable_kv_events=True)
+    assert [m.window_grid for m in mgr._coord.managers] == [0, 64]
+    r0 = mgr.make_request("r0", tokens(150))
+    run_to_completion(mgr, r0)
+    stored = sorted(
+        r0.block_hashes.index(h)
+        for e in mgr.take_events()
+        if isinstance(e, BlockStored) and e.group_id == 1
+        for h in e.block_hashes
+    )
+    # tails before 64 and 128 (the grid) and before 148 (the prompt's end, aligned)
+    assert stored == [15, 31, 36]
+    sibling = mgr.make_request("sibling", [*tokens(130), 7, 7])
+    assert mgr.get_computed_blocks(sibling).num_computed_tokens == 128
+    mgr.check_invariants()

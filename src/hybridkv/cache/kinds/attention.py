@@ -28,6 +28,18 @@ from hybridkv.specs import CacheKind, ChunkedLocalSpec, SlidingWindowSpec
 __all__ = ["ChunkedLocalManager", "FullAttentionManager", "SlidingWindowManager"]
 
 
+def _merged(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Non-empty ``[lo, hi)`` ranges, sorted, overlapping or touching ones merged."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(r for r in ranges if r[0] < r[1]):
+        if out and lo <= out[-1][1]:
+            if hi > out[-1][1]:
+                out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
 class _AttentionManager(KindManager):
     """Shared table logic of the per-token kinds."""
 
@@ -53,7 +65,6 @@ class _AttentionManager(KindManager):
                         h = hashes[(j + 1) * k - 1]
                         if h not in m:
                             out.append((j, b, h))
-            out.sort()
             return out or None
         for j in range(lo, hi):
             b = table[j]
@@ -192,10 +203,13 @@ class _WindowedManager(_AttentionManager):
             return
         p = request.num_prompt_tokens
         ends = {p - 1, p, *marks}
-        keep = [self._tail(e) for e in sorted(ends) if e > 0]
+        grid = self.window_grid
+        if grid:
+            ends.update(range(grid, p, grid))
+        keep = [self._tail(e) for e in ends if e > 0]
         if self.sink_blocks:
-            keep.insert(0, (0, self.sink_blocks))
-        st.keep = tuple(keep)
+            keep.append((0, self.sink_blocks))
+        st.keep = _merged(keep)
 
     def release_all(self, st: GroupState, request: Request) -> None:
         if st.keep is not None:  # tail retention: also the window before the computed end
@@ -203,7 +217,7 @@ class _WindowedManager(_AttentionManager):
             if st.num_cached > computed:
                 self._unpublish_uncomputed(st, request, computed)
             tail = self._tail(request.num_computed_tokens)
-            st.keep = (*st.keep, tail)
+            st.keep = _merged([*st.keep, tail])
             st.num_cached = min(st.num_cached, tail[0])
         super().release_all(st, request)
 

@@ -99,6 +99,9 @@ class KindManager(ABC):
     publishes_scheduled: ClassVar[bool] = False
     #: Windowed kinds: publish every computed block (True) or only likely-hit tails.
     dense_windows: bool = True
+    #: Windowed kinds under tail retention: also keep the tail before every multiple of this
+    #: many tokens of the prompt (0: none).
+    window_grid: int = 0
 
     def __init__(
         self,
