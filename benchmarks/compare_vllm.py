@@ -151,7 +151,7 @@ class HybridkvAdapter:
                 # a hit checkpoint is copied into the running slot, not written in place
                 needs.append(2)
                 continue
-            elif isinstance(spec, SlidingWindowSpec):
+            if isinstance(spec, SlidingWindowSpec):
                 need = -(-min(spec.window - 1 + self.token_budget, length) // bs) + 1
             elif isinstance(spec, ChunkedLocalSpec):
                 need = -(-min(spec.chunk_size - 1 + self.token_budget, length) // bs) + 1

@@ -57,22 +57,22 @@ class _AttentionManager(KindManager):
         (when ``keep`` is given) inside one of its ``[lo, hi)`` ranges."""
         m, k, held = self.map, self.stride, self.block_hashes
         out: list[tuple[int, int, int]] = []
-        if keep is not None:
-            for a, z in keep:
-                for j in range(max(lo, a), min(hi, z)):
-                    b = table[j]
-                    if b and held[b] is None:
-                        h = hashes[(j + 1) * k - 1]
-                        if h not in m:
-                            out.append((j, b, h))
-            return out or None
-        for j in range(lo, hi):
-            b = table[j]
-            if b and held[b] is None:
-                h = hashes[(j + 1) * k - 1]
-                if h not in m:
-                    out.append((j, b, h))
+        for a, z in keep if keep is not None else ((lo, hi),):
+            for j in range(max(lo, a), min(hi, z)):
+                b = table[j]
+                if b and held[b] is None:
+                    h = hashes[(j + 1) * k - 1]
+                    if h not in m:
+                        out.append((j, b, h))
         return out or None
+
+    def _publish_upto(self, st: GroupState, request: Request, upto: int) -> None:
+        """Publish what ``st`` keeps of its table entries ``[num_cached, upto)``."""
+        if upto > st.num_cached:
+            items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto, st.keep)
+            if items:
+                self._publish(items, request)
+            st.num_cached = upto
 
     def _release_range(self, table: Sequence[int], lo: int, hi: int) -> list[int] | None:
         """Non-null blocks of ``table[lo:hi]``, last first (the tail is evicted first)."""
@@ -87,12 +87,7 @@ class _AttentionManager(KindManager):
         them, so the runner must write a step's new tokens before any read of them (one pass
         writes every layer's new tokens before attending; passes run writers first).
         """
-        upto = min(step_end // self.block_size, len(st.table))
-        if upto > st.num_cached:
-            items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto, st.keep)
-            if items:
-                self._publish(items, request)
-            st.num_cached = upto
+        self._publish_upto(st, request, min(step_end // self.block_size, len(st.table)))
 
     def _unpublish_uncomputed(self, st: GroupState, request: Request, computed: int) -> None:
         """Take back what :meth:`publish_scheduled` offered beyond ``computed`` blocks: the
@@ -115,16 +110,15 @@ class _AttentionManager(KindManager):
         computed = request.num_computed_tokens // self.block_size
         if st.num_cached > computed:
             self._unpublish_uncomputed(st, request, computed)
-        upto = min(computed, len(st.table))
-        if upto > st.num_cached:
-            items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto, st.keep)
-            if items:
-                self._publish(items, request)
-            st.num_cached = upto
+        self._retain_end(st, request)
+        self._publish_upto(st, request, min(computed, len(st.table)))
         blocks = [b for b in reversed(st.table) if b]
         if blocks:
             self.pool.release(self.group_id, blocks)
         st.table = []
+
+    def _retain_end(self, st: GroupState, request: Request) -> None:
+        """Hook at the free, before the last publication (windowed kinds' tail retention)."""
 
     def held_blocks(self, st: GroupState) -> list[int]:
         return [b for b in st.table if b]
@@ -211,15 +205,11 @@ class _WindowedManager(_AttentionManager):
             keep.append((0, self.sink_blocks))
         st.keep = _merged(keep)
 
-    def release_all(self, st: GroupState, request: Request) -> None:
+    def _retain_end(self, st: GroupState, request: Request) -> None:
         if st.keep is not None:  # tail retention: also the window before the computed end
-            computed = request.num_computed_tokens // self.block_size
-            if st.num_cached > computed:
-                self._unpublish_uncomputed(st, request, computed)
             tail = self._tail(request.num_computed_tokens)
             st.keep = _merged([*st.keep, tail])
             st.num_cached = min(st.num_cached, tail[0])
-        super().release_all(st, request)
 
     def _tail(self, end: int) -> tuple[int, int]:
         """Table range a hit at ``end`` (aligned down) reads, sinks aside."""
