@@ -52,16 +52,29 @@ class RequestState:
     ``num_slots``: token slots allocated (lookahead included); ``min_computed``: the computed
     length the last allocation started from (windowed kinds released below it); ``marks``:
     the request's hit and junction, whose windows and checkpoints are re-aged (with the
-    computed end's) when it is freed.
+    computed end's) when it is freed; ``quiet`` / ``quiet_computed``: the bounds of every
+    group's :meth:`~hybridkv.cache.kinds.base.KindManager.quiet_end` after the last
+    allocation (a later one without hit or lookahead, whose step ends at or below ``quiet``
+    from at most ``quiet_computed`` computed tokens, changes nothing but the two bounds
+    above).
     """
 
-    __slots__ = ("groups", "marks", "min_computed", "num_slots", "request")
+    __slots__ = (
+        "groups",
+        "marks",
+        "min_computed",
+        "num_slots",
+        "quiet",
+        "quiet_computed",
+        "request",
+    )
 
     def __init__(self, request: Request, groups: list[GroupState], marks: tuple[int, ...]) -> None:
         self.request = request
         self.groups = groups
         self.num_slots = 0
         self.min_computed = 0
+        self.quiet = self.quiet_computed = 0
         #: Token positions where later requests are likely to hit (its hit and junction).
         self.marks = marks
 
@@ -127,7 +140,7 @@ class HybridCoordinator:
             else []
         )
         self.requests: dict[str, RequestState] = {}
-        self._nothing = AllocationResult(((),) * self.num_groups, (), (), ())
+        self.nothing = AllocationResult(((),) * self.num_groups, (), (), ())
 
     def _set_window_grids(self) -> None:
         """Tail retention also keeps the window before every multiple of a grid, where the
@@ -241,7 +254,8 @@ class HybridCoordinator:
                     st = rs.groups[i]
                     if step_end // m.block_size > st.num_cached:
                         m.publish_scheduled(st, request, step_end)
-                return self._nothing
+                self._set_quiet(rs, num_computed)
+                return self.nothing
         if not self._fits(plans):
             return None
         if rs is None:
@@ -271,12 +285,28 @@ class HybridCoordinator:
         if total > rs.num_slots:
             rs.num_slots = total
         rs.min_computed = num_computed
+        self._set_quiet(rs, num_computed)
         return AllocationResult(
             tuple(new_ids),
             tuple(out.copies_before),
             tuple(out.zero_before),
             tuple(out.copies_after),
         )
+
+    def _set_quiet(self, rs: RequestState, num_computed: int) -> None:
+        end = computed = self.max_model_len if self.max_model_len is not None else 1 << 62
+        for m, st in zip(self.managers, rs.groups, strict=True):
+            e, c = m.quiet_end(st, num_computed)
+            if e < end:
+                end = e
+            if c < computed:
+                computed = c
+        for i, m in self._scheduled:  # publish_scheduled acts once a step fills a block
+            e = (rs.groups[i].num_cached + 1) * m.block_size - 1
+            if e < end:
+                end = e
+        rs.quiet = end
+        rs.quiet_computed = computed
 
     def _fits(self, plans: list[StepPlan | None]) -> bool:
         for p in plans:

@@ -74,6 +74,11 @@ class KVCacheManager:
     :data:`hybridkv.cache.coordinator.WINDOW_RETENTION`).
     """
 
+    #: Skip planning an allocation that provably changes nothing (see
+    #: :meth:`~hybridkv.cache.kinds.base.KindManager.quiet_end`); False only to test that the
+    #: fast path and the full path agree.
+    fast_path: bool = True
+
     def __init__(
         self,
         layout: MemoryLayout,
@@ -184,6 +189,33 @@ class KVCacheManager:
         :class:`FinishedRequestError`, :class:`LayoutMismatchError`,
         :class:`StaleComputedBlocksError` or :class:`DuplicateRequestError`.
         """
+        coord = self._coord
+        rs = coord.requests.get(getattr(request, "request_id", ""))
+        if (  # the decode fast path: nothing to plan below the request's quiet bound
+            self.fast_path
+            and rs is not None
+            and rs.request is request
+            and new_computed_blocks is None
+            and type(num_new_tokens) is int
+            and type(num_new_computed_tokens) is int
+            and type(num_lookahead_tokens) is int
+            and not num_new_computed_tokens
+            and not num_lookahead_tokens
+            and num_new_tokens >= 0
+            and not request.is_finished
+        ):
+            computed = request.num_computed_tokens
+            end = computed + num_new_tokens
+            if (
+                rs.min_computed <= computed <= rs.num_slots
+                and end <= rs.quiet
+                and computed <= rs.quiet_computed
+                and end <= request.num_tokens
+            ):
+                if end > rs.num_slots:
+                    rs.num_slots = end
+                rs.min_computed = computed
+                return coord.nothing
         if not (
             type(num_new_tokens) is int
             and type(num_new_computed_tokens) is int
@@ -195,8 +227,6 @@ class KVCacheManager:
             _count("num_new_tokens", num_new_tokens)
             _count("num_new_computed_tokens", num_new_computed_tokens)
             _count("num_lookahead_tokens", num_lookahead_tokens)
-        coord = self._coord
-        rs = coord.requests.get(getattr(request, "request_id", ""))
         if rs is None or rs.request is not request or request.is_finished:
             self._check_request(request)  # raises for anything but a first allocation
         rid = request.request_id

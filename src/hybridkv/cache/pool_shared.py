@@ -17,7 +17,7 @@ from hybridkv.cache.pool_base import BlockPool, FreeListPool, GroupLists
 from hybridkv.errors import InvariantError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
-__all__ = ["PerGroupPools", "UniformPool"]
+__all__ = ["OnePageArenaPool", "PerGroupPools", "UniformPool"]
 
 
 class UniformPool(BlockPool):
@@ -30,8 +30,11 @@ class UniformPool(BlockPool):
         if len(layout.pools) != 1:
             raise InvariantError(f"uniform layout with {len(layout.pools)} pools")
         pool = layout.pools[0]
-        self.core = FreeListPool(pool.num_blocks, range(self.num_groups), events)
-        self.block_bytes = pool.block_bytes
+        self._init_core(pool.num_blocks, pool.block_bytes)
+
+    def _init_core(self, num_blocks: int, block_bytes: int) -> None:
+        self.core = FreeListPool(num_blocks, range(self.num_groups), self.events)
+        self.block_bytes = block_bytes
         self.refs = [self.core.refs] * self.num_groups
         self.hashes = [self.core.hashes] * self.num_groups
         self.maps = [self.core.maps[g] for g in range(self.num_groups)]
@@ -85,6 +88,33 @@ class UniformPool(BlockPool):
 
     def snapshot(self) -> Any:
         return self.core.snapshot()
+
+
+class OnePageArenaPool(UniformPool):
+    """An ``arena`` layout whose chunk is every group's block (equal page sizes, e.g.
+    gpt-oss-20b, or one group): chunk ``c`` is block ``c`` of whichever group holds it.
+
+    :class:`~hybridkv.cache.pool_arena.ArenaPool` with one block per chunk under its default
+    ``chunk_lru`` policy is exactly one global LRU over cached blocks, the uniform pool's;
+    this runs it on the uniform pool's free lists (one queue operation per block instead of
+    the arena's per-chunk stamps and two LRUs), handing out the same block ids.
+    """
+
+    strategy: ClassVar[Strategy] = Strategy.ARENA
+
+    def __init__(self, layout: MemoryLayout, events: EventLog) -> None:
+        BlockPool.__init__(self, layout, events)
+        arena = layout.arena
+        if arena is None or any(g.block_bytes != arena.chunk_bytes for g in layout.groups):
+            raise InvariantError("OnePageArenaPool needs an arena whose chunk is every block")
+        self._init_core(arena.num_chunks, arena.chunk_bytes)
+
+    def chunk_owner(self, chunk: int) -> int | None:
+        core = self.core
+        if not 0 <= chunk < core.num_blocks:
+            raise InvariantError(f"chunk_owner: chunk {chunk} not in [0, {core.num_blocks})")
+        owner = core.owner[chunk]
+        return None if owner < 0 else owner
 
 
 class PerGroupPools(BlockPool):

@@ -117,6 +117,12 @@ class _AttentionManager(KindManager):
             self.pool.release(self.group_id, blocks)
         st.table = []
 
+    def quiet_end(self, st: GroupState, num_computed: int) -> tuple[int, int]:
+        # No new block while the table covers the slots; nothing computed to publish until
+        # the block past num_cached is.
+        bs = self.block_size
+        return len(st.table) * bs, (st.num_cached + 1) * bs - 1
+
     def _retain_end(self, st: GroupState, request: Request) -> None:
         """Hook at the free, before the last publication (windowed kinds' tail retention)."""
 
@@ -186,6 +192,14 @@ class _WindowedManager(_AttentionManager):
 
     def first_kept_block(self, num_computed: int) -> int:
         return self.first_kept_token(num_computed) // self.block_size
+
+    @abstractmethod
+    def last_keeping(self, block: int) -> int:
+        """The largest ``n`` with ``first_kept_block(n) <= block`` (nothing to release)."""
+
+    def quiet_end(self, st: GroupState, num_computed: int) -> tuple[int, int]:
+        end, computed = super().quiet_end(st, num_computed)
+        return end, min(computed, self.last_keeping(st.released))
 
     def new_state(self) -> GroupState:
         return GroupState(released=self.sink_blocks)
@@ -371,6 +385,10 @@ class SlidingWindowManager(_WindowedManager):
         start = num_computed - self.window + 1
         return start if start > 0 else 0
 
+    def last_keeping(self, block: int) -> int:
+        # (n - W + 1) // bs <= block  <=>  n <= (block + 1) * bs + W - 2
+        return (block + 1) * self.block_size + self.window - 2
+
 
 class ChunkedLocalManager(_WindowedManager):
     """Chunked local attention: a query reads only its own ``chunk_size``-aligned chunk."""
@@ -384,3 +402,8 @@ class ChunkedLocalManager(_WindowedManager):
 
     def first_kept_token(self, num_computed: int) -> int:
         return num_computed - num_computed % self.chunk_size
+
+    def last_keeping(self, block: int) -> int:
+        # (n - n % cs) // bs <= block  <=>  n // cs * cs < (block + 1) * bs
+        cs = self.chunk_size
+        return -(-(block + 1) * self.block_size // cs) * cs - 1

@@ -217,6 +217,14 @@ class KindManager(ABC):
             st.table.extend(new)
         return new
 
+    def quiet_end(self, st: GroupState, num_computed: int) -> tuple[int, int]:
+        """Bounds ``(step_end, computed)`` up to which a later allocation without hit or
+        lookahead, from ``num_computed <= computed <= step_end``, plans nothing here: no new
+        block, release, publication once computed, or checkpoint (``(0, 0)``: no such
+        guarantee; :meth:`publish_scheduled` is bounded by the coordinator).  Lets the
+        manager skip planning the common decode step; it must be conservative."""
+        return 0, 0
+
     def publish_scheduled(self, st: GroupState, request: Request, step_end: int) -> None:
         """Publish what the step ending at ``step_end`` fills, before it runs (the
         ``scheduled`` mode; only kinds with :attr:`publishes_scheduled`)."""

@@ -107,6 +107,15 @@ class StateManager(KindManager):
             return None
         return StepPlan(cache, 0, release, 0, touch, need, checkpoint)
 
+    def quiet_end(self, st: GroupState, num_computed: int) -> tuple[int, int]:
+        # Nothing pending to settle, and no step may end on an aligned boundary above the
+        # computed length (a checkpoint): quiet up to just below the next boundary.
+        if st.pending or st.source:
+            return 0, 0
+        a = self.alignment
+        end = (num_computed // a + 1) * a - 1
+        return end, end
+
     def apply_release(
         self, st: GroupState, plan: StepPlan, hit: Sequence[int] | None, request: Request
     ) -> None:
