@@ -136,7 +136,7 @@ def test_sliding_window_frees_before_allocating_in_the_same_call() -> None:
 
 def test_three_groups_two_windows_and_state_fixed_point() -> None:
     gs = groups(full(), swa(8), (swa(12), 8), (state(), 8))
-    mgr = KVCacheManager(pools(gs, 30), window_retention="all")
+    mgr = KVCacheManager(pools(gs, 30), window_retention="all", group_hit_stats=True)
     assert (mgr.hash_block_size, mgr.schedule_alignment) == (4, 8)
     r0 = mgr.make_request("r0", tokens(24))
     _, res = admit(mgr, r0)

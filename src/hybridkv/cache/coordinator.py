@@ -162,8 +162,13 @@ class HybridCoordinator:
             m.window_grid = -(-grid // align) * align
 
     # -- hits -------------------------------------------------------------------------------
-    def find_hit(self, request: Request) -> HitResult:
-        """The longest hit every group can serve (see module doc).  Reads only."""
+    def find_hit(self, request: Request, standalone: bool = False) -> HitResult:
+        """The longest hit every group can serve (see module doc).  Reads only.
+
+        Groups that are not prefix-closed are looked up below the prefix-closed groups' hit
+        (their ``alone`` entry is then their hit below it); with ``standalone`` below the
+        request's own bound, so ``alone`` is every group's standalone hit (a diagnostic that
+        costs a scan of each windowed group's whole prompt per query)."""
         hashes = request.block_hashes
         bound = request.num_tokens - 1
         if self.max_model_len is not None and bound > self.max_model_len:
@@ -178,8 +183,9 @@ class HybridCoordinator:
             alone[m.group_id] = h
             if h < cur:
                 cur = h
+        top = bound if standalone else cur
         for m in self._open:
-            h = m.longest_hit(hashes, bound)
+            h = m.longest_hit(hashes, top)
             alone[m.group_id] = h
             if h < cur:
                 cur = h

@@ -72,6 +72,10 @@ class KVCacheManager:
     ``window_retention``: ``"tails"`` (default) publishes only the sliding-window / local-chunk
     blocks a hit at a likely position reads; ``"all"`` every computed one (see
     :data:`hybridkv.cache.coordinator.WINDOW_RETENTION`).
+    ``group_hit_stats``: also find every group's standalone hit per query, for
+    :attr:`PrefixCacheStats.group_alone_hit_tokens` (off by default: it scans each windowed
+    group over the whole prompt, where the hit itself only needs the part below the
+    prefix-closed groups' hit; with it off that field is empty).
     """
 
     #: Skip planning an allocation that provably changes nothing (see
@@ -89,6 +93,7 @@ class KVCacheManager:
         arena_eviction: str = "chunk_lru",
         publish: str = "scheduled",
         window_retention: str = "tails",
+        group_hit_stats: bool = False,
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -106,7 +111,8 @@ class KVCacheManager:
             publish=publish,
             window_retention=window_retention,
         )
-        self._stats = StatsCollector(len(layout.groups))
+        self.group_hit_stats = bool(group_hit_stats)
+        self._stats = StatsCollector(len(layout.groups) if group_hit_stats else 0)
         self._known: dict[str, Request] = {}
         self.hash_block_size = layout.hash_block_size
         self.schedule_alignment = layout.schedule_alignment
@@ -162,8 +168,10 @@ class KVCacheManager:
         :class:`RequestError` subclasses for a finished or mismatched request.
         """
         self._check_request(request)
-        hit = self._coord.find_hit(request)
-        self._stats.record_query(request.num_tokens, hit.length, hit.alone)
+        hit = self._coord.find_hit(request, self.group_hit_stats)
+        self._stats.record_query(
+            request.num_tokens, hit.length, hit.alone if self.group_hit_stats else None
+        )
         return ComputedBlocks(self._coord.hit_blocks(request, hit.length), hit.length, hit.junction)
 
     def allocate_slots(

@@ -14,7 +14,8 @@ class PrefixCacheStats(NamedTuple):
     summed; ``hit_tokens``: tokens of the hits returned (every group serves the whole hit).
     ``group_alone_hit_tokens[g]``: tokens group ``g`` could have served by its own rule if the
     other groups did not constrain the hit (its standalone longest hit, aligned to the
-    schedule alignment).  ``preemptions``: requests preempted.  ``reset``: the prefix cache was
+    schedule alignment); empty unless the manager was built with ``group_hit_stats=True``.
+    ``preemptions``: requests preempted.  ``reset``: the prefix cache was
     reset during the interval.
     """
 
@@ -53,14 +54,15 @@ class StatsCollector:
         self._total_counts = [0, 0, 0, 0]
         self._total_alone = [0] * num_groups
 
-    def record_query(self, query_tokens: int, hit_tokens: int, alone: list[int]) -> None:
+    def record_query(self, query_tokens: int, hit_tokens: int, alone: list[int] | None) -> None:
         c = self._counts
         c[0] += 1
         c[1] += query_tokens
         c[2] += hit_tokens
-        a = self._alone
-        for g, n in enumerate(alone):
-            a[g] += n
+        if alone is not None:
+            a = self._alone
+            for g, n in enumerate(alone):
+                a[g] += n
 
     def record_preemption(self) -> None:
         self._counts[3] += 1

@@ -284,7 +284,10 @@ class LLMEngine:
         self.runner = ModelRunner(net, self.layout, StorageViews(self.storage), probe=probe)
         self.model = net
         self.manager = KVCacheManager(
-            self.layout, max_model_len=self.max_model_len, publish=cache.publish
+            self.layout,
+            max_model_len=self.max_model_len,
+            publish=cache.publish,
+            group_hit_stats=True,  # EngineStats.group_hit_tokens
         )
         sched = scheduler or SchedulerConfig()
         if not sched.collect_block_ids:

@@ -257,6 +257,7 @@ def simulate(
         max_model_len=config.max_model_len,
         publish=config.publish,
         window_retention=config.window_retention,
+        group_hit_stats=True,  # the report's per-group hit rates
     )
     sched = Scheduler(
         mgr,
