@@ -1,12 +1,14 @@
 """Twin managers in lock-step: the fast paths must not change a single observable.
 
 Manager A is the default build: the decode fast path on (``KVCacheManager.fast_path``) and,
-for an arena whose chunk is every group's block, the :class:`OnePageArenaPool`.  Manager B
-plans every allocation (``fast_path = False``) and runs every arena on the general
-:class:`ArenaPool`.  Both see the same operations (arrivals, hits, chunked prefills, decode
-with lookahead, finishes, preemptions, resets); after each one their answers, block tables,
-per-request cursors, reference counts, prefix caches (hash -> block) and KV events must be
-equal, and both pass ``check_invariants()``.
+for an arena whose chunk is every group's block, the :class:`FlatArenaPool`.  Manager B
+plans every allocation (``fast_path = False``) and runs such arenas on the general
+:class:`ArenaPool` (a one-group arena with several blocks per chunk stays flat in both: its
+per-block LRU is meant to differ from the arena's chunk-level one).  Both see the same
+operations (arrivals, hits, chunked prefills, decode with lookahead, finishes, preemptions,
+resets); after each one their answers, block tables, per-request cursors, reference counts,
+prefix caches (hash -> block) and KV events must be equal, and both pass
+``check_invariants()``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from hybridkv.cache import (
     Request,
 )
 from hybridkv.cache.pool_arena import ArenaPool
-from hybridkv.cache.pool_shared import OnePageArenaPool
+from hybridkv.cache.pool_shared import FlatArenaPool
 from hybridkv.plan.layout import MemoryLayout
 from test_cache_factories import groups, layout_for, spec_items, tokens
 
@@ -34,11 +36,12 @@ BASE = tokens(40, start=10)
 
 
 def _general_pool_manager(layout: MemoryLayout, **kw: Any) -> KVCacheManager:
-    """A manager whose arena layouts run on :class:`ArenaPool` whatever their page sizes."""
+    """A manager whose equal-page arena layouts run on :class:`ArenaPool`."""
     original = coordinator_module.make_block_pool
 
     def general(layout: MemoryLayout, events: Any, *, arena_eviction: str = "chunk_lru") -> Any:
-        if layout.arena is not None:
+        arena = layout.arena
+        if arena is not None and all(g.block_bytes == arena.chunk_bytes for g in layout.groups):
             return ArenaPool(layout, events, eviction=arena_eviction)
         return original(layout, events, arena_eviction=arena_eviction)
 
@@ -126,8 +129,7 @@ class TwinMachine(RuleBasedStateMachine):
         self.a = KVCacheManager(layout, **kw)
         self.b = _general_pool_manager(layout, **kw)
         if strategy == "arena_one" and equal_pages:
-            assert isinstance(self.a.pool, OnePageArenaPool)
-        if layout.arena is not None:
+            assert isinstance(self.a.pool, FlatArenaPool)
             assert isinstance(self.b.pool, ArenaPool)
 
     def _both(self) -> tuple[KVCacheManager, KVCacheManager]:

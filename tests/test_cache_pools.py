@@ -11,6 +11,7 @@ from hypothesis import strategies as hst
 from hybridkv.cache.events import BlockRemoved, EventLog
 from hybridkv.cache.pool_arena import ArenaPool
 from hybridkv.cache.pool_base import BlockPool
+from hybridkv.cache.pool_shared import FlatArenaPool
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.errors import InvariantError, PlanError
 from test_cache_factories import (
@@ -263,3 +264,33 @@ def test_fits_is_exact(strategy: str, items: list, capacity: int, data: hst.Data
                     pool.cache(g, b, next_hash)
                     next_hash += 1
         pool.check_invariants()
+
+
+def test_one_group_arena_is_flat_skips_the_null_chunk_and_evicts_per_block() -> None:
+    # One group, 4 blocks per chunk, 3 chunks: ids 0..3 are the null chunk, 4..11 usable.
+    layout = arena(groups(full()), 3, blocks_per_chunk=4)
+    pool = make_block_pool(layout, EventLog(enabled=True))
+    assert isinstance(pool, FlatArenaPool)
+    assert pool.num_free(0) == 8
+    assert pool.allocate(0, 3) == [4, 5, 6]
+    assert [pool.chunk_owner(c) for c in range(3)] == [None, 0, None]
+    assert pool.usage == pytest.approx(3 / 8)
+    pool.cache(0, 4, 104)
+    pool.cache(0, 5, 105)
+    pool.release(0, [6, 5, 4])  # tail first: LRU = [5, 4]
+    assert pool.chunk_owner(1) == 0  # cached blocks keep the chunk
+    assert pool.allocate(0, 5) == [6, 7, 8, 9, 10]
+    assert pool.allocate(0, 2) == [11, 5]  # then the least recently used block, not a chunk
+    assert pool.events.take() == [BlockRemoved(0, (105,))]  # type: ignore[arg-type]
+    pool.check_invariants()
+    with pytest.raises(InvariantError, match=r"chunk 3 not in \[0, 3\)"):
+        pool.chunk_owner(3)
+
+
+def test_equal_page_arena_is_flat_and_own_first_keeps_the_arena_pool() -> None:
+    layout = arena(groups(full(), state()), 5, blocks_per_chunk=1)
+    assert isinstance(make_block_pool(layout, EventLog(enabled=False)), FlatArenaPool)
+    own = make_block_pool(layout, EventLog(enabled=False), arena_eviction="own_first")
+    assert isinstance(own, ArenaPool)
+    mixed = arena(groups(full(), (full(), 8)), 5)  # 128- and 256-byte blocks: real chunks
+    assert isinstance(make_block_pool(mixed, EventLog(enabled=False)), ArenaPool)

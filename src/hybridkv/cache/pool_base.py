@@ -136,6 +136,7 @@ class FreeListPool:
 
     __slots__ = (
         "events",
+        "first",
         "free_cached",
         "free_uncached",
         "group_ids",
@@ -147,7 +148,11 @@ class FreeListPool:
         "refs",
     )
 
-    def __init__(self, num_blocks: int, group_ids: Sequence[int], events: EventLog) -> None:
+    def __init__(
+        self, num_blocks: int, group_ids: Sequence[int], events: EventLog, *, first: int = 1
+    ) -> None:
+        #: Ids ``[1, first)`` are reserved: never handed out (an arena's null chunk).
+        self.first = first
         self.num_blocks = num_blocks
         self.group_ids = tuple(group_ids)
         self.events = events
@@ -156,7 +161,7 @@ class FreeListPool:
         self.owner = [-1] * num_blocks
         self.maps: dict[int, dict[int, int]] = {g: {} for g in self.group_ids}
         # LIFO: popitem() takes the last inserted; inserted high to low so 1 comes out first.
-        self.free_uncached: dict[int, None] = dict.fromkeys(range(num_blocks - 1, 0, -1))
+        self.free_uncached: dict[int, None] = dict.fromkeys(range(num_blocks - 1, first - 1, -1))
         self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.num_used = 0
 
@@ -215,19 +220,21 @@ class FreeListPool:
             refs[b] = r + 1
 
     def release(self, blocks: Sequence[int]) -> None:
-        refs, hashes = self.refs, self.hashes
+        refs, hashes, owner = self.refs, self.hashes, self.owner
         fu, fc = self.free_uncached, self.free_cached
+        freed = 0
         for b in blocks:
             r = refs[b] - 1
             refs[b] = r
             if r:
                 continue
-            self.num_used -= 1
+            freed += 1
             if hashes[b] is None:
-                self.owner[b] = -1
+                owner[b] = -1
                 fu[b] = None
             else:
                 fc[b] = None
+        self.num_used -= freed
 
     def refresh(self, blocks: Sequence[int]) -> None:
         refs, fc = self.refs, self.free_cached
@@ -258,7 +265,7 @@ class FreeListPool:
         for m in self.maps.values():
             m.clear()
         self.free_uncached.clear()
-        self.free_uncached.update(dict.fromkeys(range(self.num_blocks - 1, 0, -1)))
+        self.free_uncached.update(dict.fromkeys(range(self.num_blocks - 1, self.first - 1, -1)))
         self.free_cached.clear()
         return True
 
@@ -269,8 +276,11 @@ class FreeListPool:
             raise InvariantError("null block has a reference count or a hash")
         if NULL_BLOCK_ID in fu or NULL_BLOCK_ID in fc:
             raise InvariantError("null block is in a free queue")
+        for b in range(1, self.first):
+            if refs[b] or hashes[b] is not None or b in fu or b in fc:
+                raise InvariantError(f"reserved block {b} is referenced, cached or queued")
         used = 0
-        for b in range(1, self.num_blocks):
+        for b in range(self.first, self.num_blocks):
             r = refs[b]
             if r < 0:
                 raise InvariantError(f"block {b} has ref count {r}")

@@ -17,7 +17,7 @@ from hybridkv.cache.pool_base import BlockPool, FreeListPool, GroupLists
 from hybridkv.errors import InvariantError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
-__all__ = ["OnePageArenaPool", "PerGroupPools", "UniformPool"]
+__all__ = ["FlatArenaPool", "PerGroupPools", "UniformPool"]
 
 
 class UniformPool(BlockPool):
@@ -32,8 +32,8 @@ class UniformPool(BlockPool):
         pool = layout.pools[0]
         self._init_core(pool.num_blocks, pool.block_bytes)
 
-    def _init_core(self, num_blocks: int, block_bytes: int) -> None:
-        self.core = FreeListPool(num_blocks, range(self.num_groups), self.events)
+    def _init_core(self, num_blocks: int, block_bytes: int, first: int = 1) -> None:
+        self.core = FreeListPool(num_blocks, range(self.num_groups), self.events, first=first)
         self.block_bytes = block_bytes
         self.refs = [self.core.refs] * self.num_groups
         self.hashes = [self.core.hashes] * self.num_groups
@@ -90,31 +90,54 @@ class UniformPool(BlockPool):
         return self.core.snapshot()
 
 
-class OnePageArenaPool(UniformPool):
-    """An ``arena`` layout whose chunk is every group's block (equal page sizes, e.g.
-    gpt-oss-20b, or one group): chunk ``c`` is block ``c`` of whichever group holds it.
+class FlatArenaPool(UniformPool):
+    """An ``arena`` layout whose chunks need no bookkeeping of their own, run on the uniform
+    pool's free lists: one global LRU over cached blocks, one queue operation per block.
 
-    :class:`~hybridkv.cache.pool_arena.ArenaPool` with one block per chunk under its default
-    ``chunk_lru`` policy is exactly one global LRU over cached blocks, the uniform pool's;
-    this runs it on the uniform pool's free lists (one queue operation per block instead of
-    the arena's per-chunk stamps and two LRUs), handing out the same block ids.
+    Two cases (:meth:`applies`): every group's block is the chunk (equal page sizes, e.g.
+    gpt-oss-20b), where chunk ``c`` is block ``c`` of whichever group holds it and
+    :class:`~hybridkv.cache.pool_arena.ArenaPool`'s default ``chunk_lru`` policy is exactly
+    this LRU (same block ids); or one group (e.g. DeepSeek-V3's MLA), where every chunk is
+    that group's, so chunks only decide which blocks are evicted together, and a per-block
+    LRU (vLLM's and ``uniform``'s) evicts the least recently used data instead.  The null
+    chunk's ids ``[0, blocks_per_chunk)`` are never handed out, as in the arena.
     """
 
     strategy: ClassVar[Strategy] = Strategy.ARENA
 
+    @staticmethod
+    def applies(layout: MemoryLayout) -> bool:
+        arena = layout.arena
+        if arena is None:
+            return False
+        chunk = arena.chunk_bytes
+        if len(layout.groups) == 1:
+            return chunk % layout.groups[0].block_bytes == 0
+        return all(g.block_bytes == chunk for g in layout.groups)
+
     def __init__(self, layout: MemoryLayout, events: EventLog) -> None:
         BlockPool.__init__(self, layout, events)
         arena = layout.arena
-        if arena is None or any(g.block_bytes != arena.chunk_bytes for g in layout.groups):
-            raise InvariantError("OnePageArenaPool needs an arena whose chunk is every block")
-        self._init_core(arena.num_chunks, arena.chunk_bytes)
+        if arena is None or not self.applies(layout):
+            raise InvariantError(
+                "FlatArenaPool needs an arena whose chunk is every group's block, or one group"
+            )
+        self.bpc = arena.chunk_bytes // layout.groups[0].block_bytes
+        self._init_core(arena.num_chunks * self.bpc, layout.groups[0].block_bytes, self.bpc)
+        self.num_chunks = arena.num_chunks
+
+    @property
+    def usage(self) -> float:
+        return self.core.num_used / ((self.num_chunks - 1) * self.bpc)
 
     def chunk_owner(self, chunk: int) -> int | None:
-        core = self.core
-        if not 0 <= chunk < core.num_blocks:
-            raise InvariantError(f"chunk_owner: chunk {chunk} not in [0, {core.num_blocks})")
-        owner = core.owner[chunk]
-        return None if owner < 0 else owner
+        if not 0 <= chunk < self.num_chunks:
+            raise InvariantError(f"chunk_owner: chunk {chunk} not in [0, {self.num_chunks})")
+        core, bpc = self.core, self.bpc
+        for b in range(chunk * bpc, (chunk + 1) * bpc):
+            if core.refs[b] or core.hashes[b] is not None:
+                return int(core.owner[b])
+        return None
 
 
 class PerGroupPools(BlockPool):
