@@ -77,6 +77,13 @@ class BlockPool(ABC):
         self.maps[group_id][block_hash] = block
         self.hashes[group_id][block] = block_hash
 
+    def cache_many(self, group_id: int, items: Sequence[tuple[int, int, int]]) -> None:
+        """:meth:`cache` for each ``(table index, block, hash)`` of ``items``, in order."""
+        m, held = self.maps[group_id], self.hashes[group_id]
+        for _, b, h in items:
+            m[h] = b
+            held[b] = h
+
     @abstractmethod
     def reset_cache(self) -> bool:
         """Drop every cached hash if no block is referenced; False (no change) otherwise."""

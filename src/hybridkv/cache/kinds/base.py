@@ -231,9 +231,7 @@ class KindManager(ABC):
         raise InvariantError(f"group {self.group_id}: {self.spec.kind} publishes once computed")
 
     def _publish(self, items: list[tuple[int, int, int]], request: Request) -> None:
-        pool, g = self.pool, self.group_id
-        for _, b, h in items:
-            pool.cache(g, b, h)
+        self.pool.cache_many(self.group_id, items)
         if self.events.enabled:
             self._emit_stored(items, request.block_hashes)
 
