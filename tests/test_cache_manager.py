@@ -330,3 +330,22 @@ def test_not_enough_blocks_returns_none_and_changes_nothing(strategy: str) -> No
     res = mgr.allocate_slots(r1, 17, num_new_computed_tokens=16, new_computed_blocks=hit)
     assert res is not None
     mgr.check_invariants()
+
+
+def test_window_tail_protected_at_free_is_evicted_from_its_highest_block() -> None:
+    # Window 8 on 2-token blocks: a hit at 12 needs positions [2, 6) (blocks of tokens 4..11).
+    mgr = KVCacheManager(uniform(groups((swa(8), 2)), 9), hasher="builtin", enable_kv_events=True)
+    r0 = mgr.make_request("r0", tokens(12))
+    run_to_completion(mgr, r0)
+    pos = {h: j for j, h in enumerate(r0.block_hashes)}
+    pool = mgr.pool
+    assert sorted(pos[h] for h in pool.maps[0]) == [1, 2, 3, 4, 5]  # tails at 11 and 12
+    # The free re-ages the window before its end highest first: the lowest block, which
+    # every shorter hit needs too, is the most recently used.
+    assert [pos[pool.hashes[0][b]] for b in pool.core.free_cached] == [1, 5, 4, 3, 2]
+    mgr.take_events()
+    admit(mgr, mgr.make_request("r1", tokens(16, start=100)))  # evicts all five
+    removed = [
+        pos[h] for e in mgr.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes
+    ]
+    assert removed == [1, 5, 4, 3, 2]

@@ -312,14 +312,19 @@ class _WindowedManager(_AttentionManager):
         return StepPlan(cache, num_cached, release, released, None, max(need, 0), 0)
 
     def protect(self, hashes: Sequence[int], marks: Sequence[int]) -> None:
+        # Highest position first, so the lowest ends most recently used: a window's blocks are
+        # all needed for a hit at its mark, and the low ones also serve every shorter hit
+        # (and lose their neighbours' protection last), so the tail is evicted first.
         k, m, bs = self.stride, self.map, self.block_size
-        blocks: list[int] = []
+        index: set[int] = set()
         for mark in marks:
             hi = min(mark // bs, len(hashes) // k)
-            for j in range(self.first_kept_block(hi * bs), hi):
-                b = m.get(hashes[(j + 1) * k - 1])
-                if b is not None:
-                    blocks.append(b)
+            index.update(range(self.first_kept_block(hi * bs), hi))
+        blocks: list[int] = []
+        for j in sorted(index, reverse=True):
+            b = m.get(hashes[(j + 1) * k - 1])
+            if b is not None:
+                blocks.append(b)
         if blocks:
             self.pool.refresh(self.group_id, blocks)
 
