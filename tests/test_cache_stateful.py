@@ -20,6 +20,7 @@ from hypothesis.stateful import (
 )
 
 from hybridkv.cache import (
+    CHECKPOINT_ADMISSION,
     PUBLISH_MODES,
     WINDOW_RETENTION,
     AllBlocksCleared,
@@ -28,6 +29,7 @@ from hybridkv.cache import (
     KVCacheManager,
     Request,
 )
+from hybridkv.cache.admission import CheckpointAdmission
 from test_cache_factories import (
     cached_hashes,
     eviction_for,
@@ -39,6 +41,19 @@ from test_cache_factories import (
 )
 
 BASE = tokens(48, start=10)
+
+
+class _Rejecting(CheckpointAdmission):
+    """Admits only checkpoints whose hash is a multiple of ``k`` (rejections on tiny runs)."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int, turnover: int) -> None:
+        super().__init__(turnover)
+        self.k = k
+
+    def admits(self, reason: int, block_hash: int) -> bool:
+        return block_hash % self.k == 0
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -59,8 +74,23 @@ class CacheMachine(RuleBasedStateMachine):
         events=hst.booleans(),
         publish=hst.sampled_from(PUBLISH_MODES),
         retention=hst.sampled_from(WINDOW_RETENTION),
+        admission=hst.sampled_from(CHECKPOINT_ADMISSION),
+        min_checkpoints=hst.integers(0, 2),
+        explore=hst.integers(1, 3),
+        reject=hst.sampled_from([0, 2, 3]),
     )
-    def setup(self, items: list, capacity: int, events: bool, publish: str, retention: str) -> None:
+    def setup(
+        self,
+        items: list,
+        capacity: int,
+        events: bool,
+        publish: str,
+        retention: str,
+        admission: str,
+        min_checkpoints: int,
+        explore: int,
+        reject: int,
+    ) -> None:
         layout = layout_for(self.strategy, groups(*items), capacity)
         self.mgr = KVCacheManager(
             layout,
@@ -69,7 +99,16 @@ class CacheMachine(RuleBasedStateMachine):
             arena_eviction=eviction_for(self.strategy),
             publish=publish,
             window_retention=retention,
+            checkpoint_admission=admission,
         )
+        adm = self.mgr._coord.admission
+        if adm is not None:  # decide from the first checkpoints on, explore often
+            adm.min_checkpoints, adm.explore = min_checkpoints, explore
+            if reject:  # or reject every checkpoint whose hash is not a multiple of reject
+                coord = self.mgr._coord
+                coord.admission = _Rejecting(reject, adm.turnover_bytes)
+                for m in coord.managers:
+                    m.admission = coord.admission
         self.mirror = [set() for _ in layout.groups]
 
     def _m(self) -> KVCacheManager:

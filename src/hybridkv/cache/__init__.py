@@ -15,6 +15,7 @@ Entry point: :class:`KVCacheManager` (``hybridkv.cache.manager``).  Layers, bott
 
 from __future__ import annotations
 
+from hybridkv.cache.admission import CHECKPOINT_ADMISSION, CHECKPOINT_REASONS
 from hybridkv.cache.coordinator import PUBLISH_MODES, WINDOW_RETENTION
 from hybridkv.cache.errors import (
     DuplicateRequestError,
@@ -45,6 +46,8 @@ from hybridkv.cache.types import (
 )
 
 __all__ = [
+    "CHECKPOINT_ADMISSION",
+    "CHECKPOINT_REASONS",
     "PUBLISH_MODES",
     "WINDOW_RETENTION",
     "AllBlocksCleared",

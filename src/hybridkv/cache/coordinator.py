@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+from hybridkv.cache.admission import CHECKPOINT_ADMISSION, CheckpointAdmission
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan, manager_class
 from hybridkv.cache.pools import make_block_pool
@@ -102,7 +103,13 @@ class HybridCoordinator:
         arena_eviction: str = "chunk_lru",
         publish: str = "scheduled",
         window_retention: str = "tails",
+        checkpoint_admission: str = "yield",
     ) -> None:
+        if checkpoint_admission not in CHECKPOINT_ADMISSION:
+            raise PlanError(
+                f"checkpoint_admission: unknown policy {checkpoint_admission!r}; valid: "
+                f"{', '.join(CHECKPOINT_ADMISSION)}"
+            )
         if window_retention not in WINDOW_RETENTION:
             raise PlanError(
                 f"window_retention: unknown policy {window_retention!r}; valid: "
@@ -133,6 +140,12 @@ class HybridCoordinator:
         self._open = [m for m in self.managers if not m.prefix_closed]
         self._set_window_grids()
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
+        #: Checkpoint admission by yield (None: every aligned checkpoint, or no state group).
+        self.admission: CheckpointAdmission | None = None
+        if checkpoint_admission == "yield" and len(self._attention) < self.num_groups:
+            self.admission = CheckpointAdmission(layout.total_bytes)
+            for m in self.managers:
+                m.admission = self.admission
         #: Attention managers that publish a step's blocks at its allocation (``scheduled``).
         self._scheduled: list[tuple[int, KindManager]] = (
             [(i, m) for i, m in enumerate(self.managers) if m.publishes_scheduled]
@@ -241,15 +254,24 @@ class HybridCoordinator:
             total = max(self.max_model_len, step_end)
         managers = self.managers
         if rs is None:
+            marks = tuple(x for x in (num_new_computed_tokens, junction) if x)
             plans = [
                 m.plan(
-                    None, request, computed, num_computed, step_end, total, hit[i] if hit else None
+                    None,
+                    request,
+                    computed,
+                    num_computed,
+                    step_end,
+                    total,
+                    hit[i] if hit else None,
+                    marks,
                 )
                 for i, m in enumerate(managers)
             ]
         else:
+            marks = rs.marks
             plans = [
-                m.plan(st, request, computed, num_computed, step_end, total, None)
+                m.plan(st, request, computed, num_computed, step_end, total, None, marks)
                 for m, st in zip(managers, rs.groups, strict=True)
             ]
             if not any(plans):  # the common decode step: nothing to publish, free or take
@@ -265,11 +287,14 @@ class HybridCoordinator:
         if not self._fits(plans):
             return None
         if rs is None:
-            marks = tuple(x for x in (num_new_computed_tokens, junction) if x)
             rs = RequestState(request, [m.new_state() for m in managers], marks)
             for m, st in zip(managers, rs.groups, strict=True):
                 m.start(st, request, marks)
             self.requests[request.request_id] = rs
+            if hit and num_new_computed_tokens and self.admission is not None:
+                self.admission.hit(num_new_computed_tokens)
+                for m, blocks in zip(managers, hit, strict=True):
+                    m.credit_hit(blocks, num_new_computed_tokens)
         groups = rs.groups
         for i, p in enumerate(plans):
             if p is not None:

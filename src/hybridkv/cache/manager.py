@@ -76,6 +76,10 @@ class KVCacheManager:
     :attr:`PrefixCacheStats.group_alone_hit_tokens` (off by default: it scans each windowed
     group over the whole prompt, where the hit itself only needs the part below the
     prefix-closed groups' hit; with it off that field is empty).
+    ``checkpoint_admission``: which recurrent-state checkpoints are saved: ``"yield"``
+    (default) those whose reason (junction, prompt end, prefill chunk end, decode) has served
+    at least the cache's average hit tokens per byte; ``"all"``: every aligned step end.  See
+    :mod:`hybridkv.cache.admission` and :meth:`checkpoint_admission_report`.
     """
 
     #: Skip planning an allocation that provably changes nothing (see
@@ -94,6 +98,7 @@ class KVCacheManager:
         publish: str = "scheduled",
         window_retention: str = "tails",
         group_hit_stats: bool = False,
+        checkpoint_admission: str = "yield",
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -110,6 +115,7 @@ class KVCacheManager:
             arena_eviction=arena_eviction,
             publish=publish,
             window_retention=window_retention,
+            checkpoint_admission=checkpoint_admission,
         )
         self.group_hit_stats = bool(group_hit_stats)
         self._stats = StatsCollector(len(layout.groups) if group_hit_stats else 0)
@@ -385,6 +391,13 @@ class KVCacheManager:
         if ok:
             self._stats.record_reset()
         return ok
+
+    def checkpoint_admission_report(self) -> dict[str, dict[str, float | bool]] | None:
+        """Per checkpoint reason: checkpoints and bytes on record, hit tokens served, yield
+        relative to the cache's average and whether it is admitted now (None: the layout has
+        no state group, or the policy is ``"all"``)."""
+        adm = self._coord.admission
+        return None if adm is None else adm.report()
 
     @property
     def stats(self) -> PrefixCacheStats:

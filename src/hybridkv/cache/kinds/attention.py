@@ -163,6 +163,7 @@ class FullAttentionManager(_AttentionManager):
         step_end: int,
         total: int,
         hit: Sequence[int] | None,
+        marks: Sequence[int] = (),
     ) -> StepPlan | None:
         bs = self.block_size
         if st is None:
@@ -277,6 +278,7 @@ class _WindowedManager(_AttentionManager):
         step_end: int,
         total: int,
         hit: Sequence[int] | None,
+        marks: Sequence[int] = (),
     ) -> StepPlan | None:
         bs = self.block_size
         upto = self.first_kept_block(num_computed)

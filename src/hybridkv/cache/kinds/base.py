@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
+from hybridkv.cache.admission import CheckpointAdmission
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_base import BlockPool
 from hybridkv.cache.request import Request
@@ -66,7 +67,8 @@ class StepPlan(NamedTuple):
     ``num_cached``; ``release``: blocks to drop a reference from, in order;
     ``release_upto``: the new ``released``; ``touch``: hit blocks to reference; ``need``:
     fresh blocks to allocate; ``checkpoint``: state kinds only, the number of blocks the
-    step ends at when it saves a checkpoint there (0: none).
+    step ends at when it saves a checkpoint there (0: none), and ``reason`` why (a
+    :data:`hybridkv.cache.admission.CHECKPOINT_REASONS` index).
     """
 
     cache: list[tuple[int, int, int]] | None
@@ -76,6 +78,7 @@ class StepPlan(NamedTuple):
     touch: list[int] | None
     need: int
     checkpoint: int
+    reason: int = 0
 
 
 class StepOutputs:
@@ -102,6 +105,8 @@ class KindManager(ABC):
     #: Windowed kinds under tail retention: also keep the tail before every multiple of this
     #: many tokens of the prompt (0: none).
     window_grid: int = 0
+    #: State checkpoint admission shared by the coordinator's groups (None: admit all).
+    admission: CheckpointAdmission | None = None
 
     def __init__(
         self,
@@ -128,6 +133,7 @@ class KindManager(ABC):
         self.refs = pool.refs[g]
         self.block_hashes = pool.hashes[g]
         self.map = pool.maps[g]
+        self.block_bytes = group.block_bytes
         self._configure()
 
     def _configure(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
@@ -176,13 +182,15 @@ class KindManager(ABC):
         step_end: int,
         total: int,
         hit: Sequence[int] | None,
+        marks: Sequence[int] = (),
     ) -> StepPlan | None:
         """Plan one allocation for this group (None: nothing to do).  Mutates nothing.
 
         ``st`` is None for a request's first allocation; ``computed``: tokens computed by
         earlier steps (``request.num_computed_tokens``); ``num_computed``: plus the hit;
         ``step_end``: computed length after this step; ``total``: token slots needed,
-        lookahead included; ``hit``: this group's hit blocks (first allocation only).
+        lookahead included; ``hit``: this group's hit blocks (first allocation only);
+        ``marks``: the request's hit and junction (tokens).
         """
 
     def apply_release(
@@ -203,6 +211,10 @@ class KindManager(ABC):
             st.released = plan.release_upto
         if plan.release:
             self.pool.release(self.group_id, plan.release)
+
+    def credit_hit(self, hit: Sequence[int], tokens: int) -> None:  # noqa: B027
+        """Hook when a request is admitted with a hit of ``tokens`` on the blocks ``hit``
+        (state kinds credit the checkpoint's admission reason)."""
 
     def apply_touch(self, st: GroupState, plan: StepPlan) -> None:
         """Phase 2: reference the hit blocks."""
@@ -232,6 +244,8 @@ class KindManager(ABC):
 
     def _publish(self, items: list[tuple[int, int, int]], request: Request) -> None:
         self.pool.cache_many(self.group_id, items)
+        if self.admission is not None:
+            self.admission.published(len(items) * self.block_bytes)
         if self.events.enabled:
             self._emit_stored(items, request.block_hashes)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+from hybridkv.cache.admission import CHUNK, DECODE, JUNCTION, PROMPT_END
 from hybridkv.cache.kinds.base import GroupState, KindManager, StepOutputs, StepPlan
 from hybridkv.cache.request import Request
 from hybridkv.cache.types import BlockId, StateCopy, StateSlot
@@ -42,6 +43,11 @@ class StateManager(KindManager):
     """Running state per request, checkpoints at aligned block boundaries."""
 
     kinds: ClassVar[tuple[CacheKind, ...]] = (CacheKind.STATE,)
+
+    def _configure(self) -> None:
+        #: Reason code (:data:`~hybridkv.cache.admission.CHECKPOINT_REASONS`) of the
+        #: checkpoint each slot holds, set when the slot is taken for one.
+        self.reasons = bytearray(len(self.refs))
 
     def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
         # One C-level pass over the aligned boundaries below the bound; the last cached wins.
@@ -88,6 +94,7 @@ class StateManager(KindManager):
         step_end: int,
         total: int,
         hit: Sequence[int] | None,
+        marks: Sequence[int] = (),
     ) -> StepPlan | None:
         cache = release = touch = None
         need = 0
@@ -97,15 +104,29 @@ class StateManager(KindManager):
                 touch = list(hit)
         elif st.pending or st.source:
             cache, release = self._settle(st, request, computed)
-        checkpoint = 0
+        checkpoint = reason = 0
         if step_end > num_computed and step_end % self.alignment == 0:
             h = self._checkpoint_hash(request, step_end)
             if h is not None and h not in self.map:
-                checkpoint = step_end // self.block_size
-                need += 1
+                reason = self.reason(request, step_end, marks)
+                adm = self.admission
+                if adm is None or adm.admits(reason, h):
+                    checkpoint = step_end // self.block_size
+                    need += 1
         if not (need or release):
             return None
-        return StepPlan(cache, 0, release, 0, touch, need, checkpoint)
+        return StepPlan(cache, 0, release, 0, touch, need, checkpoint, reason)
+
+    def reason(self, request: Request, end: int, marks: Sequence[int]) -> int:
+        """Why a checkpoint at the aligned step end ``end`` may be hit (admission reason)."""
+        a = self.alignment
+        for m in marks:
+            if end == m - m % a:
+                return JUNCTION
+        p = request.num_prompt_tokens
+        if end >= p:
+            return DECODE
+        return PROMPT_END if end == (p - 1) // a * a else CHUNK
 
     def quiet_end(self, st: GroupState, num_computed: int) -> tuple[int, int]:
         # Nothing pending to settle, and no step may end on an aligned boundary above the
@@ -115,6 +136,17 @@ class StateManager(KindManager):
         a = self.alignment
         end = (num_computed // a + 1) * a - 1
         return end, end
+
+    def _publish(self, items: list[tuple[int, int, int]], request: Request) -> None:
+        super()._publish(items, request)
+        adm = self.admission
+        if adm is not None:
+            for _, b, _ in items:
+                adm.checkpoint_published(self.reasons[b], self.block_bytes)
+
+    def credit_hit(self, hit: Sequence[int], tokens: int) -> None:
+        if hit and self.admission is not None:
+            self.admission.checkpoint_hit(self.reasons[hit[0]], tokens)
 
     def apply_release(
         self, st: GroupState, plan: StepPlan, hit: Sequence[int] | None, request: Request
@@ -146,6 +178,7 @@ class StateManager(KindManager):
         if plan.checkpoint:
             st.pending = new[-1]
             st.pending_index = plan.checkpoint - 1
+            self.reasons[st.pending] = plan.reason
             out.copies_after.append(StateCopy(g, BlockId(st.table[0]), BlockId(st.pending)))
         return added
 
