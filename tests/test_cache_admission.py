@@ -27,6 +27,7 @@ def test_every_reason_is_admitted_until_it_has_checkpoints_on_record() -> None:
 
 def test_a_reason_below_the_average_yield_is_rejected_except_explored_hashes() -> None:
     adm = CheckpointAdmission(10_000, min_checkpoints=2, explore=16)
+    adm.warm = True  # as after the first turnover
     for _ in range(2):  # two decode checkpoints of 100 bytes, never hit
         adm.published(100)
         adm.checkpoint_published(DECODE, 100)
@@ -55,6 +56,7 @@ def test_a_reason_below_the_average_yield_is_rejected_except_explored_hashes() -
 
 def test_a_yield_equal_to_the_average_is_admitted() -> None:
     adm = CheckpointAdmission(10_000, min_checkpoints=1)
+    adm.warm = True
     adm.published(100)
     adm.checkpoint_published(CHUNK, 100)
     adm.hit(10)
@@ -62,18 +64,22 @@ def test_a_yield_equal_to_the_average_is_admitted() -> None:
     assert adm.admits(CHUNK, 1)
 
 
-def test_counters_halve_after_each_turnover_and_decisions_follow_the_ratio() -> None:
+def test_nothing_is_judged_before_the_first_turnover_then_counters_halve_each_one() -> None:
     adm = CheckpointAdmission(1_000, min_checkpoints=1, explore=1 << 60)
-    adm.published(400)
-    adm.checkpoint_published(DECODE, 400)
+    for _ in range(2):
+        adm.published(200)
+        adm.checkpoint_published(DECODE, 200)
     adm.hit(8)
     adm.published(599)
-    assert adm.total_bytes == 999 and adm.checkpoints[DECODE] == 1
-    assert not adm.admits(DECODE, 3)
+    assert adm.total_bytes == 999 and adm.checkpoints[DECODE] == 2
+    assert adm.admits(DECODE, 3)  # no hit could have come back yet: not judged
     adm.published(1)  # 1000 bytes since the start: every counter halves once
+    assert adm.warm and adm.since_decay == 0
     assert adm.total_bytes == 500 and adm.total_hits == 4
-    assert adm.checkpoints[DECODE] == 0.5 and adm.checkpoint_bytes[DECODE] == 200
-    assert adm.since_decay == 0
+    assert adm.checkpoints[DECODE] == 1 and adm.checkpoint_bytes[DECODE] == 200
+    assert not adm.admits(DECODE, 3)  # 0 hit tokens per byte against 4 / 500
+    adm.published(1_000)  # a second turnover: the ratio, and so the decision, stays
+    assert adm.checkpoints[DECODE] == 0.5
     assert adm.admits(DECODE, 3)  # half a checkpoint on record: below min_checkpoints again
 
 
@@ -94,8 +100,8 @@ def _manager(policy: str) -> KVCacheManager:
         uniform(groups(full(), state()), 60), hasher="builtin", checkpoint_admission=policy
     )
     adm = mgr._coord.admission
-    if adm is not None:
-        adm.min_checkpoints, adm.explore = 1, 1 << 60  # decide at once, never explore
+    if adm is not None:  # decide at once, never explore
+        adm.min_checkpoints, adm.explore, adm.warm = 1, 1 << 60, True
     return mgr
 
 

@@ -104,6 +104,7 @@ class CacheMachine(RuleBasedStateMachine):
         adm = self.mgr._coord.admission
         if adm is not None:  # decide from the first checkpoints on, explore often
             adm.min_checkpoints, adm.explore = min_checkpoints, explore
+            adm.warm = min_checkpoints < 2  # judged from the start, or after a turnover
             if reject:  # or reject every checkpoint whose hash is not a multiple of reject
                 coord = self.mgr._coord
                 coord.admission = _Rejecting(reject, adm.turnover_bytes)

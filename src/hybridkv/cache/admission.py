@@ -73,6 +73,7 @@ class CheckpointAdmission:
         "total_bytes",
         "total_hits",
         "turnover_bytes",
+        "warm",
     )
 
     def __init__(
@@ -92,10 +93,13 @@ class CheckpointAdmission:
         self.total_bytes = 0.0
         self.total_hits = 0.0
         self.since_decay = 0
+        #: False until the groups published the layout's bytes once (the first halving): a
+        #: checkpoint cannot be hit before later requests arrive, so none is judged sooner.
+        self.warm = False
 
     def admits(self, reason: int, block_hash: int) -> bool:
         """Whether a checkpoint for ``reason`` ending at the block ``block_hash`` is saved."""
-        if self.checkpoints[reason] < self.min_checkpoints:
+        if not self.warm or self.checkpoints[reason] < self.min_checkpoints:
             return True
         # yield_reason >= average yield, cross-multiplied (no division by zero)
         if (
@@ -127,6 +131,7 @@ class CheckpointAdmission:
         self.hit_tokens[reason] += tokens
 
     def _halve(self) -> None:
+        self.warm = True
         for xs in (self.checkpoints, self.checkpoint_bytes, self.hit_tokens):
             for i in range(len(xs)):
                 xs[i] *= 0.5
