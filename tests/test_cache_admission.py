@@ -14,7 +14,7 @@ from hybridkv.cache.admission import (
 )
 from hybridkv.cache.types import StateCopy
 from hybridkv.errors import PlanError
-from test_cache_factories import full, groups, state, step, tokens, uniform
+from test_cache_factories import full, groups, pools, state, step, tokens, uniform
 
 
 def test_every_reason_is_admitted_until_it_has_checkpoints_on_record() -> None:
@@ -176,3 +176,33 @@ def test_reasons_of_aligned_step_ends() -> None:
     assert reason(req, 8, ()) == CHUNK
     req.append_token_ids([1, 2])
     assert reason(req, 16, ()) == DECODE
+
+
+@pytest.mark.parametrize("policy", ["yield", "all"])
+def test_a_checkpoint_that_does_not_fit_its_own_pool_is_dropped_not_the_step(policy: str) -> None:
+    # State pool: 2 usable slots, both held as running slots by two requests.
+    mgr = KVCacheManager(
+        pools(groups(full(), state()), [40, 3]), hasher="builtin", checkpoint_admission=policy
+    )
+    reqs = [mgr.make_request(r, tokens(10, start=100 * i)) for i, r in enumerate("ab")]
+    for req in reqs:
+        assert [len(c) for c in _prefill(mgr, req, [3])] == [0]
+    assert mgr.num_free_blocks[1] == 0
+    for req in reqs:  # each step ends at 4, an aligned boundary: a checkpoint is due
+        res = mgr.allocate_slots(req, 1)
+        assert res is not None and res.copies_after == ()
+        step(req, 1)
+    mgr._coord.check_invariants()
+    mgr.free("a")  # a slot comes back: the next due checkpoint (at 8) is saved
+    res = mgr.allocate_slots(reqs[1], 4)
+    assert res is not None and len(res.copies_after) == 1
+
+
+def test_in_a_shared_pool_a_checkpoint_that_does_not_fit_refuses_the_step() -> None:
+    mgr = KVCacheManager(uniform(groups(full(), state()), 7), hasher="builtin")
+    req = mgr.make_request("a", tokens(16))
+    _prefill(mgr, req, [3])  # 1 attention block + the running slot
+    other = mgr.make_request("b", tokens(16, start=50))
+    _prefill(mgr, other, [11])  # 3 blocks + a running slot: the pool's 6 usable are held
+    assert mgr.num_free_blocks[0] == 0
+    assert mgr.allocate_slots(req, 1) is None  # ends at 4: block free, checkpoint does not fit

@@ -26,7 +26,7 @@ from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
 from hybridkv.cache.types import AllocationResult, BlockId
 from hybridkv.errors import InvariantError, PlanError
-from hybridkv.plan.layout import MemoryLayout
+from hybridkv.plan.layout import MemoryLayout, Strategy
 from hybridkv.specs import CacheKind, SlidingWindowSpec
 
 __all__ = ["PUBLISH_MODES", "WINDOW_RETENTION", "HitResult", "HybridCoordinator", "RequestState"]
@@ -140,6 +140,7 @@ class HybridCoordinator:
         self._open = [m for m in self.managers if not m.prefix_closed]
         self._set_window_grids()
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
+        self._own_state_pools = layout.strategy is Strategy.POOLS
         #: Checkpoint admission by yield (None: every aligned checkpoint, or no state group).
         self.admission: CheckpointAdmission | None = None
         if checkpoint_admission == "yield" and len(self._attention) < self.num_groups:
@@ -285,7 +286,20 @@ class HybridCoordinator:
                 self._set_quiet(rs, num_computed)
                 return self.nothing
         if not self._fits(plans):
-            return None
+            # A state group with a pool of its own (``pools``) can be full of running slots:
+            # drop the checkpoint (an optimisation) rather than refuse the step, which would
+            # preempt a request to free a slot for it.  In a shared pool a refusal means the
+            # cache is full, and preempting keeps the checkpoint (measured better there).
+            if not self._own_state_pools or not any(p is not None and p.checkpoint for p in plans):
+                return None
+            plans = [
+                p._replace(need=p.need - 1, checkpoint=0, reason=0)
+                if p is not None and p.checkpoint
+                else p
+                for p in plans
+            ]
+            if not self._fits(plans):
+                return None
         if rs is None:
             rs = RequestState(request, [m.new_state() for m in managers], marks)
             for m, st in zip(managers, rs.groups, strict=True):
