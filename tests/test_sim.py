@@ -176,3 +176,18 @@ def test_publication_policies_reach_the_manager() -> None:
             assert r.finished == 40
             out[retention, publish] = r.hit_rate
     assert len(set(out.values())) > 1, out  # the options change what is cached
+
+
+def test_checkpoint_admission_reaches_the_manager() -> None:
+    # agent loops on Qwen3-Next at 2 GiB: saving every aligned checkpoint and saving by
+    # yield cache different states, and both finish everything
+    model = resolve_model("Qwen3-Next-80B-A3B")
+    profile = ModelProfile.from_config(load_model_config("Qwen3-Next-80B-A3B"))
+    work = synthetic_workload("agent", SyntheticOptions(num_requests=60, seed=3))
+    out = {}
+    for policy in ("yield", "all"):
+        cfg = SimConfig(memory_bytes=2 << 30, max_model_len=32768, checkpoint_admission=policy)
+        r = simulate(model, profile, work, cfg)
+        assert r.finished == 60
+        out[policy] = (r.hit_rate, r.preemptions)
+    assert out["yield"] != out["all"], out

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridkv.cache import PUBLISH_MODES, WINDOW_RETENTION
+from hybridkv.cache import CHECKPOINT_ADMISSION, PUBLISH_MODES, WINDOW_RETENTION
 from hybridkv.cli.common import (
     CliInputError,
     add_block_options,
@@ -102,6 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(PUBLISH_MODES),
         help="attention blocks join the prefix cache when their step is scheduled (requests "
         "of the same step hit them) or once computed",
+    )
+    parser.add_argument(
+        "--checkpoint-admission",
+        default="yield",
+        choices=list(CHECKPOINT_ADMISSION),
+        help="recurrent-state checkpoints saved: where their reason (junction, prompt end, "
+        "chunk end, decode) has served at least the cache's average hit tokens per byte, or "
+        "at every aligned step end",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads")
     parser.add_argument(
@@ -210,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
             use_arrivals=not args.no_arrivals,
             window_retention=args.window_retention,
             publish=args.publish,
+            checkpoint_admission=args.checkpoint_admission,
         )
         for strategy in strategies
     ]

@@ -65,6 +65,7 @@ class SimConfig:
     timeline_points: int = 400
     window_retention: str = "tails"
     publish: str = "scheduled"
+    checkpoint_admission: str = "yield"
 
     def __post_init__(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -257,6 +258,7 @@ def simulate(
         max_model_len=config.max_model_len,
         publish=config.publish,
         window_retention=config.window_retention,
+        checkpoint_admission=config.checkpoint_admission,
         group_hit_stats=True,  # the report's per-group hit rates
     )
     sched = Scheduler(
