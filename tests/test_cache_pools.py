@@ -58,30 +58,61 @@ def test_pools_evict_only_within_their_group() -> None:
     pool.check_invariants()
 
 
+def _hold_null_chunk(pool: ArenaPool) -> list[int]:
+    """Allocate (and keep) what chunk 0 lends the null host, so a test's chunk mechanics
+    start from chunk 1."""
+    host = pool.null_host
+    assert host is not None
+    return pool.allocate(host.group_id, host.end - host.first)
+
+
+def test_chunk_zero_is_lent_to_the_null_host_past_the_null_region() -> None:
+    # Null region: the largest attention block, 256 bytes; chunk 0 lends group 0 (128-byte
+    # blocks) ids 2..3, group 1 (256-byte) only id 1: equal bytes, the lower group hosts.
+    layout = arena(groups(full(), (full(), 8)), 4)
+    assert layout.null_host == (0, 2, 4)
+    pool = ArenaPool(layout, EventLog(enabled=False))
+    assert pool.chunk_owner(0) == 0 and pool.num_free(0) == 2 + 3 * 4
+    assert pool.allocate(0, 3) == [2, 3, 4]  # chunk 0's, then chunk 1 is carved
+    pool.release(0, [2, 3, 4])  # chunk 1 returns to the arena, chunk 0 stays group 0's
+    assert [pool.chunk_owner(c) for c in range(4)] == [0, None, None, None]
+    assert pool.allocate(1, 6) == [2, 3, 4, 5, 6, 7]  # group 1 never gets chunk 0
+    with pytest.raises(InvariantError):
+        pool.allocate(1, 1)
+    assert pool.usage == pytest.approx(6 * 256 / (3 * 512 + 2 * 128))
+    pool.check_invariants()
+    # A state group's null block is never read: with no attention group there is no null
+    # region, only id 0 itself is kept back.
+    assert arena(groups(state()), 3, blocks_per_chunk=4).null_host == (0, 1, 4)
+    assert arena(groups(full(), full()), 3, blocks_per_chunk=1).null_host is None
+
+
 def test_arena_chunks_are_carved_returned_and_reclaimed() -> None:
     # Group 0: 128-byte blocks (4 per 512-byte chunk); group 1: 256-byte blocks (2 per chunk).
     layout = arena(groups(full(), (full(), 8)), 4)
     assert layout.arena is not None and layout.arena.chunk_bytes == 512
     pool = ArenaPool(layout, EventLog(enabled=True))
+    assert _hold_null_chunk(pool) == [2, 3]
     assert pool.allocate(0, 1) == [4]  # chunk 1 -> group 0, blocks 4..7
     assert pool.allocate(1, 1) == [4]  # chunk 2 -> group 1, blocks 4..5
-    assert [pool.chunk_owner(c) for c in range(4)] == [None, 0, 1, None]
+    assert [pool.chunk_owner(c) for c in range(4)] == [0, 0, 1, None]
     pool.cache(0, 4, 111)
     pool.release(0, [4])  # chunk 1 keeps a cached block: idle, still group 0's
     pool.release(1, [4])  # chunk 2 is all free and uncached: back to the arena
-    assert [pool.chunk_owner(c) for c in range(4)] == [None, 0, None, None]
+    assert [pool.chunk_owner(c) for c in range(4)] == [0, 0, None, None]
     pool.check_invariants()
     assert pool.num_free(1) == 3 * 2
     assert pool.allocate(1, 4) == [4, 5, 6, 7]  # chunks 2 and 3
     assert pool.allocate(1, 1) == [2]  # no free chunk: group 0's idle chunk 1 is reclaimed
     assert pool.events.take() == [BlockRemoved(0, (111,))]  # type: ignore[arg-type]
-    assert [pool.chunk_owner(c) for c in range(4)] == [None, 1, 1, 1]
+    assert [pool.chunk_owner(c) for c in range(4)] == [0, 1, 1, 1]
     assert pool.maps[0] == {} and pool.is_allocated(1, 2) and not pool.is_allocated(0, 4)
     pool.check_invariants()
 
 
 def test_arena_reopens_its_own_idle_chunk_lowest_cached_block_first() -> None:
     pool = ArenaPool(arena(groups(full()), 2, blocks_per_chunk=4), EventLog(enabled=False))
+    assert _hold_null_chunk(pool) == [1, 2, 3]
     assert pool.allocate(0, 4) == [4, 5, 6, 7]
     pool.cache(0, 5, 55)
     pool.cache(0, 7, 77)
@@ -99,6 +130,7 @@ def test_arena_own_first_evicts_its_own_blocks_before_other_groups_chunks() -> N
     layout = arena(groups(full(), full()), 3, blocks_per_chunk=2)
     for policy, expected in (("chunk_lru", [2]), ("own_first", [5])):
         pool = ArenaPool(layout, EventLog(enabled=False), eviction=policy)
+        assert _hold_null_chunk(pool) == [1]
         assert pool.allocate(0, 2) == [2, 3]  # chunk 1: group 0
         assert pool.allocate(1, 2) == [4, 5]  # chunk 2: group 1
         pool.cache(0, 2, 20)
@@ -114,6 +146,7 @@ def test_arena_own_first_evicts_its_own_blocks_before_other_groups_chunks() -> N
 def test_arena_evicts_its_older_cached_block_before_a_newer_idle_chunk() -> None:
     layout = arena(groups(full(), full()), 3, blocks_per_chunk=2)
     pool = ArenaPool(layout, EventLog(enabled=True))
+    assert _hold_null_chunk(pool) == [1]
     assert pool.allocate(0, 2) == [2, 3]  # chunk 1: group 0
     assert pool.allocate(1, 2) == [4, 5]  # chunk 2: group 1
     pool.cache(1, 5, 50)
@@ -137,6 +170,7 @@ def test_arena_evicts_its_older_cached_block_before_a_newer_idle_chunk() -> None
 def test_arena_refresh_makes_an_idle_chunk_younger_than_cached_blocks() -> None:
     layout = arena(groups(full(), full()), 3, blocks_per_chunk=2)
     pool = ArenaPool(layout, EventLog(enabled=False))
+    assert _hold_null_chunk(pool) == [1]
     assert pool.allocate(0, 2) == [2, 3]
     assert pool.allocate(1, 2) == [4, 5]
     pool.cache(0, 2, 20)
@@ -151,6 +185,7 @@ def test_arena_refresh_makes_an_idle_chunk_younger_than_cached_blocks() -> None:
 
 def test_arena_revived_chunk_siblings_rejoin_the_lru_as_recently_used() -> None:
     pool = ArenaPool(arena(groups(full(), full()), 3, blocks_per_chunk=2), EventLog(enabled=False))
+    assert _hold_null_chunk(pool) == [1]
     assert pool.allocate(0, 2) == [2, 3]
     assert pool.allocate(1, 2) == [4, 5]
     pool.cache(1, 5, 50)
@@ -173,6 +208,7 @@ def test_arena_revived_chunk_siblings_rejoin_the_lru_as_recently_used() -> None:
 
 def test_arena_touch_revives_an_idle_chunk() -> None:
     pool = ArenaPool(arena(groups(full(), state()), 3), EventLog(enabled=False))
+    assert _hold_null_chunk(pool) == [1]
     assert pool.allocate(0, 2) == [2, 3]
     pool.cache(0, 2, 9)
     pool.release(0, [3, 2])
@@ -266,22 +302,23 @@ def test_fits_is_exact(strategy: str, items: list, capacity: int, data: hst.Data
         pool.check_invariants()
 
 
-def test_one_group_arena_is_flat_skips_the_null_chunk_and_evicts_per_block() -> None:
-    # One group, 4 blocks per chunk, 3 chunks: ids 0..3 are the null chunk, 4..11 usable.
+def test_one_group_arena_is_flat_skips_the_null_block_and_evicts_per_block() -> None:
+    # One group, 4 blocks per chunk, 3 chunks: id 0 is the null block (the group hosts the
+    # rest of chunk 0), 1..11 usable.
     layout = arena(groups(full()), 3, blocks_per_chunk=4)
     pool = make_block_pool(layout, EventLog(enabled=True))
     assert isinstance(pool, FlatArenaPool)
-    assert pool.num_free(0) == 8
-    assert pool.allocate(0, 3) == [4, 5, 6]
-    assert [pool.chunk_owner(c) for c in range(3)] == [None, 0, None]
-    assert pool.usage == pytest.approx(3 / 8)
-    pool.cache(0, 4, 104)
-    pool.cache(0, 5, 105)
-    pool.release(0, [6, 5, 4])  # tail first: LRU = [5, 4]
-    assert pool.chunk_owner(1) == 0  # cached blocks keep the chunk
-    assert pool.allocate(0, 5) == [6, 7, 8, 9, 10]
-    assert pool.allocate(0, 2) == [11, 5]  # then the least recently used block, not a chunk
-    assert pool.events.take() == [BlockRemoved(0, (105,))]  # type: ignore[arg-type]
+    assert pool.num_free(0) == 11
+    assert pool.allocate(0, 3) == [1, 2, 3]
+    assert [pool.chunk_owner(c) for c in range(3)] == [0, None, None]
+    assert pool.usage == pytest.approx(3 / 11)
+    pool.cache(0, 1, 101)
+    pool.cache(0, 2, 102)
+    pool.release(0, [3, 2, 1])  # tail first: LRU = [2, 1]
+    assert pool.chunk_owner(0) == 0  # cached blocks keep the chunk
+    assert pool.allocate(0, 8) == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert pool.allocate(0, 2) == [11, 2]  # then the least recently used block, not a chunk
+    assert pool.events.take() == [BlockRemoved(0, (102,))]  # type: ignore[arg-type]
     pool.check_invariants()
     with pytest.raises(InvariantError, match=r"chunk 3 not in \[0, 3\)"):
         pool.chunk_owner(3)

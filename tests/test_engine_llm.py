@@ -258,3 +258,32 @@ def test_same_step_prefix_hits_are_exact(name: str) -> None:
         "scheduled": {"w": 0, "r1": 24, "r2": 24},
         "computed": dict.fromkeys(prompts, 0),
     }
+
+
+def test_chunk_zero_blocks_lent_to_attention_stay_exact_next_to_state_null_slots() -> None:
+    """Chunk 0 of an arena lends its blocks past the null region to the attention group,
+    although the state group's null slot spans them: nothing reads or writes state slot 0,
+    so those blocks carry real KV and the tokens still match transformers."""
+    model, ref = _models("granitemoehybrid")
+    cache = CacheConfig(block_size=4, num_blocks=48, max_model_len=96)
+    engine = LLMEngine(model, cache=cache, scheduler=SchedulerConfig(token_budget=32))
+    layout = engine.manager.layout
+    host = layout.null_host
+    state = next(g for g in layout.groups if g.spec.kind == "state")
+    assert host is not None
+    # state slot 0 spans bytes [0, state block), over the host's first lent blocks
+    assert state.block_bytes > host.first * layout.groups[host.group_id].block_bytes
+    used: set[int] = set()
+    allocate = engine.manager.allocate_slots
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        res = allocate(*args, **kwargs)
+        if res is not None:
+            used.update(b for b in res.new_block_ids[host.group_id] if b < host.end)
+        return res
+
+    engine.manager.allocate_slots = spy  # type: ignore[method-assign]
+    prompts = {f"p{i}": [(7 * i + 3 * j) % 150 + 1 for j in range(30 + 5 * i)] for i in range(4)}
+    done = engine.generate(prompts, max_tokens=4)
+    assert used and min(used) == host.first
+    assert verify_completions(ref, done).ok

@@ -218,7 +218,9 @@ def test_qwen3_next_alone_is_within_atol() -> None:
     assert [c.num_cached_tokens for c in done] == [0, 0, 16]
 
 
-def _state_layout(state_slots: int) -> MemoryLayout:
+def _state_layout(state_slots: int, *, shared: int = 0) -> MemoryLayout:
+    """Full attention (4-token blocks) + a state group (8-token alignment): a pool each, or
+    with ``shared`` one uniform pool of that many blocks."""
     full = FullAttentionSpec(num_kv_heads=1, head_dim=8, dtype=DType.FP16)
     state = StateSpec(
         mixer=StateMixer.MAMBA2,
@@ -235,6 +237,10 @@ def _state_layout(state_slots: int) -> MemoryLayout:
         )
         for i, (spec, bs) in enumerate([(full, 4), (state, 8)])
     )
+    if shared:
+        bb = max(g.block_bytes for g in groups)
+        pool = PoolPlan(pool_id=0, group_ids=(0, 1), block_bytes=bb, num_blocks=shared)
+        return MemoryLayout(strategy=Strategy.UNIFORM, groups=groups, pools=(pool,))
     pools = tuple(
         PoolPlan(pool_id=i, group_ids=(i,), block_bytes=g.block_bytes, num_blocks=n)
         for i, (g, n) in enumerate(zip(groups, (32, state_slots), strict=True))
@@ -242,10 +248,27 @@ def _state_layout(state_slots: int) -> MemoryLayout:
     return MemoryLayout(strategy=Strategy.POOLS, groups=groups, pools=pools)
 
 
-def test_scheduler_refuses_a_request_that_cannot_progress_even_alone() -> None:
-    # One usable state slot: the running state fits, its checkpoint at token 8 never does.
-    # Preempting and recomputing would loop forever; the scheduler says so instead.
+def test_a_checkpoint_its_own_state_pool_cannot_hold_is_skipped() -> None:
+    # One usable state slot: the running state fits, its checkpoints never do; they are
+    # dropped (an optimisation) and the request runs to its end without a preemption.
     manager = KVCacheManager(_state_layout(2))
+    sched = Scheduler(manager, SchedulerConfig(token_budget=4), max_model_len=64)
+    sched.add_request("a", list(range(10, 30)), max_tokens=2)
+    chunks: list[tuple[int, int]] = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        chunks += [(s.start, s.num_new_tokens) for s in out.scheduled]
+        assert all(not s.allocation.copies_after for s in out.scheduled)
+        sched.update(out, {s.request_id: 7 for s in out.scheduled if s.samples})
+    assert chunks == [(0, 4), (4, 4), (8, 4), (12, 4), (16, 4), (20, 1)]
+    assert sched.num_preemptions == 0
+
+
+def test_scheduler_refuses_a_request_that_cannot_progress_even_alone() -> None:
+    # One shared pool of 3 usable blocks: 2 attention blocks and the running state fit, the
+    # checkpoint at token 8 never does (a shared pool refuses rather than drop it).
+    # Preempting and recomputing would loop forever; the scheduler says so instead.
+    manager = KVCacheManager(_state_layout(0, shared=4))
     sched = Scheduler(manager, SchedulerConfig(token_budget=4), max_model_len=64)
     sched.add_request("a", list(range(10, 30)), max_tokens=2)
     chunks: list[tuple[int, int]] = []

@@ -32,11 +32,14 @@ def test_two_groups_exact_chunk() -> None:
     assert cap.max_resident_tokens == 160
     assert cap.chunks_in_use == (5, 10)
     assert cap.num_chunks == 16
-    assert plan.waste.reserved == 1024
+    # Chunk 0: the null region is one 256-byte block; its other 3 blocks are lent to group 0
+    # (free here: the capacity point does not count them).
+    assert layout.null_host == (0, 1, 4)
+    assert plan.waste.reserved == 256
     assert plan.waste.chunk_tails == 1000
     assert plan.waste.padded_pages == plan.waste.padded_layers == 0
     assert plan.allocated_bytes == 5 * (4 + 8) * 256
-    assert plan.free_bytes == 0
+    assert plan.free_bytes == 3 * 256
     # Sliding layers read 8 tokens, full layers 32, at 32 bytes per token.
     assert plan.physical_need.per_layer == (1280, 5120, 1280, 5120)
     assert plan.physical_need.total == 12800
@@ -70,24 +73,28 @@ def test_exact_lcm_kept_when_it_meets_the_aim() -> None:
     assert [g.page_bytes for g in plan.layout.groups] == [128, 100]
     # ceil(8N / 25) + ceil(N / 32) <= 999
     assert plan.capacity.max_concurrent_requests == 2843
-    assert plan.waste.total == 3200
+    # only chunk 0's first 128 bytes: the full-attention group (25 blocks per chunk) hosts
+    # its other 24
+    assert plan.waste.total == 128
 
 
-def test_state_page_padding_when_the_lcm_is_too_coarse() -> None:
+def test_bounded_chunks_beat_state_page_padding_when_the_lcm_is_too_coarse() -> None:
     # With 64 000 bytes the exact 3200-byte chunk gives only 20 chunks and 53 requests;
-    # padding the 100-byte state page to 128 makes 128-byte chunks and 55 requests.
+    # padding the 100-byte state page to 128 makes 128-byte chunks and 55 requests, but pads
+    # every state page (1540 bytes); bounded 1280-byte chunks (10 full-attention blocks, 11
+    # of the 12.8 state slots) also hold 55 and lose 900 bytes of chunk tails instead.
     m = model([full(), state((25,))])
     plan = make_plan(m, memory_bytes=64000, max_model_len=32, block_size=4, chunk_alignment=64)
     assert plan.layout.arena is not None
-    assert (plan.layout.arena.chunk_bytes, plan.layout.arena.num_chunks) == (128, 500)
-    assert [g.page_bytes for g in plan.layout.groups] == [128, 128]
+    assert (plan.layout.arena.chunk_bytes, plan.layout.arena.num_chunks) == (1280, 50)
+    assert [g.page_bytes for g in plan.layout.groups] == [128, 100]
     assert plan.capacity.max_concurrent_requests == 55
-    assert plan.capacity.blocks_per_chunk == (1, 1)
-    assert plan.waste.padded_pages == 55 * (128 - 100)
+    assert plan.capacity.blocks_per_chunk == (10, 11)
+    assert plan.waste.padded_pages == 0
     assert plan.waste.reserved == 128
-    assert plan.waste.chunk_tails == 0
+    assert plan.waste.chunk_tails == 900
     assert plan.allocated_bytes == 55 * (8 * 128 + 100)
-    assert plan.free_bytes == 4 * 128
+    assert plan.free_bytes == 64000 - 900 - 128 - 55 * (8 * 128 + 100)
 
 
 def test_state_page_candidates() -> None:
@@ -179,7 +186,8 @@ def _zamba2_7b_shaped() -> dict[str, object]:
 def test_bounded_chunks_when_the_common_multiple_is_huge() -> None:
     # 146 MiB state blocks and 5.7 MiB attention blocks: their common multiple (even with the
     # state page padded) is a 2.25 GiB chunk, 3 chunks in 8 GiB, one request.  Bounded chunks
-    # of two state blocks hold as many requests as uniform.
+    # hold as many requests as uniform; with only chunk 0's null region reserved (not a whole
+    # chunk), six state blocks per chunk lose the least at that capacity.
     spec = spec_from_config(_zamba2_7b_shaped())
     plans = {
         s: make_plan(spec, memory_bytes=8 << 30, max_model_len=4096, strategy=s)
@@ -189,8 +197,8 @@ def test_bounded_chunks_when_the_common_multiple_is_huge() -> None:
     assert arena.layout.arena is not None
     state_block = arena.layout.groups[0].block_bytes
     assert state_block == 81 * 1894400
-    assert arena.layout.arena.chunk_bytes == 2 * state_block  # lcm with the 4 KiB alignment
-    assert arena.capacity.blocks_per_chunk == (2, 50)  # 51.46 attention blocks: 50 lent
+    assert arena.layout.arena.chunk_bytes == 6 * state_block  # lcm with the 4 KiB alignment
+    assert arena.capacity.blocks_per_chunk == (6, 153)  # 154.4 attention blocks: 153 lent
     assert arena.capacity.max_concurrent_requests == 4
     assert plans["uniform"].capacity.max_concurrent_requests == 4
-    assert any("bounded chunks of 306892800 B" in n for n in arena.notes)
+    assert any("bounded chunks of 920678400 B" in n for n in arena.notes)

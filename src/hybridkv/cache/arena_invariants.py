@@ -57,10 +57,43 @@ def check_arena(pool: ArenaPool) -> None:
                     raise InvariantError(f"group {g}: block {b} in the {name} queue wrongly")
                 if (hashes[b] is None) != (name == "uncached"):
                     raise InvariantError(f"group {g}: block {b} in the wrong free queue")
-    if pool.owner[0] != -1:
-        raise InvariantError("chunk 0 (null blocks) is owned by a group")
+    _check_null_chunk(pool, free_set)
     for c in range(1, nc):
         _check_chunk(pool, c, free_set)
+
+
+def _check_null_chunk(pool: ArenaPool, free_set: set[int]) -> None:
+    """Chunk 0: unowned (reserved), or the null host's for good with a phantom reference,
+    lending only ``[first, end)``, its free blocks always in the host's queues."""
+    host = pool.null_host
+    if host is None:
+        if pool.owner[0] != -1 or pool.chunk_refd[0] or pool.chunk_cached_free[0]:
+            raise InvariantError("chunk 0 (null blocks) is used though it has no null host")
+        return
+    g = host.group_id
+    if pool.owner[0] != g or 0 in free_set or 0 in pool.idle_all:
+        raise InvariantError(f"chunk 0 is not held for good by its null host, group {g}")
+    for o in range(pool.num_groups):
+        if o != g:
+            for x in _lent(pool, o, 0):
+                if pool.refs[o][x] or pool.hashes[o][x] is not None:
+                    raise InvariantError(f"chunk 0: group {o} uses block {x} it does not hold")
+    refs, hashes = pool.refs[g], pool.hashes[g]
+    fu, fc = pool.free_uncached[g], pool.free_cached[g]
+    for x in range(0, host.first):
+        if refs[x] or hashes[x] is not None or x in fu or x in fc:
+            raise InvariantError(f"chunk 0: null-region block {x} of group {g} is in use")
+    blocks = range(host.first, host.end)
+    refd = sum(1 for x in blocks if refs[x])
+    cached_free = sum(1 for x in blocks if not refs[x] and hashes[x] is not None)
+    if refd + 1 != pool.chunk_refd[0] or cached_free != pool.chunk_cached_free[0]:
+        raise InvariantError(
+            f"chunk 0: counters (refd {pool.chunk_refd[0]}, cached free "
+            f"{pool.chunk_cached_free[0]}) differ from blocks ({refd} + 1, {cached_free})"
+        )
+    for x in blocks:
+        if not refs[x] and (x in fu) == (x in fc):
+            raise InvariantError(f"chunk 0: free block {x} not in exactly one queue")
 
 
 def _chunk_of(pool: ArenaPool, g: int, b: int) -> int:

@@ -3,7 +3,9 @@
 Chunk ``c`` lends group ``g`` the ``bpc(g)`` block ids starting at ``first(g, c)``, and block
 ``b`` lies in chunk ``b * block_bytes(g) // chunk_bytes`` (``MemoryLayout.blocks_per_chunk``,
 ``chunk_first_block`` and ``chunk_of_block``; ``[c * bpc, (c + 1) * bpc)`` when the block
-divides the chunk).  Chunk 0 is reserved for the null blocks.  A chunk is in one of three states:
+divides the chunk).  Chunk 0 holds the null blocks: it is lent for good to the layout's null
+host (``MemoryLayout.null_host``; a phantom reference keeps it active, so it never goes idle,
+free or to another group), or reserved when there is none.  A chunk is in one of three states:
 
 * **free**: held by nobody, on the arena's free-chunk stack;
 * **active**: held by group ``g`` with at least one referenced block; its free blocks wait in
@@ -108,6 +110,22 @@ class ArenaPool(ArenaFits, BlockPool):
         self.chunk_cached_free = [0] * nc  # free blocks holding a hash, per chunk
         self.free_chunks = list(range(nc - 1, 0, -1))  # pop() gives the lowest first
         self.used = [0] * self.num_groups
+        self.null_host = layout.null_host
+        self._pin_null_chunk()
+        host = self.null_host
+        self._usable_bytes = (nc - 1) * self.chunk_bytes + (
+            0 if host is None else host.usable_bytes(layout.groups)
+        )
+
+    def _pin_null_chunk(self) -> None:
+        """Lend chunk 0's ids past the null region to the null host, for good."""
+        host = self.null_host
+        if host is None:
+            return
+        g = host.group_id
+        self.owner[0] = g
+        self.chunk_refd[0] = 1  # the phantom reference: never idle, free or reclaimed
+        self.free_uncached[g].update(dict.fromkeys(range(host.end - 1, host.first - 1, -1)))
 
     # -- chunk transitions --------------------------------------------------------------------
     def _carve(self, g: int, c: int) -> None:
@@ -376,6 +394,7 @@ class ArenaPool(ArenaFits, BlockPool):
         self.chunk_refd[:] = [0] * nc
         self.chunk_cached_free[:] = [0] * nc
         self.free_chunks[:] = range(nc - 1, 0, -1)
+        self._pin_null_chunk()
         return True
 
     # -- queries ------------------------------------------------------------------------------
@@ -387,7 +406,7 @@ class ArenaPool(ArenaFits, BlockPool):
     @property
     def usage(self) -> float:
         used = sum(u * bb for u, bb in zip(self.used, self.block_bytes, strict=True))
-        return used / ((self.num_chunks - 1) * self.chunk_bytes)
+        return used / self._usable_bytes
 
     def num_used(self, group_id: int) -> int:
         return self.used[group_id]

@@ -99,8 +99,9 @@ class FlatArenaPool(UniformPool):
     :class:`~hybridkv.cache.pool_arena.ArenaPool`'s default ``chunk_lru`` policy is exactly
     this LRU (same block ids); or one group (e.g. DeepSeek-V3's MLA), where every chunk is
     that group's, so chunks only decide which blocks are evicted together, and a per-block
-    LRU (vLLM's and ``uniform``'s) evicts the least recently used data instead.  The null
-    chunk's ids ``[0, blocks_per_chunk)`` are never handed out, as in the arena.
+    LRU (vLLM's and ``uniform``'s) evicts the least recently used data instead.  Chunk 0's ids
+    below the null host's first (:func:`hybridkv.plan.layout.null_host`) are never handed out,
+    as in the arena.
     """
 
     strategy: ClassVar[Strategy] = Strategy.ARENA
@@ -123,12 +124,15 @@ class FlatArenaPool(UniformPool):
                 "FlatArenaPool needs an arena whose chunk is every group's block, or one group"
             )
         self.bpc = arena.chunk_bytes // layout.groups[0].block_bytes
-        self._init_core(arena.num_chunks * self.bpc, layout.groups[0].block_bytes, self.bpc)
+        host = layout.null_host  # one group: chunk 0 lends it the ids past the null region
+        first = self.bpc if host is None else host.first
+        self._init_core(arena.num_chunks * self.bpc, layout.groups[0].block_bytes, first)
         self.num_chunks = arena.num_chunks
+        self._usable = arena.num_chunks * self.bpc - first
 
     @property
     def usage(self) -> float:
-        return self.core.num_used / ((self.num_chunks - 1) * self.bpc)
+        return self.core.num_used / self._usable
 
     def chunk_owner(self, chunk: int) -> int | None:
         if not 0 <= chunk < self.num_chunks:

@@ -177,9 +177,17 @@ def _header(plan: Plan) -> list[str]:
         f"{layout.schedule_alignment} tokens",
     ]
     if layout.arena is not None:
+        host = layout.null_host
+        null = "chunk 0 reserved"
+        if host is not None:
+            region = host.first * layout.groups[host.group_id].block_bytes
+            null = (
+                f"chunk 0: null blocks in its first {format_bytes(region)}, blocks "
+                f"{host.first}..{host.end - 1} lent to group {host.group_id} for good"
+            )
         lines.append(
             f"arena: {layout.arena.num_chunks} chunks of {format_bytes(layout.arena.chunk_bytes)}"
-            f" ({layout.arena.chunk_bytes} B), chunk 0 reserved"
+            f" ({layout.arena.chunk_bytes} B), {null}"
         )
     else:
         for pool in layout.pools:

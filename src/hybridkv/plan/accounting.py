@@ -16,7 +16,8 @@ Byte ledger at the capacity point ``N`` (every field >= 0; they sum to the budge
   of the ``uniform`` strategy; page padding).
 * ``chunk_tails``: the budget remainder that is no whole chunk/block (per pool for ``pools``),
   plus, in the arena, the bytes of each held chunk that are no whole block of its group.
-* ``reserved``: the null block of each pool, or the arena's null chunk.
+* ``reserved``: the null block of each pool, or what chunk 0 of an arena lends nobody (all
+  of it but the null host's blocks past the null region).
 * ``free``: usable bytes left over (free blocks, free chunks, spare blocks of held chunks).
 """
 
@@ -194,11 +195,14 @@ def _arena_ledger(
         leftovers += chunks * (chunk - per_chunk * g.block_bytes)
         free += (chunks * per_chunk - held) * g.block_bytes
     free += (arena.num_chunks - 1 - held_chunks) * chunk
+    host = layout.null_host  # chunk 0 past the null region: the null host's, free here
+    usable = 0 if host is None else host.usable_bytes(layout.groups)
+    free += usable
     waste = Waste(
         padded_layers=padded_layers,
         padded_pages=padded_pages,
         chunk_tails=memory_bytes - arena.total_bytes + leftovers,
-        reserved=chunk,
+        reserved=chunk - usable,
     )
     return Ledger(allocated=allocated, waste=waste, free=free)
 

@@ -5,14 +5,16 @@
 granularity, see :mod:`hybridkv.plan.options`), so a chunk holds a whole
 number of blocks of any group and can be handed from one group to another when it is empty:
 memory flows to whichever kind the workload needs, with no fixed split and no padding.
-``num_chunks = memory_bytes // chunk_bytes``; chunk 0 is the null chunk.  When no aligned
+``num_chunks = memory_bytes // chunk_bytes``; chunk 0 holds the null blocks and lends the rest
+to the null host group (:func:`hybridkv.plan.layout.null_host`; only the null region, the
+largest attention block, is reserved).  When no aligned
 chunk meets the waste aim below (DeepSeek-V3: 61 MLA layers make every aligned chunk at least
 1.07 GiB), the alignment is halved down to 4 KiB until one does; the on-demand arena then shares
 the boundary pages of neighbouring chunks.
 
 The exact lcm can be too coarse: 36 gated-DeltaNet layers with a 2,146,304-byte state make a
 block of 36 * 2^16 * 131 bytes, and an lcm of gigabytes.  The plan aims at >= 64 chunks and
-at most 1% of the budget lost to chunk tails, the null chunk and padding.  When the exact lcm
+at most 1% of the budget lost to chunk tails, the null region and padding.  When the exact lcm
 misses that aim, state pages are padded up to a rounder size (``d * 2^j`` for small odd
 ``d``, at most doubling a page), one state group at a time (coordinate descent).  The
 candidate holding the most max-length requests wins; among equals, one meeting the aim beats
@@ -36,7 +38,7 @@ from typing import NamedTuple
 
 from hybridkv.plan.accounting import arena_capacity, too_small_error
 from hybridkv.plan.grouping import BuiltLayout, SpecGroup, base_group_plans, is_state
-from hybridkv.plan.layout import ArenaPlan, GroupPlan, MemoryLayout, Strategy
+from hybridkv.plan.layout import ArenaPlan, GroupPlan, MemoryLayout, Strategy, null_host
 from hybridkv.plan.need import blocks_for_request
 from hybridkv.plan.options import PlanOptions
 
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 #: The arena aims at no fewer chunks than this ...
 ARENA_MIN_CHUNKS = 64
-#: ... and at most this fraction of the budget in chunk tails, null chunk and padding.
+#: ... and at most this fraction of the budget in chunk tails, null region and padding.
 ARENA_MAX_WASTE_FRACTION = 0.01
 #: Odd factors ``d`` of the rounder page sizes ``d * 2^j`` tried for state pages.
 _ODD_FACTORS = (1, 3, 5, 7, 9, 15)
@@ -63,7 +65,7 @@ class _Candidate(NamedTuple):
     chunk_bytes: int
     num_chunks: int
     capacity: int
-    waste: int  # chunk tails + null chunk + page padding at the capacity point, bytes
+    waste: int  # chunk tails + null region + page padding at the capacity point, bytes
     min_bytes: int  # smallest budget holding one request with this chunk size
 
     def score(self, memory_bytes: int) -> tuple[int, bool, float, int, int]:
@@ -108,6 +110,12 @@ def _evaluate(
     )
 
 
+def null_chunk_reserved(groups: Sequence[GroupPlan], chunk: int) -> int:
+    """Bytes of chunk 0 nobody can use: all of it but what it lends the null host."""
+    host = null_host(groups, chunk)
+    return chunk - (0 if host is None else host.usable_bytes(groups))
+
+
 def _lent(chunk: int, block: int) -> int:
     """Blocks of ``block`` bytes every chunk of ``chunk`` bytes lends (see plan.layout)."""
     return chunk // block - (1 if chunk % block else 0)
@@ -131,8 +139,9 @@ def _evaluate_chunk(
         for g, n, p in zip(groups, need, per_chunk, strict=True)
     )
     tails = memory_bytes - num_chunks * chunk
+    reserved = null_chunk_reserved(groups, chunk)
     return _Candidate(
-        groups, chunk, num_chunks, capacity, tails + chunk + padding + inside, min_bytes
+        groups, chunk, num_chunks, capacity, tails + reserved + padding + inside, min_bytes
     )
 
 
@@ -285,7 +294,7 @@ def plan_arena(
         notes.append(
             f"arena: {best.num_chunks} chunks of {best.chunk_bytes} B lose "
             f"{100 * best.waste / memory_bytes:.2f}% of the budget to chunk tails, the null "
-            f"chunk and padding (aim: >= {ARENA_MIN_CHUNKS} chunks, <= "
+            f"region and padding (aim: >= {ARENA_MIN_CHUNKS} chunks, <= "
             f"{100 * ARENA_MAX_WASTE_FRACTION:.0f}%); "
             + (
                 "no state-page padding does better"

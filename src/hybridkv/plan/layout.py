@@ -17,8 +17,13 @@ Block ids
   first whole block ``ceil(c * C / B)`` (:meth:`MemoryLayout.chunk_first_block`): the same
   count in every chunk, losing less than ``2 * B`` bytes per chunk; the ids in between
   (blocks straddling two chunks, or the one extra block some chunks could hold) are never
-  handed out.  A group may only use blocks of chunks it currently holds.  Chunk ``0`` is
-  reserved: block ``0`` of every group is the null block and lives there.
+  handed out.  A group may only use blocks of chunks it currently holds.  Block ``0`` of every
+  group is its null block and starts at byte 0, in chunk ``0``.  Only the null blocks of
+  attention-like groups are ever read (released or padded table entries); a state group's
+  block 0 is never read nor written.  So chunk ``0`` is lent for good to one *null host*
+  group (:func:`null_host`), minus the ids that overlap the first ``R`` bytes, ``R`` the
+  largest attention-like block: only those bytes (and the chunk's tail) are reserved, not
+  the whole chunk.
 
 Example (arena): groups with 64 KiB and 96 KiB blocks, ``chunk_bytes`` = 192 KiB.  Group 0 has 3
 blocks per chunk, group 1 has 2.  Group 1's block 5 is chunk 2, bytes 480..576 KiB.  With
@@ -28,15 +33,25 @@ blocks per chunk, group 1 has 2.  Group 1's block 5 is chunk 2, bytes 480..576 K
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from math import gcd
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridkv.errors import PlanError
-from hybridkv.specs import CacheSpec, spec_from_dict
+from hybridkv.specs import CacheKind, CacheSpec, spec_from_dict
 
-__all__ = ["NULL_BLOCK_ID", "ArenaPlan", "GroupPlan", "MemoryLayout", "PoolPlan", "Strategy"]
+__all__ = [
+    "NULL_BLOCK_ID",
+    "ArenaPlan",
+    "GroupPlan",
+    "MemoryLayout",
+    "NullHost",
+    "PoolPlan",
+    "Strategy",
+    "null_host",
+]
 
 #: Block id of the null block in every pool and every arena group.
 NULL_BLOCK_ID = 0
@@ -182,6 +197,43 @@ class PoolPlan:
         )
 
 
+class NullHost(NamedTuple):
+    """The group chunk ``0`` is lent to for good, and the ids it lends: ``[first, end)``."""
+
+    group_id: int
+    first: int
+    end: int
+
+    def usable_bytes(self, groups: Sequence[GroupPlan]) -> int:
+        return (self.end - self.first) * groups[self.group_id].block_bytes
+
+
+def null_host(groups: Sequence[GroupPlan], chunk_bytes: int) -> NullHost | None:
+    """Which group gets the part of chunk ``0`` past the null region (see the module doc).
+
+    The null region is the largest block of a group whose null block may be read (every
+    kind but recurrent state; none when all groups are state).  Each group with at least two
+    blocks per chunk could use its ids of chunk ``0`` from the first past that region (never
+    id 0); the one that gets the most bytes that way hosts (ties: the lowest group id).
+    None when no group would get a block.
+    """
+    region = max(
+        (g.block_bytes for g in groups if g.spec.kind is not CacheKind.STATE),
+        default=0,
+    )
+    best: NullHost | None = None
+    best_bytes = 0
+    for g in groups:
+        bb = g.block_bytes
+        end = chunk_bytes // bb - (1 if chunk_bytes % bb else 0)
+        if end < 2:
+            continue
+        first = max(1, -(-region // bb))
+        if (end - first) * bb > best_bytes:
+            best, best_bytes = NullHost(g.group_id, first, end), (end - first) * bb
+    return best
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArenaPlan:
     """One shared region of ``num_chunks`` chunks; chunk 0 holds the null blocks."""
@@ -318,6 +370,11 @@ class MemoryLayout:
         """Arena only: the block ids ``chunk`` lends group ``group_id``."""
         first = self.chunk_first_block(group_id, chunk)
         return range(first, first + self.blocks_per_chunk(group_id))
+
+    @property
+    def null_host(self) -> NullHost | None:
+        """Arena only: the group holding chunk ``0`` past the null region (None: reserved)."""
+        return null_host(self.groups, self._arena_plan("null_host").chunk_bytes)
 
     def num_block_ids(self, group_id: int) -> int:
         """Arena only: the size of the group's block-id space, ``total_bytes // block_bytes``
