@@ -206,3 +206,29 @@ def test_in_a_shared_pool_a_checkpoint_that_does_not_fit_refuses_the_step() -> N
     _prefill(mgr, other, [11])  # 3 blocks + a running slot: the pool's 6 usable are held
     assert mgr.num_free_blocks[0] == 0
     assert mgr.allocate_slots(req, 1) is None  # ends at 4: block free, checkpoint does not fit
+
+
+def test_a_junction_checkpoint_is_tagged_and_credited_with_the_hits_it_serves() -> None:
+    mgr = _manager("yield")
+    # A: 14 tokens in one step (ends at 14, unaligned: no checkpoint), then freed.
+    a = mgr.make_request("a", tokens(14))
+    assert _prefill(mgr, a, [14]) == [()]
+    mgr.free("a")
+    # B shares A's first 8 tokens: attention caches them, no state does: junction 8.
+    b = mgr.make_request("b", [*tokens(8), 50, 51, 52, 53, 54])
+    hit = mgr.get_computed_blocks(b)
+    assert (hit.num_computed_tokens, hit.junction_tokens) == (0, 8)
+    res = mgr.allocate_slots(b, 8, new_computed_blocks=hit)  # the scheduler stops there
+    assert res is not None and len(res.copies_after) == 1
+    step(b, 8)
+    assert mgr.allocate_slots(b, 5) is not None  # publishes the junction checkpoint
+    step(b, 5)
+    mgr.free("b")
+    # C shares the same 8 tokens: hits B's junction checkpoint.
+    c = mgr.make_request("c", [*tokens(8), 60, 61])
+    assert mgr.get_computed_blocks(c).num_computed_tokens == 8
+    _prefill(mgr, c, [2])
+    report = mgr.checkpoint_admission_report()
+    assert report is not None
+    assert report["junction"]["checkpoints"] == 1 and report["junction"]["hit_tokens"] == 8
+    assert report["prompt_end"]["checkpoints"] == 0 and report["chunk"]["checkpoints"] == 0
