@@ -73,11 +73,13 @@ def test_nothing_is_judged_before_the_first_turnover_then_counters_halve_each_on
     adm.published(599)
     assert adm.total_bytes == 999 and adm.checkpoints[DECODE] == 2
     assert adm.admits(DECODE, 3)  # no hit could have come back yet: not judged
+    assert adm.report()["decode"]["admitted"] is True
     adm.published(1)  # 1000 bytes since the start: every counter halves once
     assert adm.warm and adm.since_decay == 0
     assert adm.total_bytes == 500 and adm.total_hits == 4
     assert adm.checkpoints[DECODE] == 1 and adm.checkpoint_bytes[DECODE] == 200
     assert not adm.admits(DECODE, 3)  # 0 hit tokens per byte against 4 / 500
+    assert adm.report()["decode"]["admitted"] is False
     adm.published(1_000)  # a second turnover: the ratio, and so the decision, stays
     assert adm.checkpoints[DECODE] == 0.5
     assert adm.admits(DECODE, 3)  # half a checkpoint on record: below min_checkpoints again

@@ -190,4 +190,10 @@ def test_checkpoint_admission_reaches_the_manager() -> None:
         r = simulate(model, profile, work, cfg)
         assert r.finished == 60
         out[policy] = (r.hit_rate, r.preemptions)
+        report = r.summary()["checkpoint_admission"]
+        if policy == "all":
+            assert report is None
+        else:  # every reason on record, and the junctions (shared system prompts) kept
+            assert set(report) == {"junction", "prompt_end", "chunk", "decode"}
+            assert report["junction"]["admitted"] is True
     assert out["yield"] != out["all"], out

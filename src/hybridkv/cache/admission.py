@@ -155,6 +155,6 @@ class CheckpointAdmission:
                 "bytes": cb,
                 "hit_tokens": self.hit_tokens[r],
                 "relative_yield": y / avg if avg else 0.0,
-                "admitted": self.checkpoints[r] < self.min_checkpoints or y >= avg,
+                "admitted": not self.warm or self.checkpoints[r] < self.min_checkpoints or y >= avg,
             }
         return out

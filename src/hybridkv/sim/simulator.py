@@ -131,6 +131,9 @@ class SimResult:
     group_labels: tuple[str, ...]
     manager_us_per_step: float
     timeline: list[TimelinePoint] = field(default_factory=list)
+    #: :meth:`KVCacheManager.checkpoint_admission_report` at the end (None: no state group,
+    #: or every checkpoint saved).
+    checkpoint_admission: dict[str, dict[str, float | bool]] | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -170,6 +173,7 @@ class SimResult:
             "tpot_mean_s": sum(self.tpot_s) / len(self.tpot_s) if self.tpot_s else 0.0,
             "manager_us_per_step": self.manager_us_per_step,
             "wall_time_s": self.wall_time_s,
+            "checkpoint_admission": self.checkpoint_admission,
         }
 
 
@@ -416,4 +420,5 @@ def simulate(
         group_labels=tuple(group_label(plan, g) for g in range(n_groups)),
         manager_us_per_step=manager_ns / 1000.0 / steps if steps else 0.0,
         timeline=timeline,
+        checkpoint_admission=mgr.checkpoint_admission_report(),
     )
