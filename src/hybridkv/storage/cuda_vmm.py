@@ -15,8 +15,8 @@ Uses the driver VMM API through the optional ``cuda-bindings`` package
 The reserved range is exposed as a flat ``uint8`` CUDA tensor through
 ``__cuda_array_interface__`` (``torch.as_tensor``), created on first use of
 :attr:`CudaVMMBackend.tensor`.  torch asks the driver which device owns the base pointer, so
-the first page must be mapped by then: :meth:`OnDemandArena.for_layout` commits chunk 0 (the
-null chunk) before anything reads the tensor.  Touching an unmapped page from a kernel is an
+the first page must be mapped by then: :meth:`KVCacheStorage.on_demand` commits chunk 0 (the
+null blocks) before anything reads the tensor.  Touching an unmapped page from a kernel is an
 illegal address fault: only use blocks of committed chunks.
 
 Install with ``pip install cuda-bindings`` (the ``cuda`` extra we would like in

@@ -18,7 +18,8 @@ Backends (a small protocol, :class:`PageBackend`):
   first touch and ``madvise(MADV_DONTNEED)`` gives it back (it reads as zeros afterwards).
 * :class:`hybridkv.storage.cuda_vmm.CudaVMMBackend`: the CUDA driver's virtual memory API.
 
-Chunk ``0`` of an arena holds the null blocks; :meth:`OnDemandArena.for_layout` commits it.
+Chunk ``0`` of an arena holds the null blocks (and the null host's blocks past them, see
+:func:`hybridkv.plan.layout.null_host`); :meth:`KVCacheStorage.on_demand` commits it at once.
 """
 
 from __future__ import annotations

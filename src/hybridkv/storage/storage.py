@@ -104,8 +104,9 @@ class KVCacheStorage:
         """An arena storage whose chunks hold physical memory only while committed.
 
         The returned storage's :attr:`memory` commits and releases chunks (chunk 0, the null
-        chunk, starts committed).  CPU uses :class:`CpuMmapBackend`, CUDA
-        :class:`hybridkv.storage.cuda_vmm.CudaVMMBackend` (needs ``cuda-bindings``).  Raises
+        blocks and the null host's blocks, starts committed and stays so).  CPU uses
+        :class:`CpuMmapBackend`, CUDA :class:`hybridkv.storage.cuda_vmm.CudaVMMBackend` (needs
+        ``cuda-bindings``).  Raises
         :class:`LayoutUnsupportedError` for a layout without an arena.
         """
         arena = layout.arena
