@@ -112,10 +112,7 @@ class ArenaPool(ArenaFits, BlockPool):
         self.used = [0] * self.num_groups
         self.null_host = layout.null_host
         self._pin_null_chunk()
-        host = self.null_host
-        self._usable_bytes = (nc - 1) * self.chunk_bytes + (
-            0 if host is None else host.usable_bytes(layout.groups)
-        )
+        self._usable_bytes = (nc - 1) * self.chunk_bytes + layout.null_chunk_usable_bytes
 
     def _pin_null_chunk(self) -> None:
         """Lend chunk 0's ids past the null region to the null host, for good."""

@@ -195,8 +195,7 @@ def _arena_ledger(
         leftovers += chunks * (chunk - per_chunk * g.block_bytes)
         free += (chunks * per_chunk - held) * g.block_bytes
     free += (arena.num_chunks - 1 - held_chunks) * chunk
-    host = layout.null_host  # chunk 0 past the null region: the null host's, free here
-    usable = 0 if host is None else host.usable_bytes(layout.groups)
+    usable = layout.null_chunk_usable_bytes  # chunk 0 past the null region: free here
     free += usable
     waste = Waste(
         padded_layers=padded_layers,

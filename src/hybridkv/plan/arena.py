@@ -38,7 +38,13 @@ from typing import NamedTuple
 
 from hybridkv.plan.accounting import arena_capacity, too_small_error
 from hybridkv.plan.grouping import BuiltLayout, SpecGroup, base_group_plans, is_state
-from hybridkv.plan.layout import ArenaPlan, GroupPlan, MemoryLayout, Strategy, null_host
+from hybridkv.plan.layout import (
+    ArenaPlan,
+    GroupPlan,
+    MemoryLayout,
+    Strategy,
+    null_chunk_usable_bytes,
+)
 from hybridkv.plan.need import blocks_for_request
 from hybridkv.plan.options import PlanOptions
 
@@ -112,8 +118,7 @@ def _evaluate(
 
 def null_chunk_reserved(groups: Sequence[GroupPlan], chunk: int) -> int:
     """Bytes of chunk 0 nobody can use: all of it but what it lends the null host."""
-    host = null_host(groups, chunk)
-    return chunk - (0 if host is None else host.usable_bytes(groups))
+    return chunk - null_chunk_usable_bytes(groups, chunk)
 
 
 def _lent(chunk: int, block: int) -> int:

@@ -50,6 +50,7 @@ __all__ = [
     "NullHost",
     "PoolPlan",
     "Strategy",
+    "null_chunk_usable_bytes",
     "null_host",
 ]
 
@@ -234,6 +235,12 @@ def null_host(groups: Sequence[GroupPlan], chunk_bytes: int) -> NullHost | None:
     return best
 
 
+def null_chunk_usable_bytes(groups: Sequence[GroupPlan], chunk_bytes: int) -> int:
+    """Bytes of chunk ``0`` the null host can use (0 when the chunk is reserved whole)."""
+    host = null_host(groups, chunk_bytes)
+    return 0 if host is None else host.usable_bytes(groups)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArenaPlan:
     """One shared region of ``num_chunks`` chunks; chunk 0 holds the null blocks."""
@@ -375,6 +382,12 @@ class MemoryLayout:
     def null_host(self) -> NullHost | None:
         """Arena only: the group holding chunk ``0`` past the null region (None: reserved)."""
         return null_host(self.groups, self._arena_plan("null_host").chunk_bytes)
+
+    @property
+    def null_chunk_usable_bytes(self) -> int:
+        """Arena only: bytes of chunk ``0`` the null host can use (0: reserved whole)."""
+        chunk = self._arena_plan("null_chunk_usable_bytes").chunk_bytes
+        return null_chunk_usable_bytes(self.groups, chunk)
 
     def num_block_ids(self, group_id: int) -> int:
         """Arena only: the size of the group's block-id space, ``total_bytes // block_bytes``
