@@ -89,11 +89,14 @@ def pools(gs: Sequence[GroupPlan], num_blocks: int | Sequence[int]) -> MemoryLay
     return MemoryLayout(strategy=Strategy.POOLS, groups=tuple(gs), pools=plans)
 
 
-def arena(gs: Sequence[GroupPlan], num_chunks: int, blocks_per_chunk: int = 2) -> MemoryLayout:
-    """Chunks of ``blocks_per_chunk`` blocks of the largest group (a multiple of all)."""
+def arena(
+    gs: Sequence[GroupPlan], num_chunks: int, blocks_per_chunk: int = 2, *, tail: bool = False
+) -> MemoryLayout:
+    """Chunks of ``blocks_per_chunk`` blocks of the largest group (a multiple of all); with
+    ``tail``, one byte short of another chunk past them (lent to a tail host)."""
     chunk = lcm(*(g.block_bytes for g in gs))
     chunk *= -(-max(g.block_bytes for g in gs) * blocks_per_chunk // chunk)
-    plan = ArenaPlan(chunk_bytes=chunk, num_chunks=num_chunks)
+    plan = ArenaPlan(chunk_bytes=chunk, num_chunks=num_chunks, tail_bytes=chunk - 1 if tail else 0)
     return MemoryLayout(strategy=Strategy.ARENA, groups=tuple(gs), arena=plan)
 
 
@@ -108,8 +111,17 @@ def arena_bounded(gs: Sequence[GroupPlan], num_chunks: int) -> MemoryLayout:
 
 #: Strategies under test; ``arena_own`` is an arena layout with the ``own_first`` eviction,
 #: ``arena_one`` one whose chunks hold one block of the largest group (the whole-chunk paths),
-#: ``arena_bounded`` one whose chunks the blocks do not divide.
-STRATEGIES = ("uniform", "pools", "arena", "arena_own", "arena_one", "arena_bounded")
+#: ``arena_bounded`` one whose chunks the blocks do not divide, ``arena_tail`` one with a
+#: tail past the last chunk lent to one group for good.
+STRATEGIES = (
+    "uniform",
+    "pools",
+    "arena",
+    "arena_own",
+    "arena_one",
+    "arena_bounded",
+    "arena_tail",
+)
 
 
 def eviction_for(strategy: str) -> str:
@@ -126,7 +138,7 @@ def layout_for(strategy: str, gs: Sequence[GroupPlan], capacity: int) -> MemoryL
         return arena(gs, capacity * len(gs) + 1, blocks_per_chunk=1)
     if strategy == "arena_bounded":
         return arena_bounded(gs, capacity * len(gs) + 1)
-    return arena(gs, capacity * len(gs) // 2 + 1)
+    return arena(gs, capacity * len(gs) // 2 + 1, tail=strategy == "arena_tail")
 
 
 def tokens(n: int, start: int = 0) -> list[int]:

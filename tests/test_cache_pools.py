@@ -87,6 +87,48 @@ def test_chunk_zero_is_lent_to_the_null_host_past_the_null_region() -> None:
     assert arena(groups(full(), full()), 3, blocks_per_chunk=1).null_host is None
 
 
+def test_the_tail_past_the_last_chunk_is_lent_to_the_tail_host() -> None:
+    # 3 chunks of 512 B and 511 B past them: group 0 (128-byte blocks) gets ids 12..14 there,
+    # group 1 (256-byte) only id 6: group 0 hosts the tail, a pseudo-chunk 3 held for good.
+    layout = arena(groups(full(), (full(), 8)), 3, tail=True)
+    assert layout.tail_host == (0, 12, 15) and layout.tail_usable_bytes == 384
+    assert layout.total_bytes == 3 * 512 + 511 and layout.num_block_ids(1) == 7
+    pool = ArenaPool(layout, EventLog(enabled=True))
+    assert [pool.chunk_owner(c) for c in range(4)] == [0, None, None, 0]
+    assert pool.num_free(0) == 2 + 3 + 2 * 4 and pool.num_free(1) == 2 * 2
+    assert pool.allocate(0, 6) == [12, 13, 14, 2, 3, 4]  # the loans first, then chunk 1
+    pool.cache(0, 12, 112)
+    pool.release(0, [12, 13])  # the tail never goes idle: 112 waits in group 0's LRU
+    assert pool.chunk_owner(3) == 0 and list(pool.free_cached[0]) == [12]
+    assert pool.allocate(1, 2) == [4, 5]  # chunk 2; group 1 never gets the tail
+    with pytest.raises(InvariantError):
+        pool.allocate(1, 1)
+    assert pool.allocate(0, 5) == [13, 5, 6, 7, 12]  # uncached first, then 112 is evicted
+    assert pool.events.take() == [BlockRemoved(0, (112,))]  # type: ignore[arg-type]
+    assert pool.usage == pytest.approx((9 * 128 + 2 * 256) / (2 * 512 + 2 * 128 + 384))
+    pool.check_invariants()
+    assert pool.reset_cache() is False
+    pool.release(0, [2, 3, 4, 13, 5, 6, 7, 12, 14])
+    pool.release(1, [4, 5])
+    assert pool.reset_cache() and pool.chunk_owner(3) == 0 and pool.num_free(0) == 13
+    pool.check_invariants()
+    # A group with one block per chunk moves whole chunks and never hosts a loan.
+    assert arena(groups(full(), full()), 3, blocks_per_chunk=1, tail=True).tail_host is None
+
+
+def test_one_group_flat_arena_counts_the_tail_as_its_last_ids() -> None:
+    layout = arena(groups(full()), 3, tail=True)  # 256-byte chunks, 255 B past them
+    assert layout.null_host == (0, 1, 2) and layout.tail_host == (0, 6, 7)
+    pool = make_block_pool(layout, EventLog(enabled=False))
+    assert isinstance(pool, FlatArenaPool)
+    assert pool.num_free(0) == 6 and pool.allocate(0, 6) == [1, 2, 3, 4, 5, 6]
+    assert [pool.chunk_owner(c) for c in range(4)] == [0, 0, 0, 0]
+    with pytest.raises(InvariantError, match="chunk 4 not in"):
+        pool.chunk_owner(4)
+    assert pool.usage == 1.0
+    pool.check_invariants()
+
+
 def test_arena_chunks_are_carved_returned_and_reclaimed() -> None:
     # Group 0: 128-byte blocks (4 per 512-byte chunk); group 1: 256-byte blocks (2 per chunk).
     layout = arena(groups(full(), (full(), 8)), 4)

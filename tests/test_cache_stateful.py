@@ -1,4 +1,5 @@
-"""Stateful hypothesis tests, one machine per strategy (arena both policies, uniform, pools).
+"""Stateful hypothesis tests, one machine per strategy (arena: both policies, one block per
+chunk, bounded chunks, a tail; uniform, pools).
 
 Requests arrive, get cache hits, prefill in chunks (sometimes ending at the junction),
 decode with lookahead, finish, get preempted, and the prefix cache is reset; after every step
@@ -235,6 +236,10 @@ class ArenaBoundedMachine(CacheMachine):
     strategy = "arena_bounded"
 
 
+class ArenaTailMachine(CacheMachine):
+    strategy = "arena_tail"
+
+
 class UniformMachine(CacheMachine):
     strategy = "uniform"
 
@@ -250,6 +255,7 @@ ArenaMachine.TestCase.settings = ArenaMachine.TestCase.settings.__class__(
 ArenaOwnFirstMachine.TestCase.settings = ArenaMachine.TestCase.settings
 ArenaOneBlockMachine.TestCase.settings = ArenaMachine.TestCase.settings
 ArenaBoundedMachine.TestCase.settings = ArenaMachine.TestCase.settings
+ArenaTailMachine.TestCase.settings = ArenaMachine.TestCase.settings
 UniformMachine.TestCase.settings = ArenaMachine.TestCase.settings
 PoolsMachine.TestCase.settings = ArenaMachine.TestCase.settings
 
@@ -257,5 +263,6 @@ TestArena = ArenaMachine.TestCase
 TestArenaOwnFirst = ArenaOwnFirstMachine.TestCase
 TestArenaOneBlock = ArenaOneBlockMachine.TestCase
 TestArenaBounded = ArenaBoundedMachine.TestCase
+TestArenaTail = ArenaTailMachine.TestCase
 TestUniform = UniformMachine.TestCase
 TestPools = PoolsMachine.TestCase

@@ -51,7 +51,8 @@ def test_table_and_summary(tiny: list[dict[str, Any]], capsys: pytest.CaptureFix
     )
     assert lines[2] == (
         "arena: 16 chunks of 1 KiB (1024 B), chunk 0: null blocks in its first 256 B, "
-        "blocks 1..3 lent to group 0 for good"
+        "blocks 1..3 lent to group 0 for good; the last 768 B past them: blocks 64..66 lent to "
+        "group 0 for good"
     )
     assert lines[4].split() == [
         "group", "kind", "window", "layers", "members", "block", "kernel", "page", "block",
@@ -62,7 +63,7 @@ def test_table_and_summary(tiny: list[dict[str, Any]], capsys: pytest.CaptureFix
     assert lines[6].split() == ["1", "full_attention", "-", "1,3", "2", "4", "4", "128", "B",
                                 "256", "B", "8", "4"]  # fmt: skip
     assert "capacity       5 requests x 32 tokens = 160 tokens" in lines
-    assert lines[9].startswith("waste          1.23 KiB (7.23%): padded_layers 0 B,")
+    assert lines[9].startswith("waste          488 B (2.81%): padded_layers 0 B,")
     assert "physical need  12.5 KiB of 17 KiB (utilisation 73.6%)" in lines
     assert tiny == [{"name": "tiny", "tp_size": 1, "kv_cache_dtype": None}]
 
@@ -95,8 +96,9 @@ def test_all_strategies_side_by_side(
     assert code == 0
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:7]}
     assert rows["strategy"] == ["requests", "tokens", "waste", "waste", "%", "utilisation", "%"]
-    # chunk tails 1000 B + the null region 256 B (chunk 0's other 768 B are group 0's)
-    assert rows["arena"] == ["5", "160", "1.23", "KiB", "7.23%", "73.6%"]
+    # chunk tails 1000 B less the tail host's 768 B + the null region 256 B (chunk 0's other
+    # 768 B are group 0's too)
+    assert rows["arena"] == ["5", "160", "488", "B", "2.81%", "73.6%"]
     assert rows["uniform"] == ["5", "160", "488", "B", "2.81%", "73.6%"]
     assert rows["pools"] == ["4", "128", "1000", "B", "5.75%", "58.9%"]
     assert rows["naive"] == ["4", "128", "6", "KiB", "35.34%", "58.9%"]

@@ -287,3 +287,36 @@ def test_chunk_zero_blocks_lent_to_attention_stay_exact_next_to_state_null_slots
     done = engine.generate(prompts, max_tokens=4)
     assert used and min(used) == host.first
     assert verify_completions(ref, done).ok
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid", "gemma3_text"])
+def test_blocks_lent_past_the_last_chunk_stay_exact(name: str) -> None:
+    """A budget one byte short of another chunk: the bytes past the last whole chunk are lent
+    to a tail host group for good; its first allocations take those blocks (they were queued
+    last), which carry real KV, and the tokens still match transformers."""
+    model, ref = _models(name)
+    probe = LLMEngine(model, cache=CacheConfig(block_size=4, num_blocks=24, max_model_len=96))
+    arena = probe.manager.layout.arena
+    assert arena is not None
+    budget = arena.num_chunks * arena.chunk_bytes + arena.chunk_bytes - 1
+    cache = CacheConfig(block_size=4, memory_bytes=budget, max_model_len=96)
+    engine = LLMEngine(model, cache=cache, scheduler=SchedulerConfig(token_budget=32))
+    layout = engine.manager.layout
+    host = layout.tail_host
+    assert layout.arena is not None and host is not None
+    assert layout.total_bytes == host.end * layout.groups[host.group_id].block_bytes
+    used: set[int] = set()
+    allocate = engine.manager.allocate_slots
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        res = allocate(*args, **kwargs)
+        if res is not None:
+            used.update(b for b in res.new_block_ids[host.group_id] if b >= host.first)
+        return res
+
+    engine.manager.allocate_slots = spy  # type: ignore[method-assign]
+    prompts = {f"p{i}": [(7 * i + 3 * j) % 150 + 1 for j in range(30 + 5 * i)] for i in range(4)}
+    done = engine.generate(prompts, max_tokens=4)
+    assert used and used <= set(range(host.first, host.end))
+    assert verify_completions(ref, done).ok
+    engine.manager.check_invariants()

@@ -8,6 +8,7 @@ from hybridkv.errors import PlanError
 from hybridkv.models import spec_from_config
 from hybridkv.plan import Strategy, make_plan
 from hybridkv.plan.arena import state_page_candidates
+from hybridkv.plan.layout import ArenaPlan
 from test_plan_factories import full, model, sliding, state, swa_full_model
 
 
@@ -35,11 +36,15 @@ def test_two_groups_exact_chunk() -> None:
     # Chunk 0: the null region is one 256-byte block; its other 3 blocks are lent to group 0
     # (free here: the capacity point does not count them).
     assert layout.null_host == (0, 1, 4)
+    # The 1000 bytes past chunk 15 hold blocks 64..66 of either group (768 B): group 0 gets
+    # them for good (the lowest id of a tie), the arena ends at their end.
+    assert layout.tail_host == (0, 64, 67)
+    assert layout.arena.tail_bytes == 768 and layout.total_bytes == 16 * 1024 + 768
     assert plan.waste.reserved == 256
-    assert plan.waste.chunk_tails == 1000
+    assert plan.waste.chunk_tails == 1000 - 768
     assert plan.waste.padded_pages == plan.waste.padded_layers == 0
     assert plan.allocated_bytes == 5 * (4 + 8) * 256
-    assert plan.free_bytes == 3 * 256
+    assert plan.free_bytes == 3 * 256 + 768
     # Sliding layers read 8 tokens, full layers 32, at 32 bytes per token.
     assert plan.physical_need.per_layer == (1280, 5120, 1280, 5120)
     assert plan.physical_need.total == 12800
@@ -79,22 +84,24 @@ def test_exact_lcm_kept_when_it_meets_the_aim() -> None:
 
 
 def test_bounded_chunks_beat_state_page_padding_when_the_lcm_is_too_coarse() -> None:
-    # With 64 000 bytes the exact 3200-byte chunk gives only 20 chunks and 53 requests;
-    # padding the 100-byte state page to 128 makes 128-byte chunks and 55 requests, but pads
-    # every state page (1540 bytes); bounded 1280-byte chunks (10 full-attention blocks, 11
-    # of the 12.8 state slots) also hold 55 and lose 900 bytes of chunk tails instead.
+    # With 60 000 bytes the exact 3200-byte chunk gives only 18 chunks and 46 requests;
+    # padding the 100-byte state page to 112 makes 896-byte chunks and 50 requests, to 128
+    # 128-byte chunks and 51 but pads every state page (1428 bytes); bounded 1536-byte chunks
+    # (12 full-attention blocks, 14 of the 15.36 state slots) also hold 51 and lose 640 bytes
+    # of chunk tails instead.  The 96 bytes past the last chunk hold no whole block: no tail.
     m = model([full(), state((25,))])
-    plan = make_plan(m, memory_bytes=64000, max_model_len=32, block_size=4, chunk_alignment=64)
+    plan = make_plan(m, memory_bytes=60000, max_model_len=32, block_size=4, chunk_alignment=64)
     assert plan.layout.arena is not None
-    assert (plan.layout.arena.chunk_bytes, plan.layout.arena.num_chunks) == (1280, 50)
+    assert (plan.layout.arena.chunk_bytes, plan.layout.arena.num_chunks) == (1536, 39)
+    assert plan.layout.arena.tail_bytes == 0 and plan.layout.tail_host is None
     assert [g.page_bytes for g in plan.layout.groups] == [128, 100]
-    assert plan.capacity.max_concurrent_requests == 55
-    assert plan.capacity.blocks_per_chunk == (10, 11)
+    assert plan.capacity.max_concurrent_requests == 51
+    assert plan.capacity.blocks_per_chunk == (12, 14)
     assert plan.waste.padded_pages == 0
     assert plan.waste.reserved == 128
-    assert plan.waste.chunk_tails == 900
-    assert plan.allocated_bytes == 55 * (8 * 128 + 100)
-    assert plan.free_bytes == 64000 - 900 - 128 - 55 * (8 * 128 + 100)
+    assert plan.waste.chunk_tails == 640
+    assert plan.allocated_bytes == 51 * (8 * 128 + 100)
+    assert plan.free_bytes == 60000 - 640 - 128 - 51 * (8 * 128 + 100)
 
 
 def test_state_page_candidates() -> None:
@@ -202,3 +209,25 @@ def test_bounded_chunks_when_the_common_multiple_is_huge() -> None:
     assert arena.capacity.max_concurrent_requests == 4
     assert plans["uniform"].capacity.max_concurrent_requests == 4
     assert any("bounded chunks of 920678400 B" in n for n in arena.notes)
+    # 9 chunks leave 290 MiB: the attention group gets its 50 whole blocks there for good.
+    # Without that tail the plan lost 4.37% of the budget; with it, 0.90%.
+    assert arena.layout.arena.num_chunks == 9
+    assert arena.layout.tail_host == (1, 1390, 1440)
+    assert arena.layout.arena.tail_bytes == 1440 * 5963776 - 9 * 920678400
+    assert arena.waste.total == 63184896 + 14184448 <= (8 << 30) // 100
+    big = make_plan(spec, memory_bytes=40 << 30, max_model_len=4096, strategy="arena")
+    assert big.capacity.max_concurrent_requests == 24
+    assert big.waste.total <= (40 << 30) // 100  # 0.84%
+
+
+def test_arena_plan_tail_bytes_are_checked_and_round_trip() -> None:
+    plan = ArenaPlan(chunk_bytes=1024, num_chunks=4, tail_bytes=768)
+    assert plan.total_bytes == 4 * 1024 + 768
+    assert ArenaPlan.from_dict(plan.to_dict()) == plan
+    assert ArenaPlan.from_dict({"chunk_bytes": 1024, "num_chunks": 4}).tail_bytes == 0
+    for bad in (-1, 1024):
+        with pytest.raises(
+            PlanError,
+            match=rf"^ArenaPlan.tail_bytes: must be in \[0, chunk_bytes 1024\), got {bad}",
+        ):
+            ArenaPlan(chunk_bytes=1024, num_chunks=4, tail_bytes=bad)

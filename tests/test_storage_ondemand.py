@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -245,3 +246,32 @@ def test_cuda_vmm_commit_release_round_trip() -> None:
     memory.check_invariants()
     del key
     memory.release(2)
+
+
+def test_the_tail_past_the_last_chunk_is_committed_at_once_and_holds_its_host_blocks() -> None:
+    base = arena_layout(equal_slots(mixed_groups()), num_chunks=3, per=4096)
+    assert base.arena is not None
+    chunk = base.arena.chunk_bytes
+    host_group = min(base.groups, key=lambda g: g.block_bytes)
+    tail = 5 * host_group.block_bytes  # five of its blocks past chunk 2
+    layout = replace(base, arena=replace(base.arena, tail_bytes=tail))
+    host = layout.tail_host
+    assert host is not None and host.end - host.first == 5
+    for kind in (LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER):
+        storage = KVCacheStorage.on_demand(layout, kind=kind)
+        memory = storage.memory
+        assert memory is not None and memory.committed_chunks == {0, 3}
+        assert memory.num_chunks == 4 and memory.total_bytes == 3 * chunk + tail
+        assert memory.committed_bytes == chunk + tail
+        placement = storage.placement
+        extents = placement.chunk_extents(3)
+        assert sum(n for _, n in extents) == tail
+        gp = placement.groups[host.group_id]
+        for b in range(host.first, host.end):
+            for off, length in gp.block_extents(b):
+                assert any(s <= off and off + length <= s + n for s, n in extents), (kind, b)
+        storage.check_invariants()
+        with pytest.raises(MemoryBackendError, match=r"chunk: 4 is out of range"):
+            memory.commit(4)
+    with pytest.raises(MemoryBackendError, match=r"tail_bytes: must be in \[0, chunk_bytes"):
+        OnDemandArena(chunk_bytes=4096, num_chunks=2, tail_bytes=4096)

@@ -57,43 +57,48 @@ def check_arena(pool: ArenaPool) -> None:
                     raise InvariantError(f"group {g}: block {b} in the {name} queue wrongly")
                 if (hashes[b] is None) != (name == "uncached"):
                     raise InvariantError(f"group {g}: block {b} in the wrong free queue")
-    _check_null_chunk(pool, free_set)
-    for c in range(1, nc):
+    _check_loan(pool, 0, "null", free_set)
+    for c in range(1, pool.whole_chunks):
         _check_chunk(pool, c, free_set)
+    if pool.tail_host is not None:
+        _check_loan(pool, pool.whole_chunks, "tail", free_set)
+    if nc != pool.whole_chunks + (pool.tail_host is not None):
+        raise InvariantError(f"{nc} chunks for {pool.whole_chunks} whole ones and the tail")
 
 
-def _check_null_chunk(pool: ArenaPool, free_set: set[int]) -> None:
-    """Chunk 0: unowned (reserved), or the null host's for good with a phantom reference,
-    lending only ``[first, end)``, its free blocks always in the host's queues."""
-    host = pool.null_host
+def _check_loan(pool: ArenaPool, c: int, name: str, free_set: set[int]) -> None:
+    """Chunk ``c`` lent for good (chunk 0 to the null host, the tail to the tail host): held by
+    its host with a phantom reference, lending only ``[first, end)``, its free blocks always in
+    the host's queues.  Chunk 0 without a null host is unowned (reserved)."""
+    host = pool.null_host if c == 0 else pool.tail_host
     if host is None:
-        if pool.owner[0] != -1 or pool.chunk_refd[0] or pool.chunk_cached_free[0]:
-            raise InvariantError("chunk 0 (null blocks) is used though it has no null host")
+        if pool.owner[c] != -1 or pool.chunk_refd[c] or pool.chunk_cached_free[c]:
+            raise InvariantError(f"chunk {c} (null blocks) is used though it has no null host")
         return
     g = host.group_id
-    if pool.owner[0] != g or 0 in free_set or 0 in pool.idle_all:
-        raise InvariantError(f"chunk 0 is not held for good by its null host, group {g}")
+    if pool.owner[c] != g or c in free_set or c in pool.idle_all:
+        raise InvariantError(f"chunk {c} is not held for good by its {name} host, group {g}")
     for o in range(pool.num_groups):
         if o != g:
-            for x in _lent(pool, o, 0):
+            for x in _lent(pool, o, c):
                 if pool.refs[o][x] or pool.hashes[o][x] is not None:
-                    raise InvariantError(f"chunk 0: group {o} uses block {x} it does not hold")
+                    raise InvariantError(f"chunk {c}: group {o} uses block {x} it does not hold")
     refs, hashes = pool.refs[g], pool.hashes[g]
     fu, fc = pool.free_uncached[g], pool.free_cached[g]
-    for x in range(0, host.first):
+    for x in range(pool.first[g][c], host.first):
         if refs[x] or hashes[x] is not None or x in fu or x in fc:
-            raise InvariantError(f"chunk 0: null-region block {x} of group {g} is in use")
+            raise InvariantError(f"chunk {c}: block {x} of group {g} before the loan is in use")
     blocks = range(host.first, host.end)
     refd = sum(1 for x in blocks if refs[x])
     cached_free = sum(1 for x in blocks if not refs[x] and hashes[x] is not None)
-    if refd + 1 != pool.chunk_refd[0] or cached_free != pool.chunk_cached_free[0]:
+    if refd + 1 != pool.chunk_refd[c] or cached_free != pool.chunk_cached_free[c]:
         raise InvariantError(
-            f"chunk 0: counters (refd {pool.chunk_refd[0]}, cached free "
-            f"{pool.chunk_cached_free[0]}) differ from blocks ({refd} + 1, {cached_free})"
+            f"chunk {c}: counters (refd {pool.chunk_refd[c]}, cached free "
+            f"{pool.chunk_cached_free[c]}) differ from blocks ({refd} + 1, {cached_free})"
         )
     for x in blocks:
         if not refs[x] and (x in fu) == (x in fc):
-            raise InvariantError(f"chunk 0: free block {x} not in exactly one queue")
+            raise InvariantError(f"chunk {c}: free block {x} not in exactly one queue")
 
 
 def _chunk_of(pool: ArenaPool, g: int, b: int) -> int:
@@ -101,7 +106,11 @@ def _chunk_of(pool: ArenaPool, g: int, b: int) -> int:
 
 
 def _lent(pool: ArenaPool, g: int, c: int) -> range:
-    """The block ids chunk ``c`` lends group ``g``."""
+    """The block ids chunk ``c`` lends group ``g`` (the loan's ids for its host; the tail
+    lends no other group anything)."""
+    if c == pool.whole_chunks:
+        host = pool.tail_host
+        return range(host.first, host.end) if host is not None and host.group_id == g else range(0)
     return range(pool.first[g][c], pool.first[g][c] + pool.bpc[g])
 
 

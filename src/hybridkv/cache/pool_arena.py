@@ -5,7 +5,9 @@ Chunk ``c`` lends group ``g`` the ``bpc(g)`` block ids starting at ``first(g, c)
 ``chunk_first_block`` and ``chunk_of_block``; ``[c * bpc, (c + 1) * bpc)`` when the block
 divides the chunk).  Chunk 0 holds the null blocks: it is lent for good to the layout's null
 host (``MemoryLayout.null_host``; a phantom reference keeps it active, so it never goes idle,
-free or to another group), or reserved when there is none.  A chunk is in one of three states:
+free or to another group), or reserved when there is none.  The bytes past the last whole
+chunk, when the layout lends them (``MemoryLayout.tail_host``), are a pseudo-chunk
+``arena.num_chunks`` held the same way by the tail host.  A chunk is in one of three states:
 
 * **free**: held by nobody, on the arena's free-chunk stack;
 * **active**: held by group ``g`` with at least one referenced block; its free blocks wait in
@@ -87,9 +89,13 @@ class ArenaPool(ArenaFits, BlockPool):
         arena = layout.arena
         if arena is None:
             raise InvariantError("arena layout without an ArenaPlan")
-        nc = arena.num_chunks
+        self.null_host = layout.null_host
+        self.tail_host = layout.tail_host
+        whole = arena.num_chunks
+        nc = whole + (self.tail_host is not None)  # the tail host's pseudo-chunk last
         groups = range(self.num_groups)
         self.num_chunks = nc
+        self.whole_chunks = whole
         self.chunk_bytes = arena.chunk_bytes
         self.bpc = [layout.blocks_per_chunk(g) for g in groups]
         self.block_bytes = [layout.groups[g].block_bytes for g in groups]
@@ -108,21 +114,25 @@ class ArenaPool(ArenaFits, BlockPool):
         self.owner = [-1] * nc
         self.chunk_refd = [0] * nc  # referenced blocks per chunk
         self.chunk_cached_free = [0] * nc  # free blocks holding a hash, per chunk
-        self.free_chunks = list(range(nc - 1, 0, -1))  # pop() gives the lowest first
+        self.free_chunks = list(range(whole - 1, 0, -1))  # pop() gives the lowest first
         self.used = [0] * self.num_groups
-        self.null_host = layout.null_host
-        self._pin_null_chunk()
-        self._usable_bytes = (nc - 1) * self.chunk_bytes + layout.null_chunk_usable_bytes
+        self._pin_loans()
+        self._usable_bytes = (
+            (whole - 1) * self.chunk_bytes
+            + layout.null_chunk_usable_bytes
+            + layout.tail_usable_bytes
+        )
 
-    def _pin_null_chunk(self) -> None:
-        """Lend chunk 0's ids past the null region to the null host, for good."""
-        host = self.null_host
-        if host is None:
-            return
-        g = host.group_id
-        self.owner[0] = g
-        self.chunk_refd[0] = 1  # the phantom reference: never idle, free or reclaimed
-        self.free_uncached[g].update(dict.fromkeys(range(host.end - 1, host.first - 1, -1)))
+    def _pin_loans(self) -> None:
+        """Lend chunk 0's ids past the null region to the null host, and the tail's ids to the
+        tail host, for good."""
+        for c, host in ((0, self.null_host), (self.whole_chunks, self.tail_host)):
+            if host is None:
+                continue
+            g = host.group_id
+            self.owner[c] = g
+            self.chunk_refd[c] = 1  # the phantom reference: never idle, free or reclaimed
+            self.free_uncached[g].update(dict.fromkeys(range(host.end - 1, host.first - 1, -1)))
 
     # -- chunk transitions --------------------------------------------------------------------
     def _carve(self, g: int, c: int) -> None:
@@ -390,8 +400,8 @@ class ArenaPool(ArenaFits, BlockPool):
         self.owner[:] = [-1] * nc
         self.chunk_refd[:] = [0] * nc
         self.chunk_cached_free[:] = [0] * nc
-        self.free_chunks[:] = range(nc - 1, 0, -1)
-        self._pin_null_chunk()
+        self.free_chunks[:] = range(self.whole_chunks - 1, 0, -1)
+        self._pin_loans()
         return True
 
     # -- queries ------------------------------------------------------------------------------

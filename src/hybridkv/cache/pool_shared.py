@@ -101,7 +101,8 @@ class FlatArenaPool(UniformPool):
     that group's, so chunks only decide which blocks are evicted together, and a per-block
     LRU (vLLM's and ``uniform``'s) evicts the least recently used data instead.  Chunk 0's ids
     below the null host's first (:func:`hybridkv.plan.layout.null_host`) are never handed out,
-    as in the arena.
+    as in the arena; with one group, the tail's ids (:func:`hybridkv.plan.layout.tail_host`)
+    follow the last chunk's.
     """
 
     strategy: ClassVar[Strategy] = Strategy.ARENA
@@ -126,9 +127,11 @@ class FlatArenaPool(UniformPool):
         self.bpc = arena.chunk_bytes // layout.groups[0].block_bytes
         host = layout.null_host  # one group: chunk 0 lends it the ids past the null region
         first = self.bpc if host is None else host.first
-        self._init_core(arena.num_chunks * self.bpc, layout.groups[0].block_bytes, first)
-        self.num_chunks = arena.num_chunks
-        self._usable = arena.num_chunks * self.bpc - first
+        tail = layout.tail_host  # one group: the bytes past the last chunk are its ids too
+        num_ids = arena.num_chunks * self.bpc if tail is None else tail.end
+        self._init_core(num_ids, layout.groups[0].block_bytes, first)
+        self.num_chunks = arena.num_chunks + (tail is not None)
+        self._usable = num_ids - first
 
     @property
     def usage(self) -> float:
@@ -138,7 +141,7 @@ class FlatArenaPool(UniformPool):
         if not 0 <= chunk < self.num_chunks:
             raise InvariantError(f"chunk_owner: chunk {chunk} not in [0, {self.num_chunks})")
         core, bpc = self.core, self.bpc
-        for b in range(chunk * bpc, (chunk + 1) * bpc):
+        for b in range(chunk * bpc, min((chunk + 1) * bpc, len(core.refs))):
             if core.refs[b] or core.hashes[b] is not None:
                 return int(core.owner[b])
         return None

@@ -185,9 +185,16 @@ def _header(plan: Plan) -> list[str]:
                 f"chunk 0: null blocks in its first {format_bytes(region)}, blocks "
                 f"{host.first}..{host.end - 1} lent to group {host.group_id} for good"
             )
+        tail = layout.tail_host
+        lent = ""
+        if tail is not None:
+            lent = (
+                f"; the last {format_bytes(layout.arena.tail_bytes)} past them: blocks "
+                f"{tail.first}..{tail.end - 1} lent to group {tail.group_id} for good"
+            )
         lines.append(
             f"arena: {layout.arena.num_chunks} chunks of {format_bytes(layout.arena.chunk_bytes)}"
-            f" ({layout.arena.chunk_bytes} B), {null}"
+            f" ({layout.arena.chunk_bytes} B), {null}{lent}"
         )
     else:
         for pool in layout.pools:

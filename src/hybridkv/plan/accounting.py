@@ -14,11 +14,13 @@ Byte ledger at the capacity point ``N`` (every field >= 0; they sum to the budge
 * ``allocated``: real data bytes of the blocks ``N`` requests hold (``used_block_bytes``).
 * ``padded_layers`` / ``padded_pages``: padding inside those held blocks (unused layer slots
   of the ``uniform`` strategy; page padding).
-* ``chunk_tails``: the budget remainder that is no whole chunk/block (per pool for ``pools``),
-  plus, in the arena, the bytes of each held chunk that are no whole block of its group.
+* ``chunk_tails``: the budget remainder that is no whole chunk/block (per pool for ``pools``;
+  in the arena, what the tail host cannot use past the last chunk), plus, in the arena, the
+  bytes of each held chunk that are no whole block of its group.
 * ``reserved``: the null block of each pool, or what chunk 0 of an arena lends nobody (all
   of it but the null host's blocks past the null region).
-* ``free``: usable bytes left over (free blocks, free chunks, spare blocks of held chunks).
+* ``free``: usable bytes left over (free blocks, free chunks, spare blocks of held chunks,
+  the null host's and the tail host's blocks).
 """
 
 from __future__ import annotations
@@ -196,11 +198,12 @@ def _arena_ledger(
         free += (chunks * per_chunk - held) * g.block_bytes
     free += (arena.num_chunks - 1 - held_chunks) * chunk
     usable = layout.null_chunk_usable_bytes  # chunk 0 past the null region: free here
-    free += usable
+    tail = layout.tail_usable_bytes  # lent to the tail host past the last chunk: free too
+    free += usable + tail
     waste = Waste(
         padded_layers=padded_layers,
         padded_pages=padded_pages,
-        chunk_tails=memory_bytes - arena.total_bytes + leftovers,
+        chunk_tails=memory_bytes - arena.chunk_bytes * arena.num_chunks - tail + leftovers,
         reserved=chunk - usable,
     )
     return Ledger(allocated=allocated, waste=waste, free=free)

@@ -7,7 +7,9 @@ number of blocks of any group and can be handed from one group to another when i
 memory flows to whichever kind the workload needs, with no fixed split and no padding.
 ``num_chunks = memory_bytes // chunk_bytes``; chunk 0 holds the null blocks and lends the rest
 to the null host group (:func:`hybridkv.plan.layout.null_host`; only the null region, the
-largest attention block, is reserved).  When no aligned
+largest attention block, is reserved).  The budget past the last whole chunk is lent for good
+to the group that gets the most whole blocks from it (:func:`hybridkv.plan.layout.tail_host`),
+so large chunks lose no more than a block there.  When no aligned
 chunk meets the waste aim below (DeepSeek-V3: 61 MLA layers make every aligned chunk at least
 1.07 GiB), the alignment is halved down to 4 KiB until one does; the on-demand arena then shares
 the boundary pages of neighbouring chunks.
@@ -44,6 +46,7 @@ from hybridkv.plan.layout import (
     MemoryLayout,
     Strategy,
     null_chunk_usable_bytes,
+    tail_host,
 )
 from hybridkv.plan.need import blocks_for_request
 from hybridkv.plan.options import PlanOptions
@@ -73,6 +76,7 @@ class _Candidate(NamedTuple):
     capacity: int
     waste: int  # chunk tails + null region + page padding at the capacity point, bytes
     min_bytes: int  # smallest budget holding one request with this chunk size
+    tail_bytes: int  # past the last whole chunk, lent to the tail host (plan.layout.tail_host)
 
     def score(self, memory_bytes: int) -> tuple[int, bool, float, int, int]:
         """Larger is better: capacity, then meeting the aim, then (when it is met) the least
@@ -143,10 +147,20 @@ def _evaluate_chunk(
         _cdiv(capacity * n, p) * (chunk - p * g.block_bytes)
         for g, n, p in zip(groups, need, per_chunk, strict=True)
     )
-    tails = memory_bytes - num_chunks * chunk
+    start = num_chunks * chunk
+    host = tail_host(groups, chunk, num_chunks, memory_bytes - start) if num_chunks >= 2 else None
+    tail_bytes = 0 if host is None else host.end * groups[host.group_id].block_bytes - start
+    lent = 0 if host is None else host.usable_bytes(groups)
+    tails = memory_bytes - start - lent  # budget past the chunks the tail host cannot use
     reserved = null_chunk_reserved(groups, chunk)
     return _Candidate(
-        groups, chunk, num_chunks, capacity, tails + reserved + padding + inside, min_bytes
+        groups,
+        chunk,
+        num_chunks,
+        capacity,
+        tails + reserved + padding + inside,
+        min_bytes,
+        tail_bytes,
     )
 
 
@@ -312,6 +326,8 @@ def plan_arena(
     layout = MemoryLayout(
         strategy=Strategy.ARENA,
         groups=best.groups,
-        arena=ArenaPlan(chunk_bytes=best.chunk_bytes, num_chunks=best.num_chunks),
+        arena=ArenaPlan(
+            chunk_bytes=best.chunk_bytes, num_chunks=best.num_chunks, tail_bytes=best.tail_bytes
+        ),
     )
     return BuiltLayout(layout, tuple(notes))

@@ -23,7 +23,9 @@ Block ids
   block 0 is never read nor written.  So chunk ``0`` is lent for good to one *null host*
   group (:func:`null_host`), minus the ids that overlap the first ``R`` bytes, ``R`` the
   largest attention-like block: only those bytes (and the chunk's tail) are reserved, not
-  the whole chunk.
+  the whole chunk.  Past the last whole chunk, ``tail_bytes`` (less than a chunk) are lent
+  for good to one *tail host* group (:func:`tail_host`), the one that gets the most bytes
+  from them; its ids there are a pseudo-chunk ``num_chunks`` that never changes hands.
 
 Example (arena): groups with 64 KiB and 96 KiB blocks, ``chunk_bytes`` = 192 KiB.  Group 0 has 3
 blocks per chunk, group 1 has 2.  Group 1's block 5 is chunk 2, bytes 480..576 KiB.  With
@@ -45,6 +47,7 @@ from hybridkv.specs import CacheKind, CacheSpec, spec_from_dict
 __all__ = [
     "NULL_BLOCK_ID",
     "ArenaPlan",
+    "ChunkLoan",
     "GroupPlan",
     "MemoryLayout",
     "NullHost",
@@ -52,6 +55,7 @@ __all__ = [
     "Strategy",
     "null_chunk_usable_bytes",
     "null_host",
+    "tail_host",
 ]
 
 #: Block id of the null block in every pool and every arena group.
@@ -198,8 +202,8 @@ class PoolPlan:
         )
 
 
-class NullHost(NamedTuple):
-    """The group chunk ``0`` is lent to for good, and the ids it lends: ``[first, end)``."""
+class ChunkLoan(NamedTuple):
+    """A group a chunk is lent to for good, and the ids it lends: ``[first, end)``."""
 
     group_id: int
     first: int
@@ -207,6 +211,10 @@ class NullHost(NamedTuple):
 
     def usable_bytes(self, groups: Sequence[GroupPlan]) -> int:
         return (self.end - self.first) * groups[self.group_id].block_bytes
+
+
+#: The loan of chunk 0 past the null region (:func:`null_host`).
+NullHost = ChunkLoan
 
 
 def null_host(groups: Sequence[GroupPlan], chunk_bytes: int) -> NullHost | None:
@@ -241,12 +249,36 @@ def null_chunk_usable_bytes(groups: Sequence[GroupPlan], chunk_bytes: int) -> in
     return 0 if host is None else host.usable_bytes(groups)
 
 
+def tail_host(
+    groups: Sequence[GroupPlan], chunk_bytes: int, num_chunks: int, tail_bytes: int
+) -> ChunkLoan | None:
+    """Which group gets the ``tail_bytes`` past the last of ``num_chunks`` chunks, and the
+    ids: those wholly inside them.  Of the groups with at least two blocks per chunk (a group
+    with one moves whole chunks, never a loan), the one getting the most bytes hosts (ties:
+    the lowest group id); None when no group gets a block."""
+    start = chunk_bytes * num_chunks
+    best: ChunkLoan | None = None
+    best_bytes = 0
+    for g in groups:
+        bb = g.block_bytes
+        if chunk_bytes // bb - (1 if chunk_bytes % bb else 0) < 2:
+            continue
+        first, end = -(-start // bb), (start + tail_bytes) // bb
+        if (end - first) * bb > best_bytes:
+            best, best_bytes = ChunkLoan(g.group_id, first, end), (end - first) * bb
+    return best
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArenaPlan:
-    """One shared region of ``num_chunks`` chunks; chunk 0 holds the null blocks."""
+    """One shared region of ``num_chunks`` chunks; chunk 0 holds the null blocks.
+
+    ``tail_bytes`` (``0 <= tail_bytes < chunk_bytes``) follow the last chunk, lent for good to
+    the layout's tail host (:func:`tail_host`)."""
 
     chunk_bytes: int
     num_chunks: int
+    tail_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0:
@@ -256,17 +288,30 @@ class ArenaPlan:
                 "ArenaPlan.num_chunks: needs at least 2 chunks (the null chunk and one usable), "
                 f"got {self.num_chunks}"
             )
+        if not 0 <= self.tail_bytes < self.chunk_bytes:
+            raise PlanError(
+                f"ArenaPlan.tail_bytes: must be in [0, chunk_bytes {self.chunk_bytes}), got "
+                f"{self.tail_bytes}"
+            )
 
     @property
     def total_bytes(self) -> int:
-        return self.chunk_bytes * self.num_chunks
+        return self.chunk_bytes * self.num_chunks + self.tail_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"chunk_bytes": self.chunk_bytes, "num_chunks": self.num_chunks}
+        return {
+            "chunk_bytes": self.chunk_bytes,
+            "num_chunks": self.num_chunks,
+            "tail_bytes": self.tail_bytes,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ArenaPlan:
-        return cls(chunk_bytes=int(data["chunk_bytes"]), num_chunks=int(data["num_chunks"]))
+        return cls(
+            chunk_bytes=int(data["chunk_bytes"]),
+            num_chunks=int(data["num_chunks"]),
+            tail_bytes=int(data.get("tail_bytes", 0)),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -388,6 +433,18 @@ class MemoryLayout:
         """Arena only: bytes of chunk ``0`` the null host can use (0: reserved whole)."""
         chunk = self._arena_plan("null_chunk_usable_bytes").chunk_bytes
         return null_chunk_usable_bytes(self.groups, chunk)
+
+    @property
+    def tail_host(self) -> ChunkLoan | None:
+        """Arena only: the group holding the bytes past the last whole chunk (None: unused)."""
+        arena = self._arena_plan("tail_host")
+        return tail_host(self.groups, arena.chunk_bytes, arena.num_chunks, arena.tail_bytes)
+
+    @property
+    def tail_usable_bytes(self) -> int:
+        """Arena only: bytes past the last whole chunk the tail host can use."""
+        host = self.tail_host
+        return 0 if host is None else host.usable_bytes(self.groups)
 
     def num_block_ids(self, group_id: int) -> int:
         """Arena only: the size of the group's block-id space, ``total_bytes // block_bytes``

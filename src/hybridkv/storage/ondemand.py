@@ -156,6 +156,8 @@ class OnDemandArena:
     ``chunk_extents(c)`` gives the ``(offset, length)`` byte ranges chunk ``c`` owns (by
     default the contiguous ``[c * chunk_bytes, (c + 1) * chunk_bytes)``); ``backend`` defaults
     to :class:`CpuMmapBackend` on CPU.  Chunks in ``initial_chunks`` are committed at once.
+    ``tail_bytes`` (an arena's bytes past its last whole chunk) make one more, shorter chunk,
+    number ``num_chunks``.
 
     Invariants: every exclusive run of a committed chunk is mapped, of an uncommitted chunk
     unmapped; a shared page is mapped iff its count (committed chunks touching it) is positive.
@@ -172,16 +174,24 @@ class OnDemandArena:
         backend: PageBackend | None = None,
         chunk_extents: Callable[[int], list[tuple[int, int]]] | None = None,
         initial_chunks: Iterable[int] = (),
+        tail_bytes: int = 0,
     ) -> None:
         if chunk_bytes <= 0 or num_chunks <= 0:
             raise MemoryBackendError(
                 f"chunk_bytes, num_chunks: must be positive, got {chunk_bytes}, {num_chunks}"
             )
+        if not 0 <= tail_bytes < chunk_bytes:
+            raise MemoryBackendError(
+                f"tail_bytes: must be in [0, chunk_bytes {chunk_bytes}), got {tail_bytes}"
+            )
+        whole = num_chunks
         self.chunk_bytes = chunk_bytes
-        self.num_chunks = num_chunks
-        self.total_bytes = chunk_bytes * num_chunks
+        self.num_chunks = num_chunks + (tail_bytes > 0)
+        self.total_bytes = chunk_bytes * num_chunks + tail_bytes
         self.backend: PageBackend = backend or CpuMmapBackend(self.total_bytes)
-        self._extents = chunk_extents or (lambda c: [(c * chunk_bytes, chunk_bytes)])
+        self._extents = chunk_extents or (
+            lambda c: [(c * chunk_bytes, tail_bytes if c == whole else chunk_bytes)]
+        )
         self._runs: dict[int, list[PageRun]] = {}
         self._committed: set[int] = set()
         self._shared: dict[int, int] = {}
@@ -218,8 +228,8 @@ class OnDemandArena:
 
     @property
     def committed_bytes(self) -> int:
-        """Bytes of the committed chunks (``chunk_bytes`` each)."""
-        return len(self._committed) * self.chunk_bytes
+        """Bytes of the committed chunks (``chunk_bytes`` each, the tail shorter)."""
+        return sum(n for c in self._committed for _, n in self._extents(c))
 
     @property
     def mapped_pages(self) -> int:
@@ -256,7 +266,7 @@ class OnDemandArena:
             if run.shared:
                 self._shared[run.first] = self._shared.get(run.first, 0) + 1
         self._committed.add(chunk)
-        logger.debug("committed chunk %d (%d bytes)", chunk, self.chunk_bytes)
+        logger.debug("committed chunk %d", chunk)
         return True
 
     def release(self, chunk: int) -> bool:

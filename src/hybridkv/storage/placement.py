@@ -223,11 +223,12 @@ class StoragePlacement:
         if arena is None:
             raise LayoutUnsupportedError("chunk_extents: only the arena strategy has chunks")
         size = arena.chunk_bytes
+        length = arena.tail_bytes if chunk == arena.num_chunks else size  # the tail: shorter
         if self.kind is not LayoutKind.PER_LAYER:
-            return [(chunk * size, size)]
+            return [(chunk * size, length)]
         slots = _arena_slots(self.layout)
         slab = arena.total_bytes // slots
-        return [(m * slab + chunk * size // slots, size // slots) for m in range(slots)]
+        return [(m * slab + chunk * size // slots, length // slots) for m in range(slots)]
 
     def check_invariants(self) -> None:
         """Pieces fit their buffer, do not overlap inside a block, nor between two blocks."""
@@ -317,10 +318,12 @@ def _arena_slots(layout: MemoryLayout) -> int:
         )
     slots = next(iter(counts.values()))
     chunk = layout.arena.chunk_bytes if layout.arena is not None else 0
-    if chunk % slots:
+    tail = layout.arena.tail_bytes if layout.arena is not None else 0
+    if chunk % slots or tail % slots:
         raise LayoutUnsupportedError(
-            f"kind: per_layer on the arena strategy needs chunk_bytes ({chunk}) to split into "
-            f"{slots} equal slab pieces; use cross_layer or cross_layer_head_major"
+            f"kind: per_layer on the arena strategy needs chunk_bytes ({chunk}) and tail_bytes "
+            f"({tail}) to split into {slots} equal slab pieces; use cross_layer or "
+            "cross_layer_head_major"
         )
     return slots
 

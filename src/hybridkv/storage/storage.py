@@ -104,7 +104,8 @@ class KVCacheStorage:
         """An arena storage whose chunks hold physical memory only while committed.
 
         The returned storage's :attr:`memory` commits and releases chunks (chunk 0, the null
-        blocks and the null host's blocks, starts committed and stays so).  CPU uses
+        blocks and the null host's blocks, and the tail past the last chunk, lent to the tail
+        host, start committed and stay so).  CPU uses
         :class:`CpuMmapBackend`, CUDA :class:`hybridkv.storage.cuda_vmm.CudaVMMBackend` (needs
         ``cuda-bindings``).  Raises
         :class:`LayoutUnsupportedError` for a layout without an arena.
@@ -130,7 +131,8 @@ class KVCacheStorage:
             num_chunks=arena.num_chunks,
             backend=backend,
             chunk_extents=placement.chunk_extents,
-            initial_chunks=(0,),
+            initial_chunks=(0, arena.num_chunks) if arena.tail_bytes else (0,),
+            tail_bytes=arena.tail_bytes,
         )
         storage = cls(layout, kind=kind, page_order=page_order, buffers=[memory.tensor])
         storage.memory = memory
