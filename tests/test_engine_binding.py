@@ -217,3 +217,25 @@ def _layout(members: tuple[tuple[int, int], ...], spec: CacheSpec) -> MemoryLayo
 def test_binding_rejects_bad_membership(members: Any, message: str) -> None:
     with pytest.raises(BindingError, match=re.escape(message)):
         bind_layout(_probe("llama"), _layout(members, FullAttentionSpec(**KV)))
+
+
+def test_falcon_h1_layers_route_attention_and_state_from_one_layer() -> None:
+    """falcon_h1's ``hybrid`` layers keep K/V (cache slot 0) and a Mamba2 state (slot 1): the
+    probe measures both, its spec lists both, and the binding routes each to its group."""
+    probe = _probe("falcon_h1")
+    assert [(layer.layer_type, layer.kv) for layer in probe.layers] == [("hybrid", (2, 16, 16))] * 3
+    assert all([s.role for s in layer.states] == ["conv", "recurrent"] for layer in probe.layers)
+    spec = probe_model_spec(probe)
+    assert [[c.kind.value for c in layer.caches] for layer in spec.layers] == [
+        ["full_attention", "state"]
+    ] * 3
+    layout = fixed_layout(spec, block_size=4, num_blocks=8)
+    binding = bind_layout(probe, layout)
+    assert {(r.layer, r.slot, r.kind) for r in binding.tokens.values()} == {
+        (i, 0, RouteKind.ATTENTION) for i in range(3)
+    }
+    assert {(r.layer, r.slot) for r in binding.states.values()} == {(i, 1) for i in range(3)}
+    state = next(g for g in layout.groups if g.spec.kind.value == "state")
+    swapped = _layout(tuple((i, 0) for i in range(3)), state.spec)
+    with pytest.raises(BindingError, match=re.escape("that layer's state is its cache slot 1")):
+        bind_layout(probe, swapped)

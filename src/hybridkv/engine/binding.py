@@ -9,11 +9,16 @@ per-layer routing table:
 * MLA layers -> a :class:`TokenRoute` of kind ``mla``: the cache layer pages the latent;
 * recurrent layers -> a :class:`StateRoute`: states are loaded from and stored to slots.
 
+A layer with attention and a recurrent state (falcon_h1's ``hybrid`` layers) has both routes:
+its attention cache is one group's member (its slot in the spec, 0) and its state another's
+(slot 1).
+
 Checks (each failure is a :class:`BindingError` naming the layer, the group and both values):
-every layer that caches something is a member (slot 0) of exactly one group whose spec kind
-matches the layer (window / chunk, heads and head sizes, latent sizes, state tensors), and
-every group member is such a layer.  Dtypes may differ (the cache may be bf16 or fp8 while the
-model runs fp32); values are cast on write and read.
+every cache a layer keeps (K/V, latent, state) is served by exactly one group, a member
+``(layer, slot)`` of which it is, whose spec kind matches the layer (window / chunk, heads and
+head sizes, latent sizes, state tensors), and every group member is such a cache.  Dtypes may
+differ (the cache may be bf16 or fp8 while the model runs fp32); values are cast on write and
+read.
 
 State tensors pair with transformers' ``conv_states`` / ``recurrent_states`` by name: a name
 starting with ``conv`` is a conv state, any other name a recurrent state, in order.  A conv
@@ -26,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -132,11 +137,16 @@ def _mismatch(layer: ProbedLayer, group: GroupPlan, what: str, want: object, got
         raise _error(layer, group, what, want, got)
 
 
+#: Layer types of layers with attention and a recurrent state -> their attention's type.
+_HYBRID_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+
+
 def _check_kv(layer: ProbedLayer, group: GroupPlan, layer_type: str) -> AttentionSpec:
     spec = cast(AttentionSpec, group.spec)
     if layer.kv is None or layer.mla:
         raise _error(layer, group, "spec kind", "an MLA or state spec", spec.kind.value)
-    _mismatch(layer, group, "kind", layer.layer_type, layer_type)
+    measured = _HYBRID_TYPES.get(layer.layer_type, layer.layer_type)
+    _mismatch(layer, group, "kind", measured, layer_type)
     heads, k_dim, v_dim = layer.kv
     _mismatch(layer, group, "num_kv_heads", heads, spec.num_kv_heads)
     _mismatch(layer, group, "head_dim", k_dim, spec.head_dim)
@@ -229,50 +239,76 @@ def bind_layout(probe: ModelProbe, layout: MemoryLayout) -> ModelBinding:
 
     Raises :class:`BindingError`; mutates nothing.
     """
-    owner: dict[int, GroupPlan] = {}
+    owner: dict[tuple[int, int], GroupPlan] = {}
+    served: dict[int, list[tuple[int, GroupPlan]]] = {}
     for group in layout.groups:
         for layer_idx, slot in group.members:
-            if slot != 0:
-                raise BindingError(
-                    f"layout: group {group.group_id} has member (layer {layer_idx}, slot "
-                    f"{slot}); the runner serves one cache per layer (slot 0) for now"
-                )
             if not 0 <= layer_idx < len(probe.layers):
                 raise BindingError(
                     f"layout: group {group.group_id} has member layer {layer_idx}; the model "
                     f"has layers 0..{len(probe.layers) - 1}"
                 )
-            if layer_idx in owner:
+            if (layer_idx, slot) in owner:
                 raise BindingError(
-                    f"layout: layer {layer_idx} is a member of groups "
-                    f"{owner[layer_idx].group_id} and {group.group_id}"
+                    f"layout: layer {layer_idx} slot {slot} is a member of groups "
+                    f"{owner[layer_idx, slot].group_id} and {group.group_id}"
                 )
-            owner[layer_idx] = group
+            owner[layer_idx, slot] = group
+            served.setdefault(layer_idx, []).append((slot, group))
     tokens: dict[int, TokenRoute] = {}
     states: dict[int, StateRoute] = {}
     for layer in probe.layers:
-        found = owner.get(layer.layer)
+        found = served.get(layer.layer, [])
         caches = layer.kv is not None or bool(layer.states)
-        if found is None:
+        if not found:
             if caches:
                 raise BindingError(
                     f"layout: layer {layer.layer} ({layer.layer_type}) caches data but is a "
                     "member of no group"
                 )
             continue
-        group = found
-        check = _CHECKS.get(group.spec.kind)
-        if check is None or not caches:
+        for slot, group in sorted(found, key=lambda item: item[0]):
+            check = _CHECKS.get(group.spec.kind)
+            if check is None or not caches:
+                raise BindingError(
+                    f"layout: group {group.group_id} ({group.spec.kind.value}) serves layer "
+                    f"{layer.layer} ({layer.layer_type}), which caches nothing of that kind"
+                )
+            kind = check(layer, group)
+            want = 1 if kind is RouteKind.STATE and layer.kv is not None else 0
+            if slot != want:
+                raise BindingError(
+                    f"layout: group {group.group_id} has member (layer {layer.layer}, slot "
+                    f"{slot}); that layer's {'state' if kind is RouteKind.STATE else 'K/V'} "
+                    f"is its cache slot {want}"
+                )
+            num_ids = group_block_ids(layout, group.group_id)
+            routes: dict[int, Any] = states if kind is RouteKind.STATE else tokens
+            if layer.layer in routes:
+                raise BindingError(
+                    f"layout: layer {layer.layer} ({layer.layer_type}) has two "
+                    f"{'state' if kind is RouteKind.STATE else 'per-token'} groups, "
+                    f"{routes[layer.layer].group.group_id} and {group.group_id}"
+                )
+            if kind is RouteKind.STATE:
+                states[layer.layer] = StateRoute(
+                    layer.layer, slot, group, num_ids, _state_tensors(layer, group)
+                )
+            else:
+                tokens[layer.layer] = TokenRoute(kind, layer.layer, slot, group, num_ids)
+        token = tokens.get(layer.layer)
+        if token is not None and token.kind is RouteKind.MLA and layer.layer in states:
             raise BindingError(
-                f"layout: group {group.group_id} ({group.spec.kind.value}) serves layer "
-                f"{layer.layer} ({layer.layer_type}), which caches nothing of that kind"
+                f"layout: layer {layer.layer} ({layer.layer_type}) has MLA and a recurrent "
+                "state; the runner does not page a latent next to a state in one layer"
             )
-        kind = check(layer, group)
-        num_ids = group_block_ids(layout, group.group_id)
-        if kind is RouteKind.STATE:
-            states[layer.layer] = StateRoute(
-                layer.layer, 0, group, num_ids, _state_tensors(layer, group)
-            )
-        else:
-            tokens[layer.layer] = TokenRoute(kind, layer.layer, 0, group, num_ids)
+        for what, present, routed in (
+            ("K/V", layer.kv is not None, tokens),
+            ("a recurrent state", bool(layer.states), states),
+        ):
+            if present and layer.layer not in routed:
+                raise BindingError(
+                    f"layout: layer {layer.layer} ({layer.layer_type}) caches {what} but no "
+                    "group serves it"
+                )
     return ModelBinding(tokens=tokens, states=states, num_layers=len(probe.layers))

@@ -106,6 +106,8 @@ class ForwardPass:
         self.binding = binding
         self.views = views
         self.segments = segments
+        #: The layer whose cache the model updated last (see hf_cache.UpdateListener).
+        self.updated_layer: int | None = None
         # group -> one SegmentIndex per segment (segment order).
         self.index = index
         # group -> write indices of all new tokens, row-major (segments tile the rows).
@@ -159,6 +161,9 @@ class ForwardPass:
         sliding_window: int | None,
     ) -> torch.Tensor:
         layer = int(getattr(module, "layer_idx", -1))
+        if layer not in self.binding.tokens and self.updated_layer is not None:
+            layer = self.updated_layer  # a module shared by several layers (zamba2)
+        self.updated_layer = None
         route = self._route(layer, sliding_window)
         if route.kind is RouteKind.ATTENTION:
             return self._paged_attention(

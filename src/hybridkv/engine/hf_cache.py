@@ -11,7 +11,8 @@ transformers' modeling code talks to its cache in three ways, and each gets its 
   ``kv_lora_rank + rope_dim`` values per token, not the expanded heads);
 * recurrent layers read and update conv / recurrent states: a stock ``LinearAttentionLayer``
   that :func:`load_states` fills from the state slots before the pass and
-  :func:`collect_states` reads back after it.
+  :func:`collect_states` reads back after it (a :class:`StatePassThroughLayer` for a layer
+  that also attends, as falcon_h1's).
 
 Layers that cache nothing get transformers' ``DummyLayer``.
 """
@@ -30,6 +31,8 @@ __all__ = [
     "LatentLayer",
     "LatentPager",
     "PassThroughLayer",
+    "StatePassThroughLayer",
+    "UpdateListener",
     "build_cache",
     "collect_states",
     "dummy_layer",
@@ -47,19 +50,32 @@ class LatentPager(Protocol):
         ...
 
 
+class UpdateListener(Protocol):
+    """Told which layer's cache the model updated last (the runner's forward step): a module
+    that attends for several layers (zamba2's shared attention, ``layer_idx`` -1) names its
+    layer only in the cache update that precedes its attention call."""
+
+    updated_layer: int | None
+
+
 class PassThroughLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     """An attention layer's cache that keeps nothing: paging happens in the attention call.
 
     ``seq_length`` is what ``get_seq_length()`` reports: the computed tokens of every row of
-    the pass (the runner only sets it when all rows agree).
+    the pass (the runner only sets it when all rows agree).  An update tells ``listener``
+    that layer ``layer`` is about to attend.
     """
 
     is_sliding = False
 
-    def __init__(self, seq_length: int = 0) -> None:
+    def __init__(
+        self, seq_length: int = 0, *, layer: int = -1, listener: UpdateListener | None = None
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.is_initialized = True
         self.seq_length = seq_length
+        self.layer = layer
+        self.listener = listener
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -67,6 +83,8 @@ class PassThroughLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.listener is not None:
+            self.listener.updated_layer = self.layer
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -83,14 +101,48 @@ class LatentLayer(PassThroughLayer):  # type: ignore[no-untyped-call]
     """An MLA layer's cache: pages the latent through ``pager`` (see the module docstring)."""
 
     def __init__(self, layer: int, pager: LatentPager, seq_length: int = 0) -> None:
-        super().__init__(seq_length)
-        self.layer = layer
+        super().__init__(seq_length, layer=layer)
         self.pager = pager
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pager.page_latent(self.layer, key_states, value_states)
+
+
+class StatePassThroughLayer(  # type: ignore[no-untyped-call, override]
+    LinearAttentionLayer, PassThroughLayer
+):
+    """A layer with attention and a recurrent state (falcon_h1's ``hybrid`` layers): its states
+    live as in a ``LinearAttentionLayer``, its attention passes through (paged elsewhere)."""
+
+    def __init__(
+        self,
+        number_of_states: int,
+        seq_length: int = 0,
+        *,
+        layer: int = -1,
+        listener: UpdateListener | None = None,
+    ) -> None:
+        PassThroughLayer.__init__(self, seq_length, layer=layer, listener=listener)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        if args:  # the attention update's (key, value): nothing to set up
+            return None
+        LinearAttentionLayer.lazy_initialization(self, **kwargs)
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return PassThroughLayer.update(self, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seq_length
 
 
 def build_cache(layers: list[Any]) -> Cache:
@@ -109,15 +161,23 @@ def load_states(
     views: Any,
     *,
     device: torch.device,
+    attention: int | None = None,
+    listener: UpdateListener | None = None,
 ) -> LinearAttentionLayer:
-    """A ``LinearAttentionLayer`` holding the states of ``slots`` (one per batch row).
+    """A ``LinearAttentionLayer`` holding the states of ``slots`` (one per batch row); with
+    ``attention`` (the pass's sequence length), a :class:`StatePassThroughLayer` for a layer
+    that also attends.
 
     ``slots=None`` means every row starts from scratch: the layer is left empty and
     transformers initialises it as in a first prefill.  The states are copied to ``device``
     (the model's).  Reads the views; writes nothing.
     """
     number = 1 + max((t.state_idx for t in route.tensors), default=0)
-    made = LinearAttentionLayer(number_of_states=number)
+    made = (
+        LinearAttentionLayer(number_of_states=number)
+        if attention is None
+        else StatePassThroughLayer(number, attention, layer=route.layer, listener=listener)
+    )
     layer: Any = made
     if slots is None:
         return made

@@ -257,6 +257,7 @@ def _attention_spec(layer: ProbedLayer) -> CacheSpec:
 _WINDOWED: dict[str, Callable[[int, dict[str, Any]], CacheSpec]] = {
     "sliding_attention": lambda window, kw: SlidingWindowSpec(window=window, **kw),
     "chunked_attention": lambda window, kw: ChunkedLocalSpec(chunk_size=window, **kw),
+    "hybrid_sliding": lambda window, kw: SlidingWindowSpec(window=window, **kw),
 }
 
 
@@ -288,24 +289,25 @@ def _state_name(mixer: StateMixer, state: ProbedState) -> str:
 def probe_model_spec(probe: ModelProbe, *, name: str | None = None) -> ModelSpec:
     """A :class:`ModelSpec` of exactly what the probed model caches.
 
-    Raises :class:`BindingError` for a layer that mixes attention and state (transformers'
-    ``hybrid`` layers: not supported by the runner yet) or a state mixer it does not know.
+    A layer that keeps attention K/V and a recurrent state (transformers' ``hybrid`` layers,
+    falcon_h1) gets two caches: the attention spec (slot 0), then the state spec (slot 1), as
+    :mod:`hybridkv.models` derives them.  Raises :class:`BindingError` for a state mixer it
+    does not know.
     """
     layers: list[LayerSpec] = []
     for layer in probe.layers:
-        if layer.states and layer.kv is not None:
-            raise BindingError(
-                f"probe: layer {layer.layer} ({layer.layer_type}) keeps attention K/V and a "
-                "recurrent state in one layer; the runner does not support such layers yet"
-            )
-        spec: CacheSpec
+        caches: list[CacheSpec] = []
+        if layer.kv is not None:
+            caches.append(_attention_spec(layer))
         if layer.states:
-            spec = _state_spec(probe, layer)
-        elif layer.kv is not None:
-            spec = _attention_spec(layer)
-        else:
-            spec = NoCacheSpec()
-        layers.append(LayerSpec(index=layer.layer, layer_type=layer.layer_type, caches=(spec,)))
+            caches.append(_state_spec(probe, layer))
+        layers.append(
+            LayerSpec(
+                index=layer.layer,
+                layer_type=layer.layer_type,
+                caches=tuple(caches) or (NoCacheSpec(),),
+            )
+        )
     return ModelSpec(
         name=name or probe.model_type,
         model_type=probe.model_type,

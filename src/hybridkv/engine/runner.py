@@ -262,18 +262,23 @@ class ModelRunner:
         for layer in range(self.binding.num_layers):
             token_route = self.binding.tokens.get(layer)
             state_route = self.binding.states.get(layer)
-            if token_route is not None and token_route.kind is RouteKind.ATTENTION:
-                layers.append(PassThroughLayer(seq_length))
-            elif token_route is not None:
-                layers.append(LatentLayer(layer, step, seq_length))
-            elif state_route is not None:
+            if state_route is not None:  # with attention too for falcon_h1's hybrid layers
                 gid = state_route.group.group_id
                 slots = [int(r.states[gid].read_slot or 0) for r in requests]
                 layers.append(
                     load_states(
-                        state_route, slots if resuming else None, self.views, device=self.device
+                        state_route,
+                        slots if resuming else None,
+                        self.views,
+                        device=self.device,
+                        attention=None if token_route is None else seq_length,
+                        listener=step,
                     )
                 )
+            elif token_route is not None and token_route.kind is RouteKind.ATTENTION:
+                layers.append(PassThroughLayer(seq_length, layer=layer, listener=step))
+            elif token_route is not None:
+                layers.append(LatentLayer(layer, step, seq_length))
             else:
                 layers.append(dummy_layer())
         return layers
