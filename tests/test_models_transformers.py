@@ -137,6 +137,19 @@ CASES: dict[str, dict[str, Any]] = {
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
     },
+    "olmo_hybrid": {
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "pad_token_id": 0,
+    },
     "jamba": {
         "num_hidden_layers": 4,
         "attn_layer_period": 2,
@@ -226,6 +239,7 @@ CASES: dict[str, dict[str, Any]] = {
 STATE_CASES = [
     "qwen3_next",
     "qwen3_5_text",
+    "olmo_hybrid",
     "jamba",
     "bamba",
     "granitemoehybrid",

@@ -7,7 +7,9 @@ per-layer routing table:
 * attention layers (full, sliding, chunked) -> a :class:`TokenRoute` of kind ``attention``:
   the paged attention function writes and gathers their K/V;
 * MLA layers -> a :class:`TokenRoute` of kind ``mla``: the cache layer pages the latent;
-* recurrent layers -> a :class:`StateRoute`: states are loaded from and stored to slots.
+* recurrent layers -> a :class:`StateRoute`: states are loaded from and stored to slots;
+* KV-shared layers (gemma4) -> ``shared``: they attend over their source layer's blocks
+  through its route, writing nothing.
 
 A layer with attention and a recurrent state (falcon_h1's ``hybrid`` layers) has both routes:
 its attention cache is one group's member (its slot in the spec, 0) and its state another's
@@ -29,7 +31,7 @@ conv needs (the oldest column never reaches an output); recurrent shapes must ma
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple, cast
 
@@ -109,6 +111,8 @@ class ModelBinding:
     tokens: dict[int, TokenRoute]
     states: dict[int, StateRoute]
     num_layers: int
+    #: KV-shared layer -> the layer whose route it reads through (never writes).
+    shared: dict[int, int] = field(default_factory=dict)
 
     @property
     def has_state(self) -> bool:
@@ -311,4 +315,15 @@ def bind_layout(probe: ModelProbe, layout: MemoryLayout) -> ModelBinding:
                     f"layout: layer {layer.layer} ({layer.layer_type}) caches {what} but no "
                     "group serves it"
                 )
-    return ModelBinding(tokens=tokens, states=states, num_layers=len(probe.layers))
+    shared: dict[int, int] = {}
+    for layer in probe.layers:
+        if layer.kv_source is None:
+            continue
+        source = tokens.get(layer.kv_source)
+        if source is None or source.kind is not RouteKind.ATTENTION:
+            raise BindingError(
+                f"layout: layer {layer.layer} ({layer.layer_type}) reads layer "
+                f"{layer.kv_source}'s K/V, which no attention group pages"
+            )
+        shared[layer.layer] = layer.kv_source
+    return ModelBinding(tokens=tokens, states=states, num_layers=len(probe.layers), shared=shared)

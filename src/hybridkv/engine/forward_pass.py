@@ -164,6 +164,12 @@ class ForwardPass:
         if layer not in self.binding.tokens and self.updated_layer is not None:
             layer = self.updated_layer  # a module shared by several layers (zamba2)
         self.updated_layer = None
+        source = self.binding.shared.get(layer)
+        if source is not None:  # KV-shared: the source layer wrote these tokens already
+            route = self._route(source, sliding_window)
+            return self._paged_attention(
+                route, query, key, value, scaling=scaling, softcap=softcap, sinks=sinks, write=False
+            )
         route = self._route(layer, sliding_window)
         if route.kind is RouteKind.ATTENTION:
             return self._paged_attention(
@@ -241,13 +247,17 @@ class ForwardPass:
         scaling: float,
         softcap: float | None,
         sinks: torch.Tensor | None,
+        write: bool = True,
     ) -> torch.Tensor:
-        """Write the new tokens' K/V ``[B, Hkv, L, D]`` into the views, then attend bucket by
-        bucket over the gathered keys; returns ``[B, L, H, Dv]``."""
+        """Write the new tokens' K/V ``[B, Hkv, L, D]`` into the views (unless ``write`` is
+        false: a KV-shared layer reading its source's), then attend bucket by bucket over the
+        gathered keys; returns ``[B, L, H, Dv]``."""
         views = self.views.attention_kv(route.layer, route.slot)
         gid = route.group.group_id
         blocks, offsets = self.write[gid]
         for part, (view, new) in enumerate(zip(views, (key, value), strict=True)):
+            if not write:
+                break
             b, heads, length, dim = new.shape
             if tuple(view.shape[2:]) != (heads, dim):
                 raise EngineError(

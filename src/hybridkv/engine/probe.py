@@ -40,6 +40,7 @@ from hybridkv.specs import (
     LayerSpec,
     MLASpec,
     ModelSpec,
+    NoCacheReason,
     NoCacheSpec,
     SlidingWindowSpec,
     StateMixer,
@@ -99,6 +100,9 @@ class ProbedLayer(NamedTuple):
     mla: bool
     states: tuple[ProbedState, ...]
     sinks: bool = False
+    #: A KV-shared layer (gemma4's last layers): it computes no K/V and attends over this
+    #: earlier layer's (the last one of its type that stores them for sharing).
+    kv_source: int | None = None
 
 
 class ModelProbe(NamedTuple):
@@ -166,6 +170,32 @@ class _CountingCache(DynamicCache):
         return int(super().get_seq_length(layer_idx))
 
 
+def _kv_sources(model: torch.nn.Module) -> dict[int, int]:
+    """KV-shared layer -> the layer whose K/V it reads: the modules transformers marks
+    ``is_kv_shared_layer`` read what the last earlier module of their ``layer_type`` marked
+    ``store_full_length_kv`` stored (gemma4).  Raises :class:`BindingError` for a shared layer
+    with no such source."""
+    reuse: dict[int, Any] = {}
+    store: list[tuple[int, Any]] = []
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int):
+            continue
+        if getattr(module, "is_kv_shared_layer", False) is True:
+            reuse[idx] = getattr(module, "layer_type", None)
+        elif getattr(module, "store_full_length_kv", False) is True:
+            store.append((idx, getattr(module, "layer_type", None)))
+    out: dict[int, int] = {}
+    for layer, kind in reuse.items():
+        sources = [j for j, other in store if other == kind and j < layer]
+        if not sources:
+            raise BindingError(
+                f"probe: layer {layer} ({kind}) shares K/V but no earlier {kind} layer stores them"
+            )
+        out[layer] = max(sources)
+    return out
+
+
 def probe_model(model: torch.nn.Module) -> ModelProbe:
     """Run the probe pass (see the module docstring).
 
@@ -196,6 +226,7 @@ def probe_model(model: torch.nn.Module) -> ModelProbe:
         if previous != PAGED_ATTENTION:
             set_impl(previous)
     kv_lora_rank = getattr(text, "kv_lora_rank", None)
+    sources = _kv_sources(model)
     layers: list[ProbedLayer] = []
     for i, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
         layer = cache.layers[i]
@@ -218,6 +249,7 @@ def probe_model(model: torch.nn.Module) -> ModelProbe:
                 mla=mla,
                 states=states,
                 sinks=i in zero.sinks,
+                kv_source=sources.get(i),
             )
         )
     return ModelProbe(
@@ -301,6 +333,8 @@ def probe_model_spec(probe: ModelProbe, *, name: str | None = None) -> ModelSpec
             caches.append(_attention_spec(layer))
         if layer.states:
             caches.append(_state_spec(probe, layer))
+        if not caches and layer.kv_source is not None:
+            caches.append(NoCacheSpec(reason=NoCacheReason.KV_SHARED, source_layer=layer.kv_source))
         layers.append(
             LayerSpec(
                 index=layer.layer,

@@ -1,5 +1,6 @@
-"""Linear-attention and short-conv hybrids: qwen3_next / qwen3_5 (gated DeltaNet), kimi_linear
-(KDA + MLA), lfm2 (short convolution + attention), lfm3 (short convolution + sliding + full).
+"""Linear-attention and short-conv hybrids: qwen3_next / qwen3_5 / olmo_hybrid (gated
+DeltaNet), kimi_linear (KDA + MLA), lfm2 (short convolution + attention), lfm3 (short
+convolution + sliding + full).
 
 Layer kinds: ``linear_attention`` (a delta-rule layer with conv + recurrent state), ``conv``
 (LFM2/LFM3's short convolution, conv state only), ``sliding_attention`` (LFM3) and
@@ -215,6 +216,21 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3_5_moe_text": Architecture(
         _derive_qwen3_next,
         {**_GDN_DEFAULTS, "num_attention_heads": 16, "num_key_value_heads": 2},
+        "linear-attention",
+    ),
+    # OLMo hybrid: gated DeltaNet + full attention, laid out by ``layer_types`` (3 : 1).
+    "olmo_hybrid": Architecture(
+        _derive_qwen3_next,
+        {
+            "full_attention_interval": 4,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 96,
+            "linear_value_head_dim": 192,
+            "linear_num_key_heads": 30,
+            "linear_num_value_heads": 30,
+            "num_attention_heads": 30,
+            "num_key_value_heads": 30,
+        },
         "linear-attention",
     ),
     "kimi_linear": Architecture(
