@@ -320,3 +320,19 @@ def test_blocks_lent_past_the_last_chunk_stay_exact(name: str) -> None:
     assert used and used <= set(range(host.first, host.end))
     assert verify_completions(ref, done).ok
     engine.manager.check_invariants()
+
+
+def test_jamba_prompts_are_computed_whole_and_exact() -> None:
+    """transformers' Mamba1 (Jamba) runs a multi-token pass from a zero state, so the engine
+    schedules every prompt whole, from token 0, with no prefix hit, and decodes from the state."""
+    model, ref = _models("jamba")
+    cache = CacheConfig(block_size=4, num_blocks=64, max_model_len=96)
+    engine = LLMEngine(model, cache=cache, scheduler=SchedulerConfig(token_budget=64))
+    assert engine.scheduler.config.whole_prefill
+    shared = [(7 * i + 3) % 200 + 1 for i in range(24)]
+    prompts = {f"p{i}": [*shared, *range(1 + i, 5 + 2 * i)] for i in range(4)}
+    done = engine.generate(prompts, max_tokens=5)
+    assert [c.num_cached_tokens for c in done] == [0, 0, 0, 0]
+    assert verify_completions(ref, done).ok
+    with pytest.raises(SchedulerError, match=r"whole_prefill computes a prompt in one step"):
+        engine.generate({"long": list(range(1, 70))}, max_tokens=1)

@@ -83,8 +83,9 @@ def close(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return diff
 
 
-@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+@pytest.mark.parametrize("name", sorted(n for n in TINY_MODELS if n != "jamba"))
 def test_prefix_hit_from_the_manager_is_exact(name: str) -> None:
+    # Jamba: transformers' Mamba1 cannot resume a prefill from a state (no hits to check).
     gen, cache, manager = stack(name)
     ref = _models(name)[1]
     shared = prompt(20, 16)

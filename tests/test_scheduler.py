@@ -147,3 +147,18 @@ def test_bad_requests_are_refused() -> None:
         sched.add_request("a", [1], max_tokens=1)
     with pytest.raises(SchedulerError, match="token_budget"):
         SchedulerConfig(token_budget=0)
+
+
+def test_whole_prefill_computes_each_prompt_in_one_step_without_hits() -> None:
+    mgr = KVCacheManager(_layout([(FULL, 4), (STATE, 8)], 64))
+    sched = Scheduler(mgr, SchedulerConfig(token_budget=16, whole_prefill=True), max_model_len=64)
+    prefix = list(range(100, 110))
+    sched.add_request("a", [*prefix, 1], max_tokens=2)  # 11 tokens
+    sched.add_request("b", [*prefix, 2, 2], max_tokens=2)  # 12: waits for a whole budget
+    with pytest.raises(SchedulerError, match=r"prompt has 17 tokens; whole_prefill"):
+        sched.add_request("c", list(range(17)), max_tokens=1)
+    assert _run(sched) == [
+        [("a", 0, 11, 0)],
+        [("a", 11, 1, 0), ("b", 0, 12, 0)],  # a's prefix is cached, but b starts from 0
+        [("b", 12, 1, 0)],
+    ]

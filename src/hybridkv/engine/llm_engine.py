@@ -69,7 +69,7 @@ from hybridkv.scheduler import (
     SchedulerConfig,
     SequenceState,
 )
-from hybridkv.specs import ModelSpec
+from hybridkv.specs import ModelSpec, StateMixer, StateSpec
 from hybridkv.storage import KVCacheStorage
 
 __all__ = [
@@ -292,6 +292,11 @@ class LLMEngine:
         sched = scheduler or SchedulerConfig()
         if not sched.collect_block_ids:
             sched = replace(sched, collect_block_ids=True)
+        if resumes_no_prefill(self.spec) and not sched.whole_prefill:
+            # transformers' Mamba1 scan starts every multi-token pass from a zero state, so a
+            # prompt is computed whole, from token 0, and prefix hits are not used.
+            logger.info("%s: whole-prompt prefill, no prefix hits (Mamba1 state)", name)
+            sched = replace(sched, whole_prefill=True)
         self.scheduler = Scheduler(self.manager, sched, max_model_len=self.max_model_len)
         self.vocab_size = config_vocab_size(net.config)
         self.keep_logits = keep_logits
@@ -541,6 +546,17 @@ def _budget_for_blocks(layout: MemoryLayout, num_blocks: int) -> int:
         per_group = (-(-num_blocks // layout.blocks_per_chunk(g.group_id)) for g in layout.groups)
         return (1 + sum(per_group)) * layout.arena.chunk_bytes
     return (num_blocks + 1) * sum(g.block_bytes for g in layout.groups)
+
+
+def resumes_no_prefill(spec: ModelSpec) -> bool:
+    """Whether ``spec`` has a recurrent state transformers cannot continue a prefill from: its
+    Mamba1 mixer (Jamba) runs a multi-token pass from a zero state, using the cached state only
+    for one-token decode steps."""
+    return any(
+        isinstance(c, StateSpec) and c.mixer is StateMixer.MAMBA1
+        for layer in spec.layers
+        for c in layer.caches
+    )
 
 
 def _check_architecture(path: Path) -> None:

@@ -119,6 +119,12 @@ class Scheduler:
                 f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}"
             )
         n = len(prompt_token_ids)
+        if self.config.whole_prefill and n > self.config.token_budget:
+            raise SchedulerError(
+                f"request {request_id!r}: prompt has {n} tokens; whole_prefill computes a prompt "
+                f"in one step, and the token budget is {self.config.token_budget}: raise "
+                "token_budget or shorten the prompt"
+            )
         if n >= self.max_model_len:
             raise SchedulerError(
                 f"request {request_id!r}: prompt has {n} tokens, the maximum model length is "
@@ -144,6 +150,8 @@ class Scheduler:
         """Where this step's chunk of ``seq`` ends (``start`` if nothing can be scheduled)."""
         req = seq.request
         total = req.num_tokens
+        if self.config.whole_prefill and start == 0:  # every known token at once, or wait
+            return total if total <= budget else start
         cap = min(budget, seq.chunk_cap) if seq.chunk_cap else budget
         if start < req.num_prompt_tokens and self.config.max_prefill_chunk is not None:
             cap = min(cap, self.config.max_prefill_chunk)
@@ -256,9 +264,12 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 seq = self.waiting[0]
                 req = seq.request
-                hit: ComputedBlocks = mgr.get_computed_blocks(req)
-                cached = hit.num_computed_tokens
-                seq.junction = hit.junction_tokens
+                hit: ComputedBlocks | None = None
+                cached = 0
+                if not cfg.whole_prefill:
+                    hit = mgr.get_computed_blocks(req)
+                    cached = hit.num_computed_tokens
+                    seq.junction = hit.junction_tokens
                 end = self._chunk_end(seq, cached, budget)
                 if end <= cached:
                     skipped += 1
@@ -274,10 +285,15 @@ class Scheduler:
                         break
                     # Alone and still refused: the chunk is too large for the cache (a fixed
                     # pool split sized for decode, say).  Retry with half the chunk.
-                    if end - cached <= 1:
+                    if end - cached <= 1 or cfg.whole_prefill:
+                        what = (
+                            f"its {end} tokens, computed in one step (whole_prefill), do not"
+                            if cfg.whole_prefill
+                            else "not even one token does"
+                        )
                         raise SchedulerError(
-                            f"request {req.request_id!r}: not even one token fits in an empty "
-                            "cache; the memory budget is too small for it"
+                            f"request {req.request_id!r}: {what} fit in an empty cache; the "
+                            "memory budget is too small for it"
                         )
                     seq.chunk_cap = max(1, (end - cached) // 2)
                     continue

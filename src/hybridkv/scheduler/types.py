@@ -41,6 +41,10 @@ class SchedulerConfig:
     ``num_lookahead_tokens``: speculative positions reserved after every decode token.
     ``collect_block_ids``: copy each scheduled request's block tables into the output (a model
     runner needs them; a simulator does not).
+    ``whole_prefill``: compute every known token of a request in its first step, from token 0:
+    no prefix-cache hit, no chunked prefill (for models whose recurrent state cannot resume a
+    prefill, e.g. transformers' Mamba1 in Jamba); a request longer than ``token_budget`` is
+    refused when added.
     """
 
     token_budget: int = 8192
@@ -49,6 +53,7 @@ class SchedulerConfig:
     split_for_state: bool | None = None
     num_lookahead_tokens: int = 0
     collect_block_ids: bool = True
+    whole_prefill: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs"):
