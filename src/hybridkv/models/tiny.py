@@ -21,6 +21,14 @@ name                      what it exercises
 ``lfm2``                  short conv (conv state) + attention
 ``lfm3``                  short conv + sliding + full attention (the default hybrid)
 ``llama4_text``           chunked local attention (chunk 8) + NoPE full attention, MoE
+``falcon_h1``             attention and Mamba2 in every layer (two caches per layer)
+``zamba2``                Mamba2 layers, two also running one shared attention module
+``gemma4_text``           sliding / full; the last two layers read earlier layers' K/V
+``jamba``                 Mamba1 + attention, MoE (prompts computed whole: no prefix hits)
+``bamba``, ``qwen3_5_text``, ``olmo_hybrid``   Mamba2 / gated DeltaNet + attention
+``mistral``, ``qwen2``, ``cohere2``, ``exaone4``, ``olmo3``   sliding windows
+``qwen3``, ``deepseek_v2``   QK-norm attention; MLA
+``olmo2``, ``phi3``, ``starcoder2``, ``granite``   no registry entry: derived generically
 ========================  ===================================================================
 
 The tiny ``qwen3_next`` uses dense MLPs (``mlp_only_layers``): with its MoE, transformers
@@ -70,6 +78,39 @@ def _tiny(name: str, model_type: str, description: str, **overrides: Any) -> Tin
 
 
 _MOE = {"num_experts_per_tok": 2}
+#: 3 sliding (window 8) : 1 full attention layers.
+_SWA_3_1 = {
+    "num_hidden_layers": 4,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+}
+#: 3 gated DeltaNet : 1 full attention layers.
+_GDN_3_1 = {
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+#: Multi-head latent attention (latent 32 + rope 8) with a MoE after the first layer.
+_MLA_MOE = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "moe_intermediate_size": 32,
+    **_MOE,
+}
 
 TINY_MODELS: dict[str, TinyModel] = {
     m.name: m
@@ -206,29 +247,12 @@ TINY_MODELS: dict[str, TinyModel] = {
             layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2,
         ),
         _tiny(
-            "cohere2",
-            "cohere2",
-            "3 sliding (window 8) : 1 full attention without RoPE",
-            num_hidden_layers=4,
-            sliding_window=8,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            "cohere2", "cohere2", "3 sliding (window 8) : 1 full attention without RoPE", **_SWA_3_1
         ),
         _tiny(
-            "exaone4",
-            "exaone4",
-            "3 sliding (window 8) : 1 full attention, QK norms",
-            num_hidden_layers=4,
-            sliding_window=8,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            "exaone4", "exaone4", "3 sliding (window 8) : 1 full attention, QK norms", **_SWA_3_1
         ),
-        _tiny(
-            "olmo3",
-            "olmo3",
-            "3 sliding (window 8) : 1 full attention",
-            num_hidden_layers=4,
-            sliding_window=8,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        ),
+        _tiny("olmo3", "olmo3", "3 sliding (window 8) : 1 full attention", **_SWA_3_1),
         _tiny("qwen3", "qwen3", "full attention with QK norms", num_hidden_layers=3),
         _tiny("olmo2", "olmo2", "full attention (no registry entry: derived)", num_hidden_layers=3),
         _tiny("phi3", "phi3", "full attention, fused QKV (no registry entry)", num_hidden_layers=3),
@@ -268,30 +292,8 @@ TINY_MODELS: dict[str, TinyModel] = {
             mamba_d_conv=4,
             mamba_expand=1,
         ),
-        _tiny(
-            "qwen3_5_text",
-            "qwen3_5_text",
-            "gated DeltaNet + gated full attention",
-            num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-        ),
-        _tiny(
-            "olmo_hybrid",
-            "olmo_hybrid",
-            "gated DeltaNet + full attention",
-            num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-        ),
+        _tiny("qwen3_5_text", "qwen3_5_text", "gated DeltaNet + gated full attention", **_GDN_3_1),
+        _tiny("olmo_hybrid", "olmo_hybrid", "gated DeltaNet + full attention", **_GDN_3_1),
         _tiny(
             "jamba",
             "jamba",
@@ -312,39 +314,13 @@ TINY_MODELS: dict[str, TinyModel] = {
             "deepseek_v2",
             "deepseek_v2",
             "multi-head latent attention (latent 32 + rope 8), MoE",
-            num_hidden_layers=3,
-            num_key_value_heads=4,
-            head_dim=8,
-            kv_lora_rank=32,
-            q_lora_rank=48,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            n_routed_experts=4,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            moe_intermediate_size=32,
-            **_MOE,
+            **_MLA_MOE,
         ),
         _tiny(
             "deepseek_v3",
             "deepseek_v3",
             "multi-head latent attention (latent 32 + rope 8), MoE",
-            num_hidden_layers=3,
-            num_key_value_heads=4,
-            head_dim=8,
-            kv_lora_rank=32,
-            q_lora_rank=48,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            n_routed_experts=4,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            moe_intermediate_size=32,
-            **_MOE,
+            **_MLA_MOE,
         ),
         _tiny(
             "kimi_linear",
