@@ -254,19 +254,8 @@ class ForwardPass:
         gathered keys; returns ``[B, L, H, Dv]``."""
         views = self.views.attention_kv(route.layer, route.slot)
         gid = route.group.group_id
-        blocks, offsets = self.write[gid]
-        for part, (view, new) in enumerate(zip(views, (key, value), strict=True)):
-            if not write:
-                break
-            b, heads, length, dim = new.shape
-            if tuple(view.shape[2:]) != (heads, dim):
-                raise EngineError(
-                    f"views: layer {route.layer} {'KV'[part]} view has heads x dim "
-                    f"{tuple(view.shape[2:])}; the model produces {(heads, dim)}"
-                )
-            target, where = _kernel_view(view, route, blocks, offsets)
-            flat = new.transpose(1, 2).reshape(b * length, heads, dim)
-            target[where] = flat.to(device=view.device, dtype=view.dtype)
+        if write:
+            self._write_kv(route, views, key, value)
         b, q_heads, total, _ = query.shape
         out = query.new_zeros((b, total, q_heads, value.shape[-1]))
         for n, bucket in enumerate(self._group_buckets(gid)):
@@ -286,6 +275,26 @@ class ForwardPass:
             )
             self._scatter(out, res, bucket)
         return out
+
+    def _write_kv(
+        self,
+        route: TokenRoute,
+        views: tuple[torch.Tensor, torch.Tensor],
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """Store the new tokens' K and V ``[B, Hkv, L, D]`` at their slots of ``views``."""
+        blocks, offsets = self.write[route.group.group_id]
+        for part, (view, new) in enumerate(zip(views, (key, value), strict=True)):
+            b, heads, length, dim = new.shape
+            if tuple(view.shape[2:]) != (heads, dim):
+                raise EngineError(
+                    f"views: layer {route.layer} {'KV'[part]} view has heads x dim "
+                    f"{tuple(view.shape[2:])}; the model produces {(heads, dim)}"
+                )
+            target, where = _kernel_view(view, route, blocks, offsets)
+            flat = new.transpose(1, 2).reshape(b * length, heads, dim)
+            target[where] = flat.to(device=view.device, dtype=view.dtype)
 
     def _scatter(self, out: torch.Tensor, res: torch.Tensor, bucket: _Bucket) -> None:
         """Put a bucket's ``[R, T, H, Dv]`` outputs at its segments' rows of ``out``."""
