@@ -39,11 +39,17 @@ def _general_pool_manager(layout: MemoryLayout, **kw: Any) -> KVCacheManager:
     """A manager whose equal-page arena layouts run on :class:`ArenaPool`."""
     original = coordinator_module.make_block_pool
 
-    def general(layout: MemoryLayout, events: Any, *, arena_eviction: str = "chunk_lru") -> Any:
+    def general(
+        layout: MemoryLayout,
+        events: Any,
+        *,
+        arena_eviction: str = "chunk_lru",
+        second_chance: bool = True,
+    ) -> Any:
         arena = layout.arena
         if arena is not None and all(g.block_bytes == arena.chunk_bytes for g in layout.groups):
             return ArenaPool(layout, events, eviction=arena_eviction)
-        return original(layout, events, arena_eviction=arena_eviction)
+        return original(layout, events, arena_eviction=arena_eviction, second_chance=second_chance)
 
     coordinator_module.make_block_pool = general  # type: ignore[assignment]
     try:
@@ -125,6 +131,9 @@ class TwinMachine(RuleBasedStateMachine):
             "enable_kv_events": True,
             "publish": publish,
             "window_retention": retention,
+            # The flat arena's free lists can spare hit blocks (second chance); the general
+            # ArenaPool's chunk LRU cannot: compare the pure LRU both implement.
+            "second_chance": False,
         }
         self.a = KVCacheManager(layout, **kw)
         self.b = _general_pool_manager(layout, **kw)

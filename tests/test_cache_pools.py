@@ -46,6 +46,36 @@ def test_uniform_reuses_uncached_first_then_evicts_least_recent() -> None:
     pool.check_invariants()
 
 
+def test_a_block_that_served_a_hit_gets_one_second_chance() -> None:
+    for chance in (True, False):
+        pool = make_block_pool(
+            uniform(groups(full()), 5), EventLog(enabled=True), second_chance=chance
+        )
+        assert pool.allocate(0, 4) == [1, 2, 3, 4]
+        for b in (1, 2, 3, 4):
+            pool.cache(0, b, 100 + b)
+        pool.release(0, [1, 2, 3, 4])  # LRU: 1, 2, 3, 4
+        pool.touch(0, [1])  # a hit on 1 (say, a shared system prompt)
+        pool.release(0, [1])  # LRU: 2, 3, 4, 1
+        pool.touch(0, [2])  # hits on 2 while it is the oldest
+        pool.release(0, [2])  # LRU: 3, 4, 1, 2
+        pool.refresh(0, [3])  # a refresh is no hit: LRU 4, 1, 2, 3
+        pool.check_invariants()
+        taken = pool.allocate(0, 3)
+        evicted = [e.block_hashes[0] for e in pool.events.take()]  # type: ignore[attr-defined]
+        if chance:
+            # 4 goes; 1 and 2 served hits: each moves to the young end once (LRU 3, 1, 2),
+            # then 3 and 1 go; 2 stays cached
+            assert taken == [4, 3, 1] and evicted == [104, 103, 101]
+            assert pool.maps[0] == {102: 2}
+        else:
+            assert taken == [4, 1, 2] and evicted == [104, 101, 102]
+            assert pool.maps[0] == {103: 3}
+        pool.check_invariants()
+        before = pool.snapshot()
+        assert pool.reset_cache() is False and pool.snapshot() == before
+
+
 def test_pools_evict_only_within_their_group() -> None:
     pool = make_block_pool(pools(groups(full(), full()), 3), EventLog(enabled=False))
     assert pool.allocate(0, 2) == [1, 2] and pool.allocate(1, 2) == [1, 2]

@@ -79,6 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
         min_checkpoints=hst.integers(0, 2),
         explore=hst.integers(1, 3),
         reject=hst.sampled_from([0, 2, 3]),
+        second_chance=hst.booleans(),
     )
     def setup(
         self,
@@ -91,6 +92,7 @@ class CacheMachine(RuleBasedStateMachine):
         min_checkpoints: int,
         explore: int,
         reject: int,
+        second_chance: bool,
     ) -> None:
         layout = layout_for(self.strategy, groups(*items), capacity)
         self.mgr = KVCacheManager(
@@ -101,6 +103,7 @@ class CacheMachine(RuleBasedStateMachine):
             publish=publish,
             window_retention=retention,
             checkpoint_admission=admission,
+            second_chance=second_chance,
         )
         adm = self.mgr._coord.admission
         if adm is not None:  # decide from the first checkpoints on, explore often

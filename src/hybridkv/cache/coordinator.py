@@ -101,6 +101,7 @@ class HybridCoordinator:
         events: EventLog,
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
+        second_chance: bool = True,
         publish: str = "scheduled",
         window_retention: str = "tails",
         checkpoint_admission: str = "yield",
@@ -119,7 +120,9 @@ class HybridCoordinator:
             raise PlanError(f"publish: unknown mode {publish!r}; valid: {', '.join(PUBLISH_MODES)}")
         self.layout = layout
         self.events = events
-        self.pool = make_block_pool(layout, events, arena_eviction=arena_eviction)
+        self.pool = make_block_pool(
+            layout, events, arena_eviction=arena_eviction, second_chance=second_chance
+        )
         self.hash_block_size = layout.hash_block_size
         self.alignment = layout.schedule_alignment
         self.max_model_len = max_model_len

@@ -64,6 +64,10 @@ class KVCacheManager:
     ``max_model_len``: slots are never allocated past it (lookahead is clipped).
     ``arena_eviction``: ``"chunk_lru"`` (default) or ``"own_first"`` for arena layouts (see
     :mod:`hybridkv.cache.pool_arena`).
+    ``second_chance``: (default on) the free-list pools (``uniform``, ``pools``, an arena with
+    one block per chunk or one group) spare a block that served a hit once when it comes up
+    for eviction (see :class:`~hybridkv.cache.pool_base.FreeListPool`); the chunked arena
+    keeps its chunk LRU.
     ``publish``: ``"scheduled"`` (default): attention blocks join the prefix cache at the
     allocation of the step that fills them, so requests admitted later in the same step hit
     them; the runner must write a step's new tokens before reading them (hybridkv's engine
@@ -95,6 +99,7 @@ class KVCacheManager:
         enable_kv_events: bool = False,
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
+        second_chance: bool = True,
         publish: str = "scheduled",
         window_retention: str = "tails",
         group_hit_stats: bool = False,
@@ -113,6 +118,7 @@ class KVCacheManager:
             events=self._events,
             max_model_len=max_model_len,
             arena_eviction=arena_eviction,
+            second_chance=second_chance,
             publish=publish,
             window_retention=window_retention,
             checkpoint_admission=checkpoint_admission,

@@ -139,6 +139,12 @@ class FreeListPool:
     The building block of the ``uniform`` strategy (one instance for all groups) and the
     ``pools`` strategy (one instance per group).  ``owner[b]`` is the group whose table or
     prefix cache holds block ``b`` (-1 for an uncached free block).
+
+    Eviction takes the least recently used cached free block; with ``second_chance`` a block
+    that served a hit (a touch) since it last reached the evict-first end is moved to the
+    most-recently-used end instead, once, its mark cleared (CLOCK's second chance).  A block
+    every request shares, such as a system prompt's, then survives one allocation that sweeps
+    the whole LRU.  Feasibility is unchanged (the count of evictable blocks is the same).
     """
 
     __slots__ = (
@@ -148,6 +154,7 @@ class FreeListPool:
         "free_uncached",
         "group_ids",
         "hashes",
+        "hit",
         "maps",
         "num_blocks",
         "num_used",
@@ -156,7 +163,13 @@ class FreeListPool:
     )
 
     def __init__(
-        self, num_blocks: int, group_ids: Sequence[int], events: EventLog, *, first: int = 1
+        self,
+        num_blocks: int,
+        group_ids: Sequence[int],
+        events: EventLog,
+        *,
+        first: int = 1,
+        second_chance: bool = True,
     ) -> None:
         #: Ids ``[1, first)`` are reserved: never handed out (an arena's null chunk).
         self.first = first
@@ -171,6 +184,8 @@ class FreeListPool:
         self.free_uncached: dict[int, None] = dict.fromkeys(range(num_blocks - 1, first - 1, -1))
         self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.num_used = 0
+        #: ``hit[b]``: block ``b`` served a hit since it last had a second chance (None: off).
+        self.hit: bytearray | None = bytearray(num_blocks) if second_chance else None
 
     @property
     def num_free(self) -> int:
@@ -181,11 +196,14 @@ class FreeListPool:
         fu = self.free_uncached
         out: list[int] = []
         take = min(n, len(fu))
+        hit = self.hit
         for _ in range(take):
             b = fu.popitem()[0]
             refs[b] = 1
             owner[b] = group_id
             out.append(b)
+            if hit is not None:
+                hit[b] = 0
         if take < n:
             self._allocate_evicting(group_id, n - take, out)
         self.num_used += n
@@ -202,8 +220,13 @@ class FreeListPool:
         if n > len(fc):
             raise InvariantError(f"FreeListPool.allocate: {n} blocks wanted, {len(fc)} evictable")
         evicted: list[tuple[int, int]] = []
+        hit = self.hit
         for _ in range(n):
             b = fc.popitem(last=False)[0]
+            while hit is not None and hit[b]:  # once each: n <= len(fc) ends the loop
+                hit[b] = 0
+                fc[b] = None
+                b = fc.popitem(last=False)[0]
             h = hashes[b]
             assert h is not None
             old = owner[b]
@@ -218,13 +241,15 @@ class FreeListPool:
                 self.events.removed(old, (h,))  # type: ignore[arg-type]
 
     def touch(self, blocks: Sequence[int]) -> None:
-        refs, fc = self.refs, self.free_cached
+        refs, fc, hit = self.refs, self.free_cached, self.hit
         for b in blocks:
             r = refs[b]
             if not r:
                 del fc[b]
                 self.num_used += 1
             refs[b] = r + 1
+            if hit is not None:
+                hit[b] = 1
 
     def release(self, blocks: Sequence[int]) -> None:
         refs, hashes, owner = self.refs, self.hashes, self.owner
@@ -274,6 +299,8 @@ class FreeListPool:
         self.free_uncached.clear()
         self.free_uncached.update(dict.fromkeys(range(self.num_blocks - 1, self.first - 1, -1)))
         self.free_cached.clear()
+        if self.hit is not None:
+            self.hit[:] = bytes(self.num_blocks)
         return True
 
     def check_invariants(self) -> None:
@@ -286,6 +313,11 @@ class FreeListPool:
         for b in range(1, self.first):
             if refs[b] or hashes[b] is not None or b in fu or b in fc:
                 raise InvariantError(f"reserved block {b} is referenced, cached or queued")
+        hit = self.hit
+        if hit is not None and (len(hit) != self.num_blocks or any(hit[: self.first])):
+            raise InvariantError("second-chance marks on reserved blocks, or a wrong count")
+        if hit is not None and any(v > 1 for v in hit):
+            raise InvariantError("a second-chance mark other than 0 or 1")
         used = 0
         for b in range(self.first, self.num_blocks):
             r = refs[b]
@@ -327,4 +359,5 @@ class FreeListPool:
             list(self.free_uncached),
             list(self.free_cached),
             self.num_used,
+            None if self.hit is None else bytes(self.hit),
         )

@@ -25,15 +25,25 @@ class UniformPool(BlockPool):
 
     strategy: ClassVar[Strategy] = Strategy.UNIFORM
 
-    def __init__(self, layout: MemoryLayout, events: EventLog) -> None:
+    def __init__(
+        self, layout: MemoryLayout, events: EventLog, *, second_chance: bool = True
+    ) -> None:
         super().__init__(layout, events)
         if len(layout.pools) != 1:
             raise InvariantError(f"uniform layout with {len(layout.pools)} pools")
         pool = layout.pools[0]
-        self._init_core(pool.num_blocks, pool.block_bytes)
+        self._init_core(pool.num_blocks, pool.block_bytes, second_chance=second_chance)
 
-    def _init_core(self, num_blocks: int, block_bytes: int, first: int = 1) -> None:
-        self.core = FreeListPool(num_blocks, range(self.num_groups), self.events, first=first)
+    def _init_core(
+        self, num_blocks: int, block_bytes: int, first: int = 1, *, second_chance: bool = True
+    ) -> None:
+        self.core = FreeListPool(
+            num_blocks,
+            range(self.num_groups),
+            self.events,
+            first=first,
+            second_chance=second_chance,
+        )
         self.block_bytes = block_bytes
         self.refs = [self.core.refs] * self.num_groups
         self.hashes = [self.core.hashes] * self.num_groups
@@ -117,7 +127,9 @@ class FlatArenaPool(UniformPool):
             return chunk % layout.groups[0].block_bytes == 0
         return all(g.block_bytes == chunk for g in layout.groups)
 
-    def __init__(self, layout: MemoryLayout, events: EventLog) -> None:
+    def __init__(
+        self, layout: MemoryLayout, events: EventLog, *, second_chance: bool = True
+    ) -> None:
         BlockPool.__init__(self, layout, events)
         arena = layout.arena
         if arena is None or not self.applies(layout):
@@ -129,7 +141,7 @@ class FlatArenaPool(UniformPool):
         first = self.bpc if host is None else host.first
         tail = layout.tail_host  # one group: the bytes past the last chunk are its ids too
         num_ids = arena.num_chunks * self.bpc if tail is None else tail.end
-        self._init_core(num_ids, layout.groups[0].block_bytes, first)
+        self._init_core(num_ids, layout.groups[0].block_bytes, first, second_chance=second_chance)
         self.num_chunks = arena.num_chunks + (tail is not None)
         self._usable = num_ids - first
 
@@ -152,13 +164,17 @@ class PerGroupPools(BlockPool):
 
     strategy: ClassVar[Strategy] = Strategy.POOLS
 
-    def __init__(self, layout: MemoryLayout, events: EventLog) -> None:
+    def __init__(
+        self, layout: MemoryLayout, events: EventLog, *, second_chance: bool = True
+    ) -> None:
         super().__init__(layout, events)
         self.cores: list[FreeListPool] = []
         self.block_bytes: list[int] = []
         for g in range(self.num_groups):
             plan = layout.pool_of(g)
-            self.cores.append(FreeListPool(plan.num_blocks, (g,), events))
+            self.cores.append(
+                FreeListPool(plan.num_blocks, (g,), events, second_chance=second_chance)
+            )
             self.block_bytes.append(plan.block_bytes)
         self.refs = [c.refs for c in self.cores]
         self.hashes = [c.hashes for c in self.cores]
