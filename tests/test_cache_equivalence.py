@@ -48,7 +48,7 @@ def _general_pool_manager(layout: MemoryLayout, **kw: Any) -> KVCacheManager:
     ) -> Any:
         arena = layout.arena
         if arena is not None and all(g.block_bytes == arena.chunk_bytes for g in layout.groups):
-            return ArenaPool(layout, events, eviction=arena_eviction)
+            return ArenaPool(layout, events, eviction=arena_eviction, second_chance=second_chance)
         return original(layout, events, arena_eviction=arena_eviction, second_chance=second_chance)
 
     coordinator_module.make_block_pool = general  # type: ignore[assignment]
@@ -113,6 +113,7 @@ class TwinMachine(RuleBasedStateMachine):
         capacity=hst.integers(3, 10),
         publish=hst.sampled_from(PUBLISH_MODES),
         retention=hst.sampled_from(WINDOW_RETENTION),
+        second_chance=hst.booleans(),
     )
     def setup(
         self,
@@ -122,6 +123,7 @@ class TwinMachine(RuleBasedStateMachine):
         capacity: int,
         publish: str,
         retention: str,
+        second_chance: bool,
     ) -> None:
         if equal_pages:  # block size 4: every tiny spec has 128-byte blocks
             items = [(spec, 4) for spec, _ in items]
@@ -131,9 +133,7 @@ class TwinMachine(RuleBasedStateMachine):
             "enable_kv_events": True,
             "publish": publish,
             "window_retention": retention,
-            # The flat arena's free lists can spare hit blocks (second chance); the general
-            # ArenaPool's chunk LRU cannot: compare the pure LRU both implement.
-            "second_chance": False,
+            "second_chance": second_chance,
         }
         self.a = KVCacheManager(layout, **kw)
         self.b = _general_pool_manager(layout, **kw)

@@ -159,6 +159,37 @@ def test_one_group_flat_arena_counts_the_tail_as_its_last_ids() -> None:
     pool.check_invariants()
 
 
+def test_arena_spares_an_idle_chunk_that_served_a_hit_once() -> None:
+    for chance in (True, False):
+        layout = arena(groups(full(), (full(), 8)), 4)  # 512-byte chunks: 4 or 2 blocks
+        pool = make_block_pool(layout, EventLog(enabled=True), second_chance=chance)
+        assert isinstance(pool, ArenaPool)
+        assert _hold_null_chunk(pool) == [2, 3]
+        assert pool.allocate(0, 4) == [4, 5, 6, 7]  # chunk 1
+        for b in (4, 5, 6, 7):
+            pool.cache(0, b, 100 + b)
+        pool.release(0, [4, 5, 6, 7])  # chunk 1 idle
+        pool.touch(0, [4])  # a hit on block 4 ...
+        pool.release(0, [4])  # ... chunk 1 idle again, its block 4 marked
+        assert pool.allocate(0, 4) == [8, 9, 10, 11]  # chunk 2
+        for b in (8, 9, 10, 11):
+            pool.cache(0, b, 100 + b)
+        pool.release(0, [8, 9, 10, 11])  # chunk 2 idle: younger than chunk 1
+        assert pool.allocate(1, 2) == [6, 7]  # chunk 3 was free
+        pool.events.take()
+        pool.check_invariants()
+        before = pool.snapshot()
+        assert pool.fits([None, None], [None, None], [None, None], [0, 4])
+        assert pool.snapshot() == before  # fits replays the second chance, changes nothing
+        assert pool.allocate(1, 2) == ([4, 5] if chance else [2, 3])
+        evicted = [e.block_hashes for e in pool.events.take()]  # type: ignore[attr-defined]
+        # chunk 1 (older, but it served a hit) is spared once: chunk 2 goes instead
+        assert evicted == ([(108, 109, 110, 111)] if chance else [(104, 105, 106, 107)])
+        assert pool.chunk_owner(1 if chance else 2) == 0
+        pool.check_invariants()
+        assert not pool.fits([None, None], [None, None], [None, None], [0, 5])
+
+
 def test_arena_chunks_are_carved_returned_and_reclaimed() -> None:
     # Group 0: 128-byte blocks (4 per 512-byte chunk); group 1: 256-byte blocks (2 per chunk).
     layout = arena(groups(full(), (full(), 8)), 4)

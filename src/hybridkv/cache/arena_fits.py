@@ -6,7 +6,7 @@ module for the chunk states and the eviction order it replays).  It mutates noth
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from itertools import chain
 
@@ -50,6 +50,11 @@ class ArenaFits:
     chunk_refd: list[int]
     chunk_cached_free: list[int]
     free_chunks: list[int]
+    second_chance: bool
+    hit: list[bytearray]
+
+    def chunk_hit(self, c: int) -> bool:
+        raise NotImplementedError
 
     def _fits_without_eviction(self, releases: GroupLists, needs: Sequence[int]) -> bool:
         """True when uncached free blocks and free chunks alone cover ``needs`` (allocate then
@@ -196,12 +201,16 @@ class ArenaFits:
             return True
         if not _bounded(rest, cac, idle, self.bpc, most=False):
             return False
-        idle_seq = chain(
-            (s for c, s in self.idle_all.items() if c not in revived), new_idle.values()
+        idle_seq = _Seq(
+            chain(
+                ((c, s) for c, s in self.idle_all.items() if c not in revived),
+                new_idle.items(),
+            )
         )
-        peeked: list[int] = []  # an idle chunk's stamp read but not taken by the last walk
+        spared: set[tuple[int, int]] = set()  # (group, block) or (-1, chunk) given a chance
+        clock_box = [clock]
         for g, n in rest[:-1]:
-            k = self._walk(g, n, idle_seq, peeked, gone.get(g), added.get(g))
+            k = self._walk(g, n, idle_seq, clock_box, spared, gone.get(g), added.get(g))
             if k < 0:
                 return False
             idle -= k
@@ -212,37 +221,77 @@ class ArenaFits:
         self,
         g: int,
         n: int,
-        idle_seq: Iterator[int],
-        peeked: list[int],
+        idle_seq: _Seq,
+        clock: list[int],
+        spared: set[tuple[int, int]],
         gone: set[int] | None,
         added: dict[int, int] | None,
     ) -> int:
         """Idle chunks ``g`` takes to evict ``n`` blocks in LRU order (-1: it cannot): its own
         cached blocks (the kept LRU, then ``added``) against idle chunks (``idle_seq``, shared by
-        the groups of one :meth:`fits`: a chunk one group takes is gone for the next; ``peeked``
-        holds the stamp of the one read but not taken)."""
+        the groups of one :meth:`fits`: a chunk one group takes is gone for the next).  With
+        the second chance, a marked head (block or idle chunk) not yet ``spared`` moves to the
+        young end with the next stamp (``clock[0]``), as :meth:`ArenaPool.allocate` does: own
+        head first, then the idle head, before each decision."""
         fc = self.free_cached[g]
-        own: Iterator[int] = iter(fc.values())
+        items: Iterator[tuple[int, int]] = iter(fc.items())
         if gone:
-            own = (s for b, s in fc.items() if b not in gone)
+            items = ((b, s) for b, s in fc.items() if b not in gone)
         if added:
-            own = chain(own, added.values())
-        bpc = self.bpc[g]
-        a = next(own, None)
-        head = peeked.pop() if peeked else None
+            items = chain(items, added.items())
+        own = _Seq(items)
+        bpc, hit, chance = self.bpc[g], self.hit[g], self.second_chance
         taken = 0
         while n > 0:
-            if head is None:
-                head = next(idle_seq, None)
-            if a is not None and (head is None or a < head):
+            if chance:
+                while (a := own.head()) is not None and hit[a[0]] and (g, a[0]) not in spared:
+                    own.pop()
+                    spared.add((g, a[0]))
+                    clock[0] += 1
+                    own.push(a[0], clock[0])
+                while (
+                    (h := idle_seq.head()) is not None
+                    and (-1, h[0]) not in spared
+                    and self.chunk_hit(h[0])
+                ):
+                    idle_seq.pop()
+                    spared.add((-1, h[0]))
+                    clock[0] += 1
+                    idle_seq.push(h[0], clock[0])
+            a = own.head()
+            h = idle_seq.head()
+            if a is not None and (h is None or a[1] < h[1]):
                 n -= 1
-                a = next(own, None)
-            elif head is not None:
+                own.pop()
+            elif h is not None:
                 n -= bpc
-                head = None
+                idle_seq.pop()
                 taken += 1
             else:
                 return -1
-        if head is not None:
-            peeked.append(head)
         return taken
+
+
+class _Seq:
+    """``(key, stamp)`` pairs in stamp order, read head first: those of ``items``, then the
+    ones pushed back with new (always the newest) stamps."""
+
+    __slots__ = ("_back", "_head", "_items")
+
+    def __init__(self, items: Iterator[tuple[int, int]]) -> None:
+        self._items = items
+        self._back: deque[tuple[int, int]] = deque()
+        self._head: tuple[int, int] | None = None
+
+    def head(self) -> tuple[int, int] | None:
+        if self._head is None:
+            self._head = next(self._items, None)
+            if self._head is None and self._back:
+                self._head = self._back.popleft()
+        return self._head
+
+    def pop(self) -> None:
+        self._head = None
+
+    def push(self, key: int, stamp: int) -> None:
+        self._back.append((key, stamp))

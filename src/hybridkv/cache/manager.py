@@ -64,10 +64,10 @@ class KVCacheManager:
     ``max_model_len``: slots are never allocated past it (lookahead is clipped).
     ``arena_eviction``: ``"chunk_lru"`` (default) or ``"own_first"`` for arena layouts (see
     :mod:`hybridkv.cache.pool_arena`).
-    ``second_chance``: (default on) the free-list pools (``uniform``, ``pools``, an arena with
-    one block per chunk or one group) spare a block that served a hit once when it comes up
-    for eviction (see :class:`~hybridkv.cache.pool_base.FreeListPool`); the chunked arena
-    keeps its chunk LRU.
+    ``second_chance``: (default on) a cached block that served a hit, or an idle arena chunk
+    holding one, is spared once when it comes up for eviction: its mark is cleared and it
+    moves to the young end (see :class:`~hybridkv.cache.pool_base.FreeListPool` and
+    :mod:`hybridkv.cache.pool_arena`).
     ``publish``: ``"scheduled"`` (default): attention blocks join the prefix cache at the
     allocation of the step that fills them, so requests admitted later in the same step hit
     them; the runner must write a step's new tokens before reading them (hybridkv's engine

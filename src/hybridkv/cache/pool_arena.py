@@ -34,6 +34,10 @@ order:
    blocks evicted lowest first before anything else); another group's is emptied (cached
    blocks evicted) and carved.
 
+With ``second_chance`` (the default), a block that served a hit (a touch) is marked; before
+step 3 compares, a marked head of g's LRU, then a marked head of the idle LRU (an idle chunk
+holding a marked block), has its marks cleared and a new stamp: spared once, as CLOCK does.
+
 Stamps are unique, so "older" is a strict order.  Every group loses the oldest cached data it
 can reach: a whole idle chunk of any group, or one of its own blocks, but never another
 group's block in an active chunk (a chunk with a referenced block cannot change hands).  With
@@ -77,7 +81,12 @@ class ArenaPool(ArenaFits, BlockPool):
     reads_cached_hint: ClassVar[bool] = True
 
     def __init__(
-        self, layout: MemoryLayout, events: EventLog, *, eviction: str = "chunk_lru"
+        self,
+        layout: MemoryLayout,
+        events: EventLog,
+        *,
+        eviction: str = "chunk_lru",
+        second_chance: bool = True,
     ) -> None:
         super().__init__(layout, events)
         if eviction not in ARENA_EVICTION_POLICIES:
@@ -102,6 +111,11 @@ class ArenaPool(ArenaFits, BlockPool):
         #: ``first[g][c]``: the first block id chunk ``c`` lends group ``g``.
         self.first = [[layout.chunk_first_block(g, c) for c in range(nc)] for g in groups]
         self.refs = [[0] * layout.num_block_ids(g) for g in groups]
+        #: Second chance: ``hit[g][b]`` is set when block ``b`` serves a hit; a cached block
+        #: (or an idle chunk holding one) with the mark is spared once when it comes up for
+        #: eviction: the mark is cleared and it gets a new stamp (the young end).
+        self.second_chance = second_chance
+        self.hit = [bytearray(layout.num_block_ids(g)) for g in groups]
         self.hashes = [[None] * layout.num_block_ids(g) for g in groups]
         self.maps = [{} for _ in groups]
         self.free_uncached: list[dict[int, None]] = [{} for _ in groups]
@@ -133,6 +147,41 @@ class ArenaPool(ArenaFits, BlockPool):
             self.owner[c] = g
             self.chunk_refd[c] = 1  # the phantom reference: never idle, free or reclaimed
             self.free_uncached[g].update(dict.fromkeys(range(host.end - 1, host.first - 1, -1)))
+
+    # -- second chance ------------------------------------------------------------------------
+    def chunk_hit(self, c: int) -> bool:
+        """Whether idle chunk ``c`` holds a block marked as having served a hit."""
+        h = self.owner[c]
+        f = self.first[h][c]
+        return any(self.hit[h][f : f + self.bpc[h]])
+
+    def _spare_own(self, g: int) -> None:
+        """Give ``g``'s marked LRU heads their second chance: mark cleared, a new stamp."""
+        fc, hit = self.free_cached[g], self.hit[g]
+        while fc:
+            b = next(iter(fc))
+            if not hit[b]:
+                return
+            hit[b] = 0
+            self.clock += 1
+            fc[b] = self.clock
+            fc.move_to_end(b)
+
+    def _spare_idle(self, queue: OrderedDict[int, Any]) -> None:
+        """The same for the idle chunks at the head of ``queue`` (the global idle LRU, or a
+        group's own idle chunks under ``own_first``): marks cleared, re-stamped as young."""
+        while queue:
+            c = next(iter(queue))
+            if not self.chunk_hit(c):
+                return
+            h = self.owner[c]
+            f = self.first[h][c]
+            bpc = self.bpc[h]
+            self.hit[h][f : f + bpc] = bytes(bpc)
+            self.clock += 1
+            self.idle_all[c] = self.clock
+            self.idle_all.move_to_end(c)
+            self.idle[h].move_to_end(c)
 
     # -- chunk transitions --------------------------------------------------------------------
     def _carve(self, g: int, c: int) -> None:
@@ -178,6 +227,7 @@ class ArenaPool(ArenaFits, BlockPool):
         g = group_id
         refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
         fu, fc, m = self.free_uncached[g], self.free_cached[g], self.maps[g]
+        hitg = self.hit[g]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
         bb, cb, first = self.block_bytes[g], self.chunk_bytes, self.first[g]
         out: list[int] = []
@@ -198,13 +248,17 @@ class ArenaPool(ArenaFits, BlockPool):
                     crefd[c] += 1
                     blk = first[c]
                     refs[blk] = 1
+                    hitg[blk] = 0
                     out.append(blk)
                 continue
             if bpc == 1 and not fu and not drain and not fc and self.idle_all:
                 # One block per chunk, nothing free: the oldest idle chunk (own first under
                 # own_first) of a group with one block per chunk changes hands in place.
                 own = self.idle[g]
-                c = next(iter(own if self.own_first and own else self.idle_all))
+                queue = own if self.own_first and own else self.idle_all
+                if self.second_chance:
+                    self._spare_idle(queue)
+                c = next(iter(queue))
                 ho = self.owner[c]
                 if self.bpc[ho] == 1:
                     x = self.first[ho][c]
@@ -223,8 +277,13 @@ class ArenaPool(ArenaFits, BlockPool):
                     crefd[c] += 1
                     blk = first[c]
                     refs[blk] = 1
+                    hitg[blk] = 0
                     out.append(blk)
                     continue
+            if self.second_chance and not fu and not drain and not self.free_chunks:
+                self._spare_own(g)  # step 3 decides next: spare the marked heads once
+                own = self.idle[g]
+                self._spare_idle(own if self.own_first and own else self.idle_all)
             if fu:
                 b = fu.popitem()[0]
             elif drain or (
@@ -265,6 +324,7 @@ class ArenaPool(ArenaFits, BlockPool):
             else:
                 raise InvariantError(f"ArenaPool.allocate: group {g} out of blocks ({n} wanted)")
             refs[b] = 1
+            hitg[b] = 0
             crefd[b * bb // cb] += 1
             out.append(b)
         for x in drain:  # left over: the chunk is active now, its cached blocks go first
@@ -280,6 +340,10 @@ class ArenaPool(ArenaFits, BlockPool):
         refs, fc = self.refs[g], self.free_cached[g]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
         bb, cb = self.block_bytes[g], self.chunk_bytes
+        if self.second_chance:
+            hitg = self.hit[g]
+            for b in blocks:
+                hitg[b] = 1
         for b in blocks:
             r = refs[b]
             if not r:
@@ -389,6 +453,7 @@ class ArenaPool(ArenaFits, BlockPool):
         if any(self.used):
             return False
         for g in range(self.num_groups):
+            self.hit[g][:] = bytes(len(self.hit[g]))
             self.hashes[g][:] = [None] * len(self.hashes[g])
             self.maps[g].clear()
             self.free_uncached[g].clear()
@@ -443,4 +508,5 @@ class ArenaPool(ArenaFits, BlockPool):
             list(self.chunk_cached_free),
             list(self.free_chunks),
             list(self.used),
+            [bytes(h) for h in self.hit],
         )

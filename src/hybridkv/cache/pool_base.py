@@ -145,6 +145,7 @@ class FreeListPool:
     most-recently-used end instead, once, its mark cleared (CLOCK's second chance).  A block
     every request shares, such as a system prompt's, then survives one allocation that sweeps
     the whole LRU.  Feasibility is unchanged (the count of evictable blocks is the same).
+    :class:`~hybridkv.cache.pool_arena.ArenaPool` does the same per block and idle chunk.
     """
 
     __slots__ = (

@@ -30,15 +30,15 @@ def make_block_pool(
     ``arena_eviction`` picks the arena's policy (see :mod:`hybridkv.cache.pool_arena`);
     other strategies ignore it.  An arena whose chunk is every group's block, or with one
     group, runs the default policy on :class:`FlatArenaPool` (uniform's free lists).
-    ``second_chance``: the free-list pools (``uniform``, ``pools``, the flat arena) spare a
-    block that served a hit once when it comes up for eviction (see
-    :class:`~hybridkv.cache.pool_base.FreeListPool`); the chunked :class:`ArenaPool` keeps
-    its chunk-level LRU.  Raises PlanError for an unknown policy.
+    ``second_chance``: spare a block that served a hit (or, in the chunked arena, an idle
+    chunk holding one) once when it comes up for eviction (see
+    :class:`~hybridkv.cache.pool_base.FreeListPool` and :class:`ArenaPool`).  Raises
+    PlanError for an unknown policy.
     """
     if layout.strategy is Strategy.ARENA:
         if arena_eviction == "chunk_lru" and FlatArenaPool.applies(layout):
             return FlatArenaPool(layout, events, second_chance=second_chance)
-        return ArenaPool(layout, events, eviction=arena_eviction)
+        return ArenaPool(layout, events, eviction=arena_eviction, second_chance=second_chance)
     if layout.strategy is Strategy.UNIFORM:
         return UniformPool(layout, events, second_chance=second_chance)
     return PerGroupPools(layout, events, second_chance=second_chance)
