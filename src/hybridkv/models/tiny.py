@@ -94,6 +94,16 @@ _GDN_3_1 = {
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
 }
+#: Mamba2 mixers of 4 heads of 16 (falcon_h1, bamba name these fields alike).
+_MAMBA2_4X16 = {
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "mamba_chunk_size": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 1,
+}
 #: Multi-head latent attention (latent 32 + rope 8) with a MoE after the first layer.
 _MLA_MOE = {
     "num_hidden_layers": 3,
@@ -202,14 +212,8 @@ TINY_MODELS: dict[str, TinyModel] = {
             "attention and Mamba2 side by side in every layer (two caches per layer)",
             num_hidden_layers=3,
             mamba_d_ssm=64,
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_d_state=16,
-            mamba_n_groups=1,
-            mamba_chunk_size=16,
-            mamba_d_conv=4,
-            mamba_expand=1,
             time_step_limit=(0.0, float("inf")),
+            **_MAMBA2_4X16,
         ),
         _tiny(
             "zamba2",
@@ -284,13 +288,7 @@ TINY_MODELS: dict[str, TinyModel] = {
             "Mamba2 + attention",
             num_hidden_layers=4,
             attn_layer_indices=[1, 3],
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_d_state=16,
-            mamba_n_groups=1,
-            mamba_chunk_size=16,
-            mamba_d_conv=4,
-            mamba_expand=1,
+            **_MAMBA2_4X16,
         ),
         _tiny("qwen3_5_text", "qwen3_5_text", "gated DeltaNet + gated full attention", **_GDN_3_1),
         _tiny("olmo_hybrid", "olmo_hybrid", "gated DeltaNet + full attention", **_GDN_3_1),
