@@ -340,11 +340,10 @@ class ArenaPool(ArenaFits, BlockPool):
         refs, fc = self.refs[g], self.free_cached[g]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
         bb, cb = self.block_bytes[g], self.chunk_bytes
-        if self.second_chance:
-            hitg = self.hit[g]
-            for b in blocks:
-                hitg[b] = 1
+        hitg, chance = self.hit[g], self.second_chance
         for b in blocks:
+            if chance:
+                hitg[b] = 1
             r = refs[b]
             if not r:
                 c = b * bb // cb
