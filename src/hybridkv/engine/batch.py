@@ -102,6 +102,8 @@ class RequestStep:
 
     ``positions`` are the RoPE positions of the new tokens; ``None`` means ``num_computed + i``
     (the only case the cache indexing assumes; explicit positions only change RoPE).
+    ``num_logits``: how many of the last new tokens the runner returns logits for (more than
+    one when a speculative step verifies draft tokens).
     """
 
     request_id: str
@@ -110,6 +112,7 @@ class RequestStep:
     block_tables: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     states: Mapping[int, StateIO] = field(default_factory=dict)
     positions: tuple[int, ...] | None = None
+    num_logits: int = 1
 
     def __post_init__(self) -> None:
         owner = f"RequestStep({self.request_id!r})"
@@ -124,6 +127,15 @@ class RequestStep:
             _non_negative(owner, "token_ids[...]", t)
         object.__setattr__(self, "token_ids", tokens)
         _non_negative(owner, "num_computed", self.num_computed)
+        if (
+            not isinstance(self.num_logits, int)
+            or isinstance(self.num_logits, bool)
+            or not 1 <= self.num_logits <= len(tokens)
+        ):
+            raise BatchError(
+                f"{owner}.num_logits: must be an integer in [1, {len(tokens)}] (the new "
+                f"tokens), got {self.num_logits!r}"
+            )
         tables: dict[int, tuple[int, ...]] = {}
         for gid, table in self.block_tables.items():
             _non_negative(owner, "block_tables key", gid)

@@ -12,6 +12,7 @@ __all__ = [
     "ModelSourceError",
     "NoActiveStepError",
     "PromptError",
+    "SpeculativeConfigError",
 ]
 
 
@@ -45,3 +46,8 @@ class NoActiveStepError(EngineError):
 class PromptError(RequestError):
     """A request the engine cannot serve: empty prompt, token ids outside the vocabulary,
     ``max_tokens < 1``, or an id already in use."""
+
+
+class SpeculativeConfigError(HybridKVError, ValueError):
+    """Bad speculative-decoding settings (draft count, proposer), or a model whose recurrent
+    state cannot verify drafts."""

@@ -53,12 +53,18 @@ import torch
 from hybridkv.cache import PUBLISH_MODES, KVCacheManager
 from hybridkv.engine.batch import StepBatch
 from hybridkv.engine.device import resolve_device
-from hybridkv.engine.errors import EngineError, ModelSourceError, PromptError
+from hybridkv.engine.errors import (
+    EngineError,
+    ModelSourceError,
+    PromptError,
+    SpeculativeConfigError,
+)
 from hybridkv.engine.manager_bridge import step_from_tables
 from hybridkv.engine.metrics import CacheTracker, EngineStats, group_labels
 from hybridkv.engine.models import TINY_MODELS, load_model, tiny_config
 from hybridkv.engine.probe import probe_model, probe_model_spec
 from hybridkv.engine.runner import ModelRunner
+from hybridkv.engine.speculative import SpeculativeConfig, accept_greedy
 from hybridkv.engine.views import StorageViews
 from hybridkv.errors import HybridKVError, PlanError
 from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
@@ -261,6 +267,7 @@ class LLMEngine:
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         keep_logits: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.cache_config = cache = cache or CacheConfig()
         device = resolve_device(device)
@@ -297,6 +304,16 @@ class LLMEngine:
             # prompt is computed whole, from token 0, and prefix hits are not used.
             logger.info("%s: whole-prompt prefill, no prefix hits (Mamba1 state)", name)
             sched = replace(sched, whole_prefill=True)
+        if speculative is not None and sched.whole_prefill:
+            raise SpeculativeConfigError(
+                f"speculative: {name} cannot verify drafts: its recurrent state (Mamba1) only "
+                "continues one token at a time in transformers"
+            )
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise SpeculativeConfigError(
+                f"speculative: expected a SpeculativeConfig, got {speculative!r}"
+            )
+        self.speculative = speculative
         self.scheduler = Scheduler(self.manager, sched, max_model_len=self.max_model_len)
         self.vocab_size = config_vocab_size(net.config)
         self.keep_logits = keep_logits
@@ -304,7 +321,19 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self._tracker = CacheTracker(self.layout)
         self._counts = dict.fromkeys(
-            ("steps", "passes", "batch", "step_tokens", "prompt", "computed", "gen"), 0
+            (
+                "steps",
+                "passes",
+                "batch",
+                "step_tokens",
+                "prompt",
+                "computed",
+                "gen",
+                "drafted",
+                "accepted",
+                "rewinds",
+            ),
+            0,
         )
         self._seconds = 0.0
         self._model_seconds = 0.0
@@ -360,7 +389,7 @@ class LLMEngine:
         """
         start = time.perf_counter()
         running = {s.request_id for s in self.scheduler.running}
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self._propose())
         if out.is_empty:
             if not out.preempted and self.scheduler.has_unfinished():
                 raise EngineError(
@@ -382,25 +411,44 @@ class LLMEngine:
                     self.layout,
                     item.block_ids,
                     request_id=item.request_id,
-                    token_ids=item.token_ids,
+                    token_ids=item.token_ids + item.draft_token_ids,
                     num_computed=item.start,
                     result=item.allocation,
+                    num_logits=1 + len(item.draft_token_ids),
                 )
                 for item in out.scheduled
             )
         )
         model_start = time.perf_counter()
         result = self.runner.execute(batch)
+        sampled: dict[str, int | tuple[int, ...]] = {}
+        kept: dict[str, int] = {}
+        c = self._counts
+        for item in out.scheduled:
+            rid = item.request_id
+            if not item.samples:
+                continue
+            if not item.draft_token_ids:
+                sampled[rid] = int(result.logits[rid].argmax())
+                continue
+            greedy = result.position_logits[rid].argmax(dim=-1).tolist()
+            tokens = accept_greedy(item.draft_token_ids, greedy)
+            sampled[rid] = tokens
+            kept[rid] = len(tokens)
+            c["drafted"] += len(item.draft_token_ids)
+            c["accepted"] += len(tokens) - 1
+        if kept:
+            rewinds = self.runner.rewind(kept)
+            c["rewinds"] += rewinds
+            c["passes"] += rewinds
         self._model_seconds += time.perf_counter() - model_start
-        sampled = {
-            item.request_id: int(result.logits[item.request_id].argmax())
-            for item in out.scheduled
-            if item.samples
-        }
         outputs = self.scheduler.update(out, sampled)
         for o in outputs:
-            self._record(o, result.logits[o.request_id])
-        c = self._counts
+            rows = result.position_logits.get(o.request_id)
+            if rows is None:
+                self._record(o, result.logits[o.request_id][None])
+            else:
+                self._record(o, rows[: len(o.new_token_ids)])
         c["steps"] += 1
         c["passes"] += result.num_passes
         c["batch"] = max(c["batch"], len(out.scheduled))
@@ -410,11 +458,28 @@ class LLMEngine:
         self._seconds += time.perf_counter() - start
         return outputs
 
+    def _propose(self) -> dict[str, Sequence[int]] | None:
+        """Draft tokens for every running request whose next step is a decode step."""
+        spec = self.speculative
+        if spec is None:
+            return None
+        drafts: dict[str, Sequence[int]] = {}
+        for seq in self.scheduler.running:
+            room = min(spec.num_draft_tokens, self.scheduler.draft_room(seq))
+            if room > 0:
+                req = seq.request
+                draft = spec.proposer.propose(req.request_id, req.token_ids, room)
+                if draft:
+                    drafts[req.request_id] = _check_draft(draft, room, self.vocab_size)
+        return drafts
+
     def _record(self, output: RequestOutput, logits: torch.Tensor) -> None:
+        """Append ``output``'s tokens (``logits[i]``: the logits of token ``i``)."""
         live = self._live[output.request_id]
         live.tokens.extend(output.new_token_ids)
         if self.keep_logits:
-            live.logits.append(logits.detach().cpu().clone())  # not a view of the batch
+            for row in logits:
+                live.logits.append(row.detach().cpu().clone())  # not a view of the batch
         if not output.finished or output.finish_reason is None:
             return
         rid = output.request_id
@@ -483,6 +548,19 @@ class LLMEngine:
             preemptions=self.scheduler.num_preemptions,
             peak_usage=t.peak_usage,
         )
+
+
+def _check_draft(draft: Sequence[int], room: int, vocab_size: int) -> tuple[int, ...]:
+    """A proposer's draft as a tuple of at most ``room`` tokens; raises
+    :class:`SpeculativeConfigError` for a token outside the vocabulary."""
+    out = tuple(draft)[:room]
+    for t in out:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise SpeculativeConfigError(
+                f"speculative: the proposer drafted token {t!r}, outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+    return out
 
 
 def _plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan:

@@ -32,10 +32,12 @@ def step_from_tables(
     token_ids: Sequence[int],
     num_computed: int,
     result: AllocationResult,
+    num_logits: int = 1,
 ) -> RequestStep:
     """A :class:`RequestStep` from a request's block tables (one per group of ``layout``, as
     :meth:`~hybridkv.cache.KVCacheManager.get_block_ids` returns them right after the
-    allocation ``result``) and the state work that allocation ordered.
+    allocation ``result``) and the state work that allocation ordered.  ``num_logits``: see
+    :class:`RequestStep` (a speculative step's ``token_ids`` end with its drafts).
 
     Token groups get their tables; a state group gets a :class:`StateIO` reading and writing
     its running slot ``tables[g][0]`` (reading nothing when ``num_computed`` is 0), with the
@@ -77,4 +79,5 @@ def step_from_tables(
         num_computed=num_computed,
         block_tables=block_tables,
         states=states,
+        num_logits=num_logits,
     )

@@ -29,6 +29,8 @@ Logits: for every request, the float32 logits of its last new token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -57,11 +59,14 @@ logger = logging.getLogger(__name__)
 
 
 class StepOutput(NamedTuple):
-    """Result of one step: ``request id -> float32 logits [vocab]`` of its last new token, and
-    how many forward passes the step took."""
+    """Result of one step: ``request id -> float32 logits [vocab]`` of its last new token, how
+    many forward passes the step took, and for every request that asked for more than one
+    (``RequestStep.num_logits``) the logits ``[num_logits, vocab]`` of its last
+    ``num_logits`` new tokens."""
 
     logits: dict[str, torch.Tensor]
     num_passes: int
+    position_logits: Mapping[str, torch.Tensor] = MappingProxyType({})
 
 
 class ModelRunner:
@@ -93,6 +98,9 @@ class ModelRunner:
         self.probe = probe if probe is not None else probe_model(model)
         self.binding: ModelBinding = bind_layout(self.probe, layout)
         self.device = next(model.parameters()).device
+        #: The last step's speculative requests (``num_logits > 1``) and their input states.
+        self._verified: dict[str, tuple[RequestStep, list[tuple[torch.Tensor, int, torch.Tensor]]]]
+        self._verified = {}
 
     # ----------------------------------------------------------------- checks
 
@@ -296,10 +304,15 @@ class ModelRunner:
         per_group = {gid: [index[i][gid] for i in members] for gid in self.binding.token_groups()}
         step = ForwardPass(self.binding, self.views, segments, per_group, len(ids))
         layers = self._cache_layers(requests, step)
-        keep: int | torch.Tensor = 1
-        if self.packed:
-            ends = [s.start + s.length - 1 for s in segments]
-            keep = torch.tensor(ends, device=self.device)
+        counts = [r.num_logits for r in requests]
+        keep: int | torch.Tensor = max(counts)
+        if self.packed:  # the last num_logits positions of every segment
+            rows = [
+                i
+                for s, m in zip(segments, counts, strict=True)
+                for i in range(s.start + s.length - m, s.start + s.length)
+            ]
+            keep = torch.tensor(rows, device=self.device)
         with torch.no_grad(), active_step(step):
             out = self.model(
                 input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -308,7 +321,12 @@ class ModelRunner:
                 use_cache=True,
                 logits_to_keep=keep,
             )
-        logits = out.logits[0] if self.packed else out.logits[:, -1]
+        if self.packed:
+            flat = out.logits[0]
+            offsets = [sum(counts[:n]) for n in range(len(counts))]
+            per_request = [flat[o : o + m] for o, m in zip(offsets, counts, strict=True)]
+        else:
+            per_request = [out.logits[n, out.logits.shape[1] - m :] for n, m in enumerate(counts)]
         for layer, route in self.binding.states.items():
             produced = collect_states(route, layers[layer])
             for row, r in enumerate(requests):
@@ -316,7 +334,7 @@ class ModelRunner:
                 for t in route.tensors:
                     target = self.views.state(route.layer, route.slot, t.name)
                     pending.append((target, slot, produced[t.name][row]))
-        return {r.request_id: logits[n].float() for n, r in enumerate(requests)}
+        return {r.request_id: per_request[n].float() for n, r in enumerate(requests)}
 
     # ----------------------------------------------------------------- public
 
@@ -333,6 +351,9 @@ class ModelRunner:
         copies = [(gid, io) for r in batch.requests for gid, io in r.states.items()]
         saved = self._snapshot(batch)
         self._copy_slots(copies, after=False)
+        self._verified = {
+            r.request_id: (r, self._input_states(r)) for r in batch.requests if r.num_logits > 1
+        }
         logits: dict[str, torch.Tensor] = {}
         pending: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         buckets = self._buckets(batch)
@@ -346,8 +367,85 @@ class ModelRunner:
         for tensor, slot, value in pending:
             tensor[slot] = value.to(device=tensor.device, dtype=tensor.dtype)
         self._copy_slots(copies, after=True)
-        ordered = {r.request_id: logits[r.request_id] for r in batch.requests}
+        ordered = {r.request_id: logits[r.request_id][-1] for r in batch.requests}
+        verify = {r.request_id: logits[r.request_id] for r in batch.requests if r.num_logits > 1}
         logger.debug(
             "step: %d requests, %d tokens, %d passes", len(ordered), batch.num_tokens, len(buckets)
         )
-        return StepOutput(logits=ordered, num_passes=len(buckets))
+        return StepOutput(logits=ordered, num_passes=len(buckets), position_logits=verify)
+
+    # ----------------------------------------------------------------- speculative steps
+
+    def _input_states(self, r: RequestStep) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """Per state tensor of ``r``'s groups: the tensor, ``r``'s write slot and the state the
+        step starts from (after its zeroing and copies), so :meth:`rewind` can start again."""
+        out = []
+        for route in self.binding.states.values():
+            io = r.states.get(route.group.group_id)
+            if io is None:
+                continue
+            for t in route.tensors:
+                tensor = self.views.state(route.layer, route.slot, t.name)
+                start = (
+                    torch.zeros_like(tensor[io.write_slot])
+                    if io.read_slot is None
+                    else tensor[io.read_slot].clone()
+                )
+                out.append((tensor, io.write_slot, start))
+        return out
+
+    def rewind(self, kept: Mapping[str, int]) -> int:
+        """Make the last step of each request in ``kept`` end after its first ``kept[id]`` new
+        tokens.
+
+        For speculative steps (``num_logits > 1``) whose draft tokens were partly rejected.
+        Attention and MLA slots past the kept tokens are simply not read again (the next step
+        overwrites them), but a recurrent state holds every token it scanned: the state each
+        step started from is restored into its write slots and the kept tokens run again (one
+        step, all such requests together).  Returns the number of forward passes this took
+        (0 for a model without state, or when every new token is kept).
+
+        Raises :class:`BatchError`, rewinding nothing, when the last step ran no speculative
+        step of some request, a count is not in ``[1, num_new]``, or such a step checkpointed a
+        state after its last token (``copies_after``: the checkpoint holds rejected tokens).
+        """
+        again: list[RequestStep] = []
+        restore: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        for rid, num_tokens in kept.items():
+            entry = self._verified.get(rid)
+            if entry is None:
+                raise BatchError(f"rewind: the last step ran no speculative step of {rid!r}")
+            r, inputs = entry
+            if not isinstance(num_tokens, int) or not 1 <= num_tokens <= r.num_new:
+                raise BatchError(
+                    f"rewind: tokens kept of request {rid!r} must be in [1, {r.num_new}], got "
+                    f"{num_tokens!r}"
+                )
+            if num_tokens == r.num_new or not inputs:
+                continue
+            if any(io.copies_after for io in r.states.values()):
+                raise BatchError(
+                    f"rewind: the step of request {rid!r} checkpointed its state after its last "
+                    "token; a speculative step must not end on a checkpoint boundary"
+                )
+            restore.extend(inputs)
+            again.append(
+                RequestStep(
+                    request_id=rid,
+                    token_ids=r.token_ids[:num_tokens],
+                    num_computed=r.num_computed,
+                    block_tables=r.block_tables,
+                    states={
+                        gid: StateIO(read_slot=io.write_slot, write_slot=io.write_slot)
+                        for gid, io in r.states.items()
+                    },
+                    positions=None if r.positions is None else r.positions[:num_tokens],
+                )
+            )
+        for rid in kept:
+            del self._verified[rid]
+        if not again:
+            return 0
+        for tensor, slot, value in restore:
+            tensor[slot] = value
+        return self.execute(StepBatch(requests=tuple(again))).num_passes

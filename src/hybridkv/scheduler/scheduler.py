@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
 from hybridkv.scheduler.types import (
@@ -90,6 +90,7 @@ class Scheduler:
         has_state = any(g.spec.kind is CacheKind.STATE for g in manager.layout.groups)
         split = self.config.split_for_state
         self.split_for_state = has_state if split is None else split
+        self.has_state = has_state
         self.alignment = manager.schedule_alignment
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -217,8 +218,39 @@ class Scheduler:
             is_prefill=start < req.num_prompt_tokens,
         )
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step and allocate its slots.  Mutates the queues and the manager."""
+    def draft_room(self, seq: SequenceState) -> int:
+        """How many draft tokens a decode step of running ``seq`` may verify now (0 when the
+        step is not a one-token decode step).
+
+        Accepted drafts and the token sampled after them must fit ``max_tokens`` and
+        ``max_model_len``.  With a recurrent-state group, a speculative step never reaches a
+        checkpoint boundary (a multiple of the schedule alignment): the state is checkpointed
+        by the step that ends there, which verifies no draft, so decode checkpoints land where
+        they would without speculation and a rejected draft never enters one.
+        """
+        req = seq.request
+        start = req.num_computed_tokens
+        if start != req.num_tokens - 1 or start < req.num_prompt_tokens:
+            return 0
+        room = min(
+            seq.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+            self.config.token_budget - 1,
+        )
+        if self.has_state:
+            a = self.alignment
+            step_end = start + 1
+            room = min(room, -(-step_end // a) * a - step_end - 1)
+        return max(room, 0)
+
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+        """Plan one step and allocate its slots.  Mutates the queues and the manager.
+
+        ``drafts`` maps running request ids to speculative tokens proposed after their last
+        token; a decode step verifies the first :meth:`draft_room` of them (its
+        ``draft_token_ids``), allocated as lookahead.  When the cache refuses the lookahead,
+        the step runs without drafts before anything is preempted.
+        """
         cfg = self.config
         mgr = self.manager
         budget = cfg.token_budget
@@ -235,10 +267,18 @@ class Scheduler:
                 i += 1
                 continue
             lookahead = cfg.num_lookahead_tokens if start >= req.num_prompt_tokens else 0
+            draft: tuple[int, ...] = ()
+            if drafts is not None and req.request_id in drafts:
+                draft = tuple(drafts[req.request_id][: min(self.draft_room(seq), budget - 1)])
+                lookahead = max(lookahead, len(draft))
             while True:
                 res = mgr.allocate_slots(req, end - start, num_lookahead_tokens=lookahead)
                 if res is not None:
                     break
+                if draft:  # verify no draft rather than preempt anyone for it
+                    draft = ()
+                    lookahead = cfg.num_lookahead_tokens
+                    continue
                 if end - start <= 1 and self.running == [seq]:
                     # Refused one token with every other block free or evictable: preempting
                     # and recomputing would reach this point again and loop forever.
@@ -256,8 +296,11 @@ class Scheduler:
                     break
             if res is None:
                 break
-            out.append(self._scheduled(seq, start, end, 0, res))
-            budget -= end - start
+            item = self._scheduled(seq, start, end, 0, res)
+            if draft:
+                item = replace(item, draft_token_ids=draft)
+            out.append(item)
+            budget -= end - start + len(draft)
             i += 1
         skipped = 0
         if not preempted:
@@ -316,13 +359,35 @@ class Scheduler:
         )
 
     # -- applying a step -------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[RequestOutput]:
+    def update(
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
+    ) -> list[RequestOutput]:
         """Advance every scheduled request by its computed tokens and append sampled tokens.
 
         ``sampled`` maps the id of every scheduled request with ``samples=True`` to its next
-        token.  Finished requests are freed.  Raises :class:`SchedulerError` when a sample is
-        missing.
+        token.  A request that verified drafts gets a sequence instead: the accepted drafts
+        and the token sampled after them (``1 .. len(draft_token_ids) + 1`` tokens, each
+        accepted draft equal to its draft); the accepted drafts count as computed.  Tokens
+        after one that finishes the request (EOS, ``max_tokens``, ``max_model_len``) are
+        dropped.  Finished requests are freed.  Raises :class:`SchedulerError`, changing
+        nothing, when a sample is missing or does not fit the drafts.
         """
+        tokens_of: dict[str, tuple[int, ...]] = {}
+        for item in output.scheduled:
+            if not item.samples:
+                continue
+            if item.request_id not in sampled:
+                raise SchedulerError(f"update: no sampled token for {item.request_id!r}")
+            value = sampled[item.request_id]
+            tokens = (value,) if isinstance(value, int) else tuple(value)
+            draft = item.draft_token_ids
+            if not 1 <= len(tokens) <= len(draft) + 1 or tokens[:-1] != draft[: len(tokens) - 1]:
+                raise SchedulerError(
+                    f"update: request {item.request_id!r} sampled {list(tokens)} for drafts "
+                    f"{list(draft)}; expected the accepted drafts (a prefix of them) and one "
+                    "token more"
+                )
+            tokens_of[item.request_id] = tokens
         results: list[RequestOutput] = []
         for item in output.scheduled:
             seq = self.seqs[item.request_id]
@@ -330,26 +395,30 @@ class Scheduler:
             req.num_computed_tokens = item.start + item.num_new_tokens
             if not item.samples:
                 continue
-            if item.request_id not in sampled:
-                raise SchedulerError(f"update: no sampled token for {item.request_id!r}")
-            token = sampled[item.request_id]
-            req.append_token_ids((token,))
-            seq.num_output_tokens += 1
+            new: list[int] = []
+            reason: FinishReason | None = None
+            for token in tokens_of[item.request_id]:
+                new.append(token)
+                seq.num_output_tokens += 1
+                if token in seq.eos_token_ids:
+                    reason = FinishReason.STOP
+                elif seq.num_output_tokens >= seq.max_tokens:
+                    reason = FinishReason.LENGTH
+                elif req.num_tokens + len(new) >= self.max_model_len:
+                    reason = FinishReason.MAX_MODEL_LEN
+                if reason is not None:
+                    break
+            req.append_token_ids(new)
+            # Accepted drafts were computed by this step (their slots hold their K/V).
+            req.num_computed_tokens += len(new) - 1
             if seq.first_token_step is None:
                 seq.first_token_step = output.step
-            reason: FinishReason | None = None
-            if token in seq.eos_token_ids:
-                reason = FinishReason.STOP
-            elif seq.num_output_tokens >= seq.max_tokens:
-                reason = FinishReason.LENGTH
-            elif req.num_tokens >= self.max_model_len:
-                reason = FinishReason.MAX_MODEL_LEN
             if reason is not None:
                 self._finish(seq, reason)
             results.append(
                 RequestOutput(
                     request_id=item.request_id,
-                    new_token_ids=(token,),
+                    new_token_ids=tuple(new),
                     finished=reason is not None,
                     finish_reason=reason,
                     num_output_tokens=seq.num_output_tokens,

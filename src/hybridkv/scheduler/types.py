@@ -82,6 +82,9 @@ class ScheduledRequest:
     scheduler does not collect block ids).  ``samples`` is True when the step reaches the end of the
     known tokens, so the runner must return a next token for it.  ``allocation`` carries the
     state copies the runner performs (see :mod:`hybridkv.cache.kinds.state`).
+    ``draft_token_ids``: speculative tokens to verify after the step's one decode token; their
+    slots are allocated as lookahead (not computed, never published) and the runner must
+    return logits for the decode token and every draft.
     """
 
     request_id: str
@@ -93,6 +96,7 @@ class ScheduledRequest:
     samples: bool
     allocation: AllocationResult
     is_prefill: bool
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
