@@ -219,7 +219,7 @@ class _StuckScheduler:
         self.running: list[Any] = []
         self.waiting = [object()]
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Any = None) -> SchedulerOutput:
         return SchedulerOutput(step=1, scheduled=())
 
     def has_unfinished(self) -> bool:

@@ -454,7 +454,7 @@ class LLMEngine:
         c["batch"] = max(c["batch"], len(out.scheduled))
         c["step_tokens"] = max(c["step_tokens"], batch.num_tokens)
         c["computed"] += batch.num_tokens
-        c["gen"] += len(outputs)
+        c["gen"] += sum(len(o.new_token_ids) for o in outputs)
         self._seconds += time.perf_counter() - start
         return outputs
 
@@ -547,6 +547,9 @@ class LLMEngine:
             window_blocks_released=tuple(t.window_released),
             preemptions=self.scheduler.num_preemptions,
             peak_usage=t.peak_usage,
+            draft_tokens=c["drafted"],
+            accepted_draft_tokens=c["accepted"],
+            rollback_passes=c["rewinds"],
         )
 
 

@@ -46,6 +46,9 @@ class EngineStats:
     ``get_computed_blocks`` query, and the tokens group ``g`` alone could have served).
     ``peak_blocks[g]``, ``window_blocks_released[g]``: see :class:`CacheTracker`.
     ``peak_usage``: the largest fraction of the pool held by referenced blocks.
+    Speculative decoding: ``draft_tokens`` verified, ``accepted_draft_tokens`` of them, and
+    ``rollback_passes``: forward passes that ran accepted tokens again to roll a recurrent
+    state back past rejected drafts (also counted in ``forward_passes``).
     """
 
     groups: tuple[str, ...]
@@ -66,11 +69,19 @@ class EngineStats:
     window_blocks_released: tuple[int, ...]
     preemptions: int
     peak_usage: float
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    rollback_passes: int = 0
 
     @property
     def tokens_per_second(self) -> float:
         """Generated tokens per second of ``step()`` time (0.0 before any step)."""
         return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def draft_acceptance(self) -> float:
+        """``accepted_draft_tokens / draft_tokens`` (0.0 without speculation)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def hit_rate(self) -> float:
