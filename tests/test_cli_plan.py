@@ -65,7 +65,7 @@ def test_table_and_summary(tiny: list[dict[str, Any]], capsys: pytest.CaptureFix
     assert "capacity       5 requests x 32 tokens = 160 tokens" in lines
     assert lines[9].startswith("waste          488 B (2.81%): padded_layers 0 B,")
     assert "physical need  12.5 KiB of 17 KiB (utilisation 73.6%)" in lines
-    assert tiny == [{"name": "tiny", "tp_size": 1, "kv_cache_dtype": None}]
+    assert tiny == [{"name": "tiny", "tp_size": 1, "kv_cache_dtype": None, "mtp": False}]
 
 
 def test_uniform_shows_pool_blocks(
@@ -118,7 +118,7 @@ def test_options_reach_the_planner(
     assert data["options"]["pool_ratios"] == [1.0, 1.0]
     assert [p["num_blocks"] for p in data["layout"]["pools"]] == [33, 33]
     assert {g["kernel_block_size"] for g in data["layout"]["groups"]} == {2}
-    assert tiny[-1] == {"name": "x", "tp_size": 2, "kv_cache_dtype": "fp8"}
+    assert tiny[-1] == {"name": "x", "tp_size": 2, "kv_cache_dtype": "fp8", "mtp": False}
 
 
 def test_max_model_len_defaults(

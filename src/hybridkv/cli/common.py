@@ -100,6 +100,15 @@ def add_tp(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one rank shown)")
 
 
+def add_mtp(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help="add the checkpoint's multi-token-prediction (MTP) layers to the cache, grouped "
+        "with the target layers of the same spec (DeepSeek-V3, Qwen3-Next, GLM-4.5, ...)",
+    )
+
+
 def add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",

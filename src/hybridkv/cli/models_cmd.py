@@ -15,7 +15,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from hybridkv.cli.common import add_kv_cache_dtype, add_model, add_tp, check_positive, model_name
+from hybridkv.cli.common import (
+    add_kv_cache_dtype,
+    add_model,
+    add_mtp,
+    add_tp,
+    check_positive,
+    model_name,
+)
 from hybridkv.errors import UnknownModelError
 from hybridkv.models import catalog_entries, catalog_entry, resolve_model
 from hybridkv.models.summary import cache_detail, cache_label, format_kind_counts, kind_counts
@@ -30,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     add_tp(parser)
     add_kv_cache_dtype(parser)
+    add_mtp(parser)
 
 
 def _table(rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()) -> str:
@@ -93,7 +101,7 @@ def _hf_id(model: str) -> str | None:
 
 
 def _show_model(args: argparse.Namespace, name: str) -> int:
-    spec = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+    spec = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp)
     if args.json:
         print(json.dumps({**spec.to_dict(), "hf_id": _hf_id(name)}, indent=2))
         return 0

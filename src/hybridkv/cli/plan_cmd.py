@@ -25,6 +25,7 @@ from hybridkv.cli.common import (
     add_max_model_len,
     add_memory,
     add_model,
+    add_mtp,
     add_pool_options,
     add_tp,
     check_positive,
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_max_model_len(parser)
     add_tp(parser)
     add_kv_cache_dtype(parser)
+    add_mtp(parser)
     add_block_options(parser, kernel=True)
     parser.add_argument(
         "--strategy",
@@ -94,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     alignment = parse_bytes(args.chunk_alignment, field="--chunk-alignment")
     ratios = parse_ratios(args.pool_ratios)
     name = model_name(args, models.DEFAULT_MODEL)
-    model = models.resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+    model = models.resolve_model(
+        name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp
+    )
     max_len = max_model_len_for(model, args.max_model_len)
     if args.strategy == "all":
         comparison = compare_strategies(

@@ -27,6 +27,7 @@ from hybridkv.cli.common import (
     add_max_model_len,
     add_memory,
     add_model,
+    add_mtp,
     add_pool_options,
     add_tp,
     check_positive,
@@ -80,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_tp(parser)
     add_kv_cache_dtype(parser)
+    add_mtp(parser)
     parser.add_argument(
         "--accelerator",
         default="h100",
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     alignment = parse_bytes(args.chunk_alignment, field="--chunk-alignment")
     ratios = parse_ratios(args.pool_ratios)
     name = model_name(args, DEFAULT_MODEL)
-    model = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+    model = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp)
     profile = ModelProfile.from_config(load_model_config(name))
     max_len = max_model_len_for(model, args.max_model_len)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)

@@ -103,10 +103,12 @@ def resolve_model(
     tp_size: int = 1,
     kv_cache_dtype: str | DType | None = None,
     ssm_state_dtype: str | DType | None = None,
+    mtp: bool = False,
 ) -> ModelSpec:
     """The :class:`ModelSpec` of a catalog model (name or HF id), of a config file / directory,
     or of a Hugging Face id ``org/name`` found in the local hub cache
-    (:mod:`hybridkv.models.hub_cache`; nothing is downloaded).
+    (:mod:`hybridkv.models.hub_cache`; nothing is downloaded).  ``mtp``: with the checkpoint's
+    multi-token-prediction layers (see :func:`spec_from_config`).
 
     Catalog names win over paths, paths over the hub cache.  Raises
     :class:`~hybridkv.errors.UnknownModelError` (with close catalog matches) when ``model`` is
@@ -120,6 +122,7 @@ def resolve_model(
             kv_cache_dtype=kv_cache_dtype,
             name=entry.name,
             ssm_state_dtype=ssm_state_dtype,
+            mtp=mtp,
         )
     path = Path(os.path.expanduser(model))
     if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
@@ -135,4 +138,5 @@ def resolve_model(
         kv_cache_dtype=kv_cache_dtype,
         name=name,
         ssm_state_dtype=ssm_state_dtype,
+        mtp=mtp,
     )

@@ -22,6 +22,7 @@ from hybridkv.models.config import (
     select_text_config,
 )
 from hybridkv.models.generic import derive_generic, generic_refusal
+from hybridkv.models.mtp import mtp_layers
 from hybridkv.specs import DType, ModelSpec
 
 __all__ = ["ARCHITECTURES", "spec_from_config", "supported_model_types"]
@@ -67,6 +68,7 @@ def spec_from_config(
     kv_cache_dtype: str | DType | None = None,
     name: str | None = None,
     ssm_state_dtype: str | DType | None = None,
+    mtp: bool = False,
 ) -> ModelSpec:
     """Derive per-layer cache specs from a Hugging Face config, (per tensor-parallel rank).
 
@@ -79,6 +81,8 @@ def spec_from_config(
 
     A ``model_type`` without a registry entry is derived from the fields attention-only
     configs share (:mod:`hybridkv.models.generic`; the spec's notes say so).
+    ``mtp=True`` appends the checkpoint's multi-token-prediction layers, tagged ``"mtp"``
+    (:mod:`hybridkv.models.mtp`; a :class:`~hybridkv.errors.ConfigError` when it has none).
 
     Nothing is mutated.  Raises :class:`~hybridkv.errors.UnsupportedModelTypeError` for an
     unregistered ``model_type`` the generic path cannot derive (saying why),
@@ -121,5 +125,7 @@ def spec_from_config(
         max_position_embeddings=view.first_int("max_position_embeddings", "model_max_length"),
         notes=tuple(ctx.notes),
     )
+    if mtp:
+        spec = spec.with_draft(tuple(mtp_layers(view, layers)), tag="mtp")
     logger.debug("derived %s (%s): %d layers, tp=%d", spec_name, model_type, len(layers), tp)
     return spec

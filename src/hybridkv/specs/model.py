@@ -29,16 +29,24 @@ class LayerSpec:
 
     ``layer_type`` is the model's own name for the layer (``"sliding_attention"``,
     ``"mamba"``, ``"hybrid"``, ...), kept for display.  ``caches`` holds one spec per cache the
-    layer keeps; a layer that stores nothing holds one :class:`NoCacheSpec`.
+    layer keeps; a layer that stores nothing holds one :class:`NoCacheSpec`.  ``tag`` marks a
+    layer that is not one of the target model's decoder layers: ``"mtp"`` (a multi-token
+    prediction module) or ``"draft"`` (a draft model's layer); ``""`` for the target's own.
     """
 
     index: int
     layer_type: str
     caches: tuple[CacheSpec, ...]
+    tag: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.index, int) or self.index < 0:
             raise SpecError(f"LayerSpec.index: must be an integer >= 0, got {self.index!r}")
+        if not isinstance(self.tag, str) or (self.tag and not self.tag.isidentifier()):
+            raise SpecError(
+                f"LayerSpec.tag: layer {self.index} has tag {self.tag!r}; expected '' (a target "
+                "layer) or a name such as 'mtp' or 'draft'"
+            )
         caches = tuple(self.caches)
         if not caches:
             raise SpecError(
@@ -93,6 +101,50 @@ class ModelSpec:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def num_target_layers(self) -> int:
+        """Layers of the target model itself (those without a tag come first)."""
+        return sum(1 for layer in self.layers if not layer.tag)
+
+    def with_draft(
+        self, draft: ModelSpec | tuple[LayerSpec, ...], *, tag: str = "draft"
+    ) -> ModelSpec:
+        """This model with ``draft``'s layers appended, renumbered after its own and tagged
+        ``tag`` (MTP modules, a draft model's layers).
+
+        Grouping puts every cache by its spec (:func:`hybridkv.plan.group_entries`): a draft
+        layer whose spec equals a target group's joins that group (same block tables, one more
+        member); one that matches none gets a new group after the target's, so the target's
+        group ids are the same with or without the draft.  Raises :class:`SpecError` for a
+        draft at another tensor-parallel size or an empty tag.
+        """
+        if isinstance(draft, ModelSpec):
+            if draft.tp_size != self.tp_size:
+                raise SpecError(
+                    f"ModelSpec.with_draft: draft {draft.name!r} has tp_size {draft.tp_size}, the "
+                    f"target {self.tp_size}; both must describe the same rank"
+                )
+            layers: tuple[LayerSpec, ...] = draft.layers
+            label = f"{draft.name} ({len(layers)} layers)"
+        else:
+            layers = tuple(draft)
+            label = f"{len(layers)} layers"
+        if not tag:
+            raise SpecError("ModelSpec.with_draft: tag must name the draft's role, e.g. 'mtp'")
+        n = self.num_layers
+        extra = tuple(
+            LayerSpec(index=n + i, layer_type=layer.layer_type, caches=layer.caches, tag=tag)
+            for i, layer in enumerate(layers)
+        )
+        return ModelSpec(
+            name=self.name,
+            model_type=self.model_type,
+            layers=(*self.layers, *extra),
+            tp_size=self.tp_size,
+            max_position_embeddings=self.max_position_embeddings,
+            notes=(*self.notes, f"{tag}: {label} after layer {n - 1}, grouped by spec"),
+        )
+
     def entries(self, *, include_empty: bool = False) -> list[CacheEntry]:
         """Every cache of every layer in layer order (no-cache layers only if asked)."""
         return [
@@ -126,6 +178,7 @@ class ModelSpec:
                     "index": layer.index,
                     "layer_type": layer.layer_type,
                     "caches": [c.to_dict() for c in layer.caches],
+                    **({"tag": layer.tag} if layer.tag else {}),
                 }
                 for layer in self.layers
             ],
@@ -139,6 +192,7 @@ class ModelSpec:
                     index=int(layer["index"]),
                     layer_type=str(layer["layer_type"]),
                     caches=tuple(spec_from_dict(c) for c in layer["caches"]),
+                    tag=str(layer.get("tag", "")),
                 )
                 for layer in data["layers"]
             )
