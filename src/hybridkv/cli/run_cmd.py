@@ -254,6 +254,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "small to gain from more; torch's default otherwise)",
     )
     parser.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: verify up to K prompt-lookup (n-gram) draft tokens per "
+        "decode step (default 0: off); output equals plain greedy decoding",
+    )
+    parser.add_argument(
+        "--attention-sinks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="StreamingLLM sinks: sliding-window layers also read the first N tokens, whose "
+        "blocks are never recycled (changes the model's attention; --verify compares with "
+        "transformers run with that mask)",
+    )
+    parser.add_argument(
         "--quiet", action="store_true", help="no progress on stderr (default: progress shown)"
     )
 
@@ -332,6 +349,7 @@ def _configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
             kernel_block_size=args.kernel_block_size,
             state_block_size=args.state_block_size,
             max_model_len=args.max_model_len,
+            attention_sinks=args.attention_sinks,
         )
         scheduler = SchedulerConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs)
     except HybridKVError as exc:
@@ -443,10 +461,13 @@ def _eos_ids(model: Any) -> list[int]:
 
 
 def _build(args: argparse.Namespace, cache: CacheConfig, scheduler: SchedulerConfig) -> LLMEngine:
-    from hybridkv.engine import LLMEngine, ModelSourceError
+    from hybridkv.engine import BindingError, LLMEngine, ModelSourceError
+    from hybridkv.engine.errors import SpeculativeConfigError
+    from hybridkv.engine.speculative import NgramProposer, SpeculativeConfig
     from hybridkv.errors import PlanError
 
     try:
+        speculative = SpeculativeConfig(NgramProposer(), args.speculate) if args.speculate else None
         return LLMEngine(
             args.model,
             cache=cache,
@@ -454,7 +475,18 @@ def _build(args: argparse.Namespace, cache: CacheConfig, scheduler: SchedulerCon
             device=args.device,
             seed=args.seed,
             keep_logits=args.verify,
+            speculative=speculative,
         )
+    except SpeculativeConfigError as exc:
+        text = str(exc)
+        for prefix in ("SpeculativeConfig.num_draft_tokens: ", "speculative: "):
+            text = text.removeprefix(prefix)
+        raise RunInputError(f"--speculate {args.speculate}: {text}") from None
+    except BindingError as exc:
+        field, _, rest = str(exc).partition(": ")
+        if field != "attention_sinks":
+            raise
+        raise RunInputError(f"--attention-sinks {args.attention_sinks}: {rest}") from None
     except PlanError as exc:
         raise _flagged(exc, args) from None
     except ModelSourceError as exc:  # transformers could not load the weights
@@ -529,7 +561,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print("verifying with transformers' generate ...", file=sys.stderr)
     reference = load_model(args.model, seed=args.seed).to(args.device)
-    result = verify_completions(reference, done, eos)
-    for line in verify_lines(result):
+    result = verify_completions(reference, done, eos, sink_tokens=args.attention_sinks)
+    label = "transformers' generate"
+    if args.attention_sinks:
+        label = f"transformers run with {args.attention_sinks} sink tokens in its sliding masks"
+    for line in verify_lines(result, label):
         print(line)
     return 0 if result.ok else 1

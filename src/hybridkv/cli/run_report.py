@@ -74,22 +74,28 @@ def summary_lines(stats: EngineStats, num_requests: int) -> list[str]:
         lines.append(
             "window blocks released: " + ", ".join(f"{label} {n}" for label, n in windowed)
         )
+    if stats.draft_tokens:
+        lines.append(
+            f"speculative decoding: {stats.accepted_draft_tokens} of {stats.draft_tokens} draft "
+            f"tokens accepted ({percent(stats.draft_acceptance, 1)}), "
+            f"{stats.rollback_passes} state rollback passes"
+        )
     lines.append(f"preemptions: {stats.preemptions}")
     return lines
 
 
-def verify_lines(result: VerifyResult) -> list[str]:
+def verify_lines(result: VerifyResult, reference: str = "transformers' generate") -> list[str]:
     diff = (
         "" if result.max_logit_diff is None else f" (max |logit diff| {result.max_logit_diff:.1e})"
     )
     if result.ok:
         return [
             f"verify: all {result.num_requests} requests ({result.num_tokens} tokens) identical "
-            f"to transformers' generate{diff}"
+            f"to {reference}{diff}"
         ]
     lines = [
         f"verify: {len(result.mismatches)} of {result.num_requests} requests DIFFER from "
-        f"transformers' generate{diff}"
+        f"{reference}{diff}"
     ]
     for m in result.mismatches:
         lines.append(

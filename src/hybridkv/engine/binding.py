@@ -166,7 +166,7 @@ def _check_full(layer: ProbedLayer, group: GroupPlan) -> RouteKind:
 def _check_sliding(layer: ProbedLayer, group: GroupPlan) -> RouteKind:
     spec = cast(SlidingWindowSpec, _check_kv(layer, group, "sliding_attention"))
     _mismatch(layer, group, "window", layer.window, spec.window)
-    _mismatch(layer, group, "sink_tokens", 0, spec.sink_tokens)
+    _mismatch(layer, group, "sink_tokens", layer.sink_tokens, spec.sink_tokens)
     return RouteKind.ATTENTION
 
 

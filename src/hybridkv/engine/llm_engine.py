@@ -62,7 +62,7 @@ from hybridkv.engine.errors import (
 from hybridkv.engine.manager_bridge import step_from_tables
 from hybridkv.engine.metrics import CacheTracker, EngineStats, group_labels
 from hybridkv.engine.models import TINY_MODELS, load_model, tiny_config
-from hybridkv.engine.probe import probe_model, probe_model_spec
+from hybridkv.engine.probe import probe_model, probe_model_spec, with_attention_sinks
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.speculative import SpeculativeConfig, accept_greedy
 from hybridkv.engine.views import StorageViews
@@ -118,8 +118,12 @@ class CacheConfig:
     2048.  ``publish``: when the manager publishes attention blocks (``scheduled``: at the
     allocation of the step that fills them, so requests admitted in the same step hit them;
     the runner orders its passes so that they are written before they are read; or
-    ``computed``).  Raises :class:`~hybridkv.errors.PlanError` when both budgets are given, a
-    count is not positive or ``publish`` is unknown.
+    ``computed``).  ``attention_sinks``: StreamingLLM sink tokens, the first tokens of a
+    request that every sliding-window layer reads besides its window (their blocks are never
+    recycled); this changes the model's attention on purpose (long generations past the
+    window keep the sinks), so outputs match the model with that mask, not the model as
+    trained.  Raises :class:`~hybridkv.errors.PlanError` when both budgets are given, a
+    count is not positive or negative where 0 is allowed, or ``publish`` is unknown.
     """
 
     strategy: str = "arena"
@@ -131,10 +135,16 @@ class CacheConfig:
     max_model_len: int | None = None
     chunk_alignment: int = 4096
     publish: str = "scheduled"
+    attention_sinks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "num_blocks", "max_model_len"):
             _positive(name, getattr(self, name))
+        sinks = self.attention_sinks
+        if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+            raise PlanError(
+                f"CacheConfig.attention_sinks: must be an integer >= 0 (0: none), got {sinks!r}"
+            )
         if self.publish not in PUBLISH_MODES:
             raise PlanError(
                 f"CacheConfig.publish: unknown mode {self.publish!r}; valid: "
@@ -278,10 +288,12 @@ class LLMEngine:
             name = str(model)
             config = model_config(model)
             max_len = cache.max_model_len or default_max_model_len(config)
-            _preflight_plan(config, dtype, max_len, cache)
+            derived = _preflight_plan(config, dtype, max_len, cache)
+            if speculative is not None and derived is not None and resumes_no_prefill(derived):
+                raise _no_drafts(name)
             net = load_model(model, seed=seed, dtype=dtype).to(device)
         self.name = name
-        probe = probe_model(net)
+        probe = with_attention_sinks(probe_model(net), cache.attention_sinks)
         self.spec: ModelSpec = probe_model_spec(probe, name=name)
         self.max_model_len = cache.max_model_len or default_max_model_len(net.config)
         self.plan: Plan = _plan_cache(self.spec, self.max_model_len, cache)
@@ -305,10 +317,7 @@ class LLMEngine:
             logger.info("%s: whole-prompt prefill, no prefix hits (Mamba1 state)", name)
             sched = replace(sched, whole_prefill=True)
         if speculative is not None and sched.whole_prefill:
-            raise SpeculativeConfigError(
-                f"speculative: {name} cannot verify drafts: its recurrent state (Mamba1) only "
-                "continues one token at a time in transformers"
-            )
+            raise _no_drafts(name)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise SpeculativeConfigError(
                 f"speculative: expected a SpeculativeConfig, got {speculative!r}"
@@ -553,6 +562,13 @@ class LLMEngine:
         )
 
 
+def _no_drafts(name: str) -> SpeculativeConfigError:
+    return SpeculativeConfigError(
+        f"speculative: {name} cannot verify drafts: its recurrent state (Mamba1) only "
+        "continues one token at a time in transformers"
+    )
+
+
 def _check_draft(draft: Sequence[int], room: int, vocab_size: int) -> tuple[int, ...]:
     """A proposer's draft as a tuple of at most ``room`` tokens; raises
     :class:`SpeculativeConfigError` for a token outside the vocabulary."""
@@ -595,13 +611,14 @@ def _plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan
 
 def _preflight_plan(
     config: Any, dtype: torch.dtype, max_model_len: int, cache: CacheConfig
-) -> None:
+) -> ModelSpec | None:
     """Raise the :class:`PlanError` the engine's plan would raise, before any weight is loaded.
 
     The spec comes from ``config`` (:func:`hybridkv.models.spec_from_config`, every cache in
     the engine's ``dtype``), which equals what the probe measures on the loaded model for
     every architecture hybridkv maps (``tests/test_engine_binding.py``).  When the config
-    cannot be derived here, nothing is checked: the plan from the probe decides.
+    cannot be derived here, nothing is checked: the plan from the probe decides.  Returns the
+    derived spec (None when it could not be derived).
     """
     from hybridkv.models import spec_from_config
 
@@ -614,8 +631,9 @@ def _preflight_plan(
     try:
         spec = spec_from_config(data, kv_cache_dtype=dtype_name)
     except HybridKVError:
-        return
+        return None
     _plan_cache(spec, max_model_len, cache)
+    return spec
 
 
 def _budget_for_blocks(layout: MemoryLayout, num_blocks: int) -> int:

@@ -55,6 +55,7 @@ __all__ = [
     "ProbedState",
     "probe_model",
     "probe_model_spec",
+    "with_attention_sinks",
 ]
 
 #: model_type -> the recurrent mixer its state layers run.
@@ -103,6 +104,10 @@ class ProbedLayer(NamedTuple):
     #: A KV-shared layer (gemma4's last layers): it computes no K/V and attends over this
     #: earlier layer's (the last one of its type that stores them for sharing).
     kv_source: int | None = None
+    #: StreamingLLM attention sinks: leading tokens a sliding-window layer reads besides its
+    #: window.  Not measured (no transformers model has them): set by
+    #: :func:`with_attention_sinks` when the engine is asked for them.
+    sink_tokens: int = 0
 
 
 class ModelProbe(NamedTuple):
@@ -281,8 +286,37 @@ def _attention_spec(layer: ProbedLayer) -> CacheSpec:
     }
     windowed = _WINDOWED.get(layer.layer_type)
     if windowed is not None and layer.window is not None:
+        if layer.sink_tokens:  # only sliding layers have them
+            common["sink_tokens"] = layer.sink_tokens
         return windowed(layer.window, common)
     return FullAttentionSpec(**common)
+
+
+def with_attention_sinks(probe: ModelProbe, sink_tokens: int) -> ModelProbe:
+    """``probe`` with every sliding-window layer also reading the first ``sink_tokens`` tokens
+    (StreamingLLM attention sinks: the engine keeps those blocks and its attention reads them;
+    the model's own masks do not, so outputs differ from the model's by design).
+
+    Raises :class:`BindingError` for a negative count or a model without sliding-window layers.
+    """
+    if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
+        raise BindingError(f"attention_sinks: must be an integer >= 0, got {sink_tokens!r}")
+    if not sink_tokens:
+        return probe
+    sliding = {"sliding_attention", "hybrid_sliding"}
+    if not any(layer.layer_type in sliding and layer.kv is not None for layer in probe.layers):
+        types = sorted({layer.layer_type for layer in probe.layers})
+        raise BindingError(
+            f"attention_sinks: {sink_tokens} sink tokens need sliding-window layers; model_type "
+            f"{probe.model_type!r} has layer types {', '.join(types)}"
+        )
+    layers = tuple(
+        layer._replace(sink_tokens=sink_tokens)
+        if layer.layer_type in sliding and layer.kv is not None
+        else layer
+        for layer in probe.layers
+    )
+    return probe._replace(layers=layers)
 
 
 #: transformers layer type -> the spec of a windowed attention layer (window / chunk size).
