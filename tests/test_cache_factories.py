@@ -198,6 +198,17 @@ def cached_hashes(mgr: KVCacheManager) -> list[set[int]]:
     return [set(m) for m in mgr._coord.pool.maps]
 
 
+def tier_hashes(mgr: KVCacheManager) -> list[set[int]]:
+    """Per group, the hashes the lower tiers hold (empty sets without tiers)."""
+    tiers = mgr._coord.tiers
+    out: list[set[int]] = [set() for _ in mgr.layout.groups]
+    if tiers is not None:
+        for t in tiers.tiers:
+            for g, keys in enumerate(t.keys):
+                out[g] |= set(keys)
+    return out
+
+
 def serves(gp: GroupPlan, hashes: Sequence[int], hb: int, length: int, cached: set[int]) -> bool:
     """Naive rule: can group ``gp`` serve a hit of ``length`` tokens from ``cached``?"""
     if length == 0:
@@ -220,7 +231,7 @@ def oracle(mgr: KVCacheManager, req: Request) -> tuple[int, list[int], list[list
     """Brute force: (hit, per-group standalone hits, per-group hit blocks)."""
     layout = mgr.layout
     hb, align = layout.hash_block_size, layout.schedule_alignment
-    cached = cached_hashes(mgr)
+    cached = [d | t for d, t in zip(cached_hashes(mgr), tier_hashes(mgr), strict=True)]
     hashes = req.block_hashes
     candidates = range(0, req.num_tokens, align)
     alone = [
@@ -237,8 +248,8 @@ def oracle(mgr: KVCacheManager, req: Request) -> tuple[int, list[int], list[list
     for gp in layout.groups:
         k = gp.block_size // hb
         m = maps[gp.group_id]
-        if gp.spec.kind is CacheKind.STATE:
-            blocks.append([m[hashes[hit // hb - 1]]] if hit else [])
+        if gp.spec.kind is CacheKind.STATE:  # -1: read back from a lower tier
+            blocks.append([m.get(hashes[hit // hb - 1], -1)] if hit else [])
             continue
         kept = {
             j
@@ -246,6 +257,9 @@ def oracle(mgr: KVCacheManager, req: Request) -> tuple[int, list[int], list[list
             for j in range(span.start // gp.block_size, -(-span.stop // gp.block_size))
         }
         blocks.append(
-            [m[hashes[(j + 1) * k - 1]] if j in kept else 0 for j in range(hit // gp.block_size)]
+            [
+                m.get(hashes[(j + 1) * k - 1], -1) if j in kept else 0
+                for j in range(hit // gp.block_size)
+            ]
         )
     return hit, alone, blocks

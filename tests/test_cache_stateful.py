@@ -31,6 +31,7 @@ from hybridkv.cache import (
     Request,
 )
 from hybridkv.cache.admission import CheckpointAdmission
+from hybridkv.cache.tiers import TierSpec
 from test_cache_factories import (
     cached_hashes,
     eviction_for,
@@ -38,6 +39,7 @@ from test_cache_factories import (
     layout_for,
     oracle,
     spec_items,
+    tier_hashes,
     tokens,
 )
 
@@ -59,6 +61,8 @@ class _Rejecting(CheckpointAdmission):
 
 class CacheMachine(RuleBasedStateMachine):
     strategy = "uniform"
+    #: Whether the manager gets lower tiers (host, and disk when drawn) of a few blocks.
+    tiered = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -80,6 +84,7 @@ class CacheMachine(RuleBasedStateMachine):
         explore=hst.integers(1, 3),
         reject=hst.sampled_from([0, 2, 3]),
         second_chance=hst.booleans(),
+        tier_blocks=hst.tuples(hst.integers(1, 6), hst.integers(0, 8)),
     )
     def setup(
         self,
@@ -93,8 +98,16 @@ class CacheMachine(RuleBasedStateMachine):
         explore: int,
         reject: int,
         second_chance: bool,
+        tier_blocks: tuple[int, int],
     ) -> None:
         layout = layout_for(self.strategy, groups(*items), capacity)
+        tiers: list[TierSpec] = []
+        if self.tiered:  # capacities in blocks of the largest group: evictions cascade often
+            biggest = max(g.block_bytes for g in layout.groups)
+            host, disk = tier_blocks
+            tiers.append(TierSpec("host", host * biggest))
+            if disk:
+                tiers.append(TierSpec("disk", disk * biggest))
         self.mgr = KVCacheManager(
             layout,
             hasher="builtin",
@@ -104,6 +117,7 @@ class CacheMachine(RuleBasedStateMachine):
             window_retention=retention,
             checkpoint_admission=admission,
             second_chance=second_chance,
+            tiers=tiers,
         )
         adm = self.mgr._coord.admission
         if adm is not None:  # decide from the first checkpoints on, explore often
@@ -151,6 +165,14 @@ class CacheMachine(RuleBasedStateMachine):
         if res is None:
             assert mgr.snapshot() == before
             return
+        tables = mgr.get_block_ids(req.request_id)
+        for load in res.loads:  # each read-back block sits where the hit's marker was
+            assert load.block in tables[load.group_id] or any(
+                c.src == load.block for c in res.copies_before
+            )
+            assert mgr.pool.hashes[load.group_id][load.block] == load.block_hash
+        markers = sum(b < 0 for blocks in hit.blocks for b in blocks)
+        assert len(res.loads) == markers
         if aborted:  # dropped before its step ran: nothing it was to write may stay cached
             req.num_computed_tokens = hit.num_computed_tokens
             mgr.preempt(req.request_id)
@@ -219,6 +241,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.mirror == cached
         for g, hashes in enumerate(cached):  # a hit never serves data no step computed
             assert hashes <= self.written, f"group {g} caches never-computed blocks"
+        for g, hashes in enumerate(tier_hashes(mgr)):  # nor does a lower tier
+            assert hashes <= self.written, f"group {g}: a tier holds never-computed blocks"
         for req in self.running:
             assert mgr.has_blocks(req.request_id)
 
@@ -247,6 +271,41 @@ class UniformMachine(CacheMachine):
     strategy = "uniform"
 
 
+class TieredArenaMachine(CacheMachine):
+    """Lower tiers of a few blocks: long distinct prompts evict the device often, and
+    returning conversations hit what went down a tier (no prefix-cache resets)."""
+
+    strategy = "arena"
+    tiered = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[int]] = []
+
+    def reset(self) -> None:  # not a rule here: resets would empty the tiers too often
+        pass
+
+    @rule(tail=hst.lists(hst.integers(0, 60), min_size=4, max_size=24))
+    def arrive_long(self, tail: list[int]) -> None:
+        if self.mgr is None:
+            return
+        self.count += 1
+        tokens = BASE[:8] + tail
+        self.seen.append(tokens)
+        self.waiting.append(self._m().make_request(f"r{self.count}", tokens))
+
+    @precondition(lambda self: self.seen)
+    @rule(which=hst.integers(0, 15), more=hst.integers(1, 9))
+    def come_back(self, which: int, more: int) -> None:
+        self.count += 1
+        tokens = self.seen[which % len(self.seen)] + [more]
+        self.waiting.append(self._m().make_request(f"r{self.count}", tokens))
+
+
+class TieredPoolsMachine(TieredArenaMachine):
+    strategy = "pools"
+
+
 class PoolsMachine(CacheMachine):
     strategy = "pools"
 
@@ -261,6 +320,8 @@ ArenaBoundedMachine.TestCase.settings = ArenaMachine.TestCase.settings
 ArenaTailMachine.TestCase.settings = ArenaMachine.TestCase.settings
 UniformMachine.TestCase.settings = ArenaMachine.TestCase.settings
 PoolsMachine.TestCase.settings = ArenaMachine.TestCase.settings
+TieredArenaMachine.TestCase.settings = ArenaMachine.TestCase.settings
+TieredPoolsMachine.TestCase.settings = ArenaMachine.TestCase.settings
 
 TestArena = ArenaMachine.TestCase
 TestArenaOwnFirst = ArenaOwnFirstMachine.TestCase
@@ -269,3 +330,5 @@ TestArenaBounded = ArenaBoundedMachine.TestCase
 TestArenaTail = ArenaTailMachine.TestCase
 TestUniform = UniformMachine.TestCase
 TestPools = PoolsMachine.TestCase
+TestTieredArena = TieredArenaMachine.TestCase
+TestTieredPools = TieredPoolsMachine.TestCase

@@ -36,6 +36,7 @@ from hybridkv.cache.hashing import (
 from hybridkv.cache.manager import KVCacheManager
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats
+from hybridkv.cache.tiers import TIER_NAMES, TierSpec
 from hybridkv.cache.types import (
     AllocationResult,
     BlockHash,
@@ -43,12 +44,14 @@ from hybridkv.cache.types import (
     ComputedBlocks,
     StateCopy,
     StateSlot,
+    TierLoad,
 )
 
 __all__ = [
     "CHECKPOINT_ADMISSION",
     "CHECKPOINT_REASONS",
     "PUBLISH_MODES",
+    "TIER_NAMES",
     "WINDOW_RETENTION",
     "AllBlocksCleared",
     "AllocationResult",
@@ -73,6 +76,8 @@ __all__ = [
     "StaleComputedBlocksError",
     "StateCopy",
     "StateSlot",
+    "TierLoad",
+    "TierSpec",
     "UnknownRequestError",
     "make_hasher",
 ]

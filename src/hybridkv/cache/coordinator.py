@@ -24,7 +24,8 @@ from hybridkv.cache.events import EventLog
 from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan, manager_class
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
-from hybridkv.cache.types import AllocationResult, BlockId
+from hybridkv.cache.tiers import TierSpec, TierStack
+from hybridkv.cache.types import AllocationResult, BlockHash, BlockId, TierLoad
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 from hybridkv.specs import CacheKind, SlidingWindowSpec
@@ -105,6 +106,7 @@ class HybridCoordinator:
         publish: str = "scheduled",
         window_retention: str = "tails",
         checkpoint_admission: str = "yield",
+        tiers: Sequence[TierSpec] = (),
     ) -> None:
         if checkpoint_admission not in CHECKPOINT_ADMISSION:
             raise PlanError(
@@ -158,6 +160,13 @@ class HybridCoordinator:
         )
         self.requests: dict[str, RequestState] = {}
         self.nothing = AllocationResult(((),) * self.num_groups, (), (), ())
+        #: Lower tiers (host, disk) fed by device evictions, or None.
+        self.tiers: TierStack | None = None
+        if tiers:
+            self.tiers = TierStack(tiers, [g.block_bytes for g in layout.groups])
+            events.set_eviction_sink(self.tiers.evicted)
+            for m in self.managers:
+                m.hit_map = self.tiers.view(m.group_id, m.map)
 
     def _set_window_grids(self) -> None:
         """Tail retention also keeps the window before every multiple of a grid, where the
@@ -288,6 +297,18 @@ class HybridCoordinator:
                         m.publish_scheduled(st, request, step_end)
                 self._set_quiet(rs, num_computed)
                 return self.nothing
+        markers: list[int] | None = None
+        if hit and self.tiers is not None:
+            markers = [sum(1 for b in blocks if b < 0) for blocks in hit]
+            if any(markers):  # tier blocks: a fresh device block each, not a touch
+                plans = [
+                    p._replace(need=p.need + k, touch=[b for b in p.touch or () if b >= 0] or None)
+                    if k and p is not None
+                    else p
+                    for p, k in zip(plans, markers, strict=True)
+                ]
+            else:
+                markers = None
         if not self._fits(plans):
             # A state group with a pool of its own (``pools``) can be full of running slots:
             # drop the checkpoint (an optimisation) rather than refuse the step, which would
@@ -320,13 +341,17 @@ class HybridCoordinator:
             if p is not None and p.touch:
                 managers[i].apply_touch(groups[i], p)
         out = StepOutputs()
+        loads: list[TierLoad] = []
+        if markers is not None and hit is not None:
+            self._load_from_tiers(request, groups, hit, markers, num_new_computed_tokens, loads)
         new_ids: list[tuple[BlockId, ...]] = []
         pool = self.pool
         for i, p in enumerate(plans):
-            if p is None or not p.need:
+            need = p.need - (markers[i] if markers is not None else 0) if p is not None else 0
+            if p is None or not need:
                 new_ids.append(())
                 continue
-            added = managers[i].apply_new(groups[i], p, pool.allocate(i, p.need), out)
+            added = managers[i].apply_new(groups[i], p, pool.allocate(i, need), out)
             new_ids.append(cast(tuple[BlockId, ...], tuple(added)))
         for i, m in self._scheduled:
             m.publish_scheduled(groups[i], request, step_end)
@@ -339,7 +364,42 @@ class HybridCoordinator:
             tuple(out.copies_before),
             tuple(out.zero_before),
             tuple(out.copies_after),
+            tuple(loads),
         )
+
+    def _load_from_tiers(
+        self,
+        request: Request,
+        groups: list[GroupState],
+        hit: Sequence[Sequence[int]],
+        markers: list[int],
+        length: int,
+        loads: list[TierLoad],
+    ) -> None:
+        """Give every tier block of a hit a fresh device block, published under its hash at
+        once (the runner loads it before the step reads it), and record the loads."""
+        tiers = self.tiers
+        assert tiers is not None
+        hashes = request.block_hashes
+        wanted: list[tuple[int, list[tuple[int, int]], list[str]]] = []
+        for i, k in enumerate(markers):
+            if not k:
+                continue
+            m = self.managers[i]
+            # (table index, hash) of each marker; entries are refreshed in their tier first,
+            # so the evictions the allocation below causes cannot push them out.
+            spots = m.tier_spots(hashes, length, hit[i])
+            names = [tiers.load_hash(i, h) for _, h in spots]
+            wanted.append((i, spots, names))
+        for i, spots, names in wanted:
+            m = self.managers[i]
+            blocks = self.pool.allocate(i, len(spots))
+            items = m.install_loaded(groups[i], spots, blocks)
+            m._publish(items, request)
+            loads.extend(
+                TierLoad(i, BlockId(b), name, BlockHash(h))
+                for (_, h), b, name in zip(spots, blocks, names, strict=True)
+            )
 
     def _set_quiet(self, rs: RequestState, num_computed: int) -> None:
         end = computed = self.max_model_len if self.max_model_len is not None else 1 << 62
@@ -393,6 +453,8 @@ class HybridCoordinator:
             return False
         if not self.pool.reset_cache():
             return False
+        if self.tiers is not None:
+            self.tiers.clear()
         if self.events.enabled:
             self.events.cleared()
         return True
@@ -402,8 +464,11 @@ class HybridCoordinator:
         return tuple(list(m.table(st)) for m, st in zip(self.managers, rs.groups, strict=True))
 
     def check_invariants(self) -> None:
-        """Pool invariants, each request's per-group invariants, and ref counts == holders."""
+        """Pool and tier invariants, each request's per-group invariants, and ref counts ==
+        holders."""
         self.pool.check_invariants()
+        if self.tiers is not None:
+            self.tiers.check_invariants()
         expected: dict[int, list[int]] = {}
         for rs in self.requests.values():
             request = rs.request
@@ -459,4 +524,5 @@ class HybridCoordinator:
             )
             for rid, rs in self.requests.items()
         }
-        return (self.pool.snapshot(), reqs, len(self.events))
+        tiers = None if self.tiers is None else self.tiers.snapshot()
+        return (self.pool.snapshot(), reqs, len(self.events), tiers)

@@ -9,6 +9,7 @@ hash of the last hash block of each of its blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from hybridkv.cache.types import BlockHash
@@ -48,11 +49,26 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class EventLog:
     """An append-only buffer of events; :meth:`take` drains it.  Disabled logs record nothing."""
 
-    __slots__ = ("_events", "enabled")
+    __slots__ = ("_events", "_sink", "enabled", "tracks_evictions")
 
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
         self._events: list[KVEvent] = []
+        self._sink: Callable[[int, Sequence[int]], None] | None = None
+        #: Whether pools must report evictions (:meth:`evicted`): events on or a sink set.
+        self.tracks_evictions = enabled
+
+    def set_eviction_sink(self, sink: Callable[[int, Sequence[int]], None] | None) -> None:
+        """Also hand every eviction to ``sink(group_id, hashes)`` (the lower cache tiers)."""
+        self._sink = sink
+        self.tracks_evictions = self.enabled or sink is not None
+
+    def evicted(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
+        """The pool evicted these cached blocks of ``group_id`` to reuse them."""
+        if self.enabled:
+            self._events.append(BlockRemoved(group_id, block_hashes))
+        if self._sink is not None:
+            self._sink(group_id, block_hashes)
 
     def stored(
         self,

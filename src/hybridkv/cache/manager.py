@@ -43,6 +43,7 @@ from hybridkv.cache.hashing import BlockHasher, make_hasher
 from hybridkv.cache.pool_base import BlockPool
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats, StatsCollector
+from hybridkv.cache.tiers import TierSpec
 from hybridkv.cache.types import AllocationResult, ComputedBlocks
 from hybridkv.errors import InvariantError, RequestError
 from hybridkv.plan.layout import MemoryLayout
@@ -84,6 +85,10 @@ class KVCacheManager:
     (default) those whose reason (junction, prompt end, prefill chunk end, decode) has served
     at least the cache's average hit tokens per byte; ``"all"``: every aligned step end.  See
     :mod:`hybridkv.cache.admission` and :meth:`checkpoint_admission_report`.
+    ``tiers``: lower cache tiers (:class:`~hybridkv.cache.tiers.TierSpec`, ``host`` then
+    ``disk``) that blocks the device evicts are written back to; a hit on them allocates
+    device blocks and returns :attr:`AllocationResult.loads` (see :mod:`hybridkv.cache.tiers`
+    and :meth:`tier_stats`).
     """
 
     #: Skip planning an allocation that provably changes nothing (see
@@ -104,6 +109,7 @@ class KVCacheManager:
         window_retention: str = "tails",
         group_hit_stats: bool = False,
         checkpoint_admission: str = "yield",
+        tiers: Sequence[TierSpec] = (),
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -122,6 +128,7 @@ class KVCacheManager:
             publish=publish,
             window_retention=window_retention,
             checkpoint_admission=checkpoint_admission,
+            tiers=tuple(tiers),
         )
         self.group_hit_stats = bool(group_hit_stats)
         self._stats = StatsCollector(len(layout.groups) if group_hit_stats else 0)
@@ -397,6 +404,12 @@ class KVCacheManager:
         if ok:
             self._stats.record_reset()
         return ok
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Per lower tier: capacity, bytes and blocks held, blocks stored, loaded (hits read
+        back) and dropped (evicted from it); empty without tiers."""
+        tiers = self._coord.tiers
+        return {} if tiers is None else tiers.stats()
 
     def checkpoint_admission_report(self) -> dict[str, dict[str, float | bool]] | None:
         """Per checkpoint reason: checkpoints and bytes on record, hit tokens served, yield

@@ -219,8 +219,8 @@ class ArenaPool(ArenaFits, BlockPool):
         del self.idle_all[c]
         self.chunk_cached_free[c] = 0
         self.owner[c] = -1
-        if evicted and self.events.enabled:
-            self.events.removed(h, tuple(evicted))  # type: ignore[arg-type]
+        if evicted and self.events.tracks_evictions:
+            self.events.evicted(h, tuple(evicted))  # type: ignore[arg-type]
 
     # -- mutation -----------------------------------------------------------------------------
     def allocate(self, group_id: int, n: int) -> list[int]:
@@ -271,8 +271,8 @@ class ArenaPool(ArenaFits, BlockPool):
                     ccf[c] = 0
                     if ho == g:
                         evicted.append(hx)
-                    elif self.events.enabled:
-                        self.events.removed(ho, (hx,))  # type: ignore[arg-type]
+                    elif self.events.tracks_evictions:
+                        self.events.evicted(ho, (hx,))  # type: ignore[arg-type]
                     self.owner[c] = g
                     crefd[c] += 1
                     blk = first[c]
@@ -331,8 +331,8 @@ class ArenaPool(ArenaFits, BlockPool):
             fc[x] = 0
             fc.move_to_end(x, last=False)
         self.used[g] += n
-        if evicted and self.events.enabled:
-            self.events.removed(g, tuple(evicted))  # type: ignore[arg-type]
+        if evicted and self.events.tracks_evictions:
+            self.events.evicted(g, tuple(evicted))  # type: ignore[arg-type]
         return out
 
     def touch(self, group_id: int, blocks: Sequence[int]) -> None:

@@ -237,9 +237,9 @@ class FreeListPool:
             refs[b] = 1
             owner[b] = group_id
             out.append(b)
-        if self.events.enabled:
+        if self.events.tracks_evictions:
             for old, h in evicted:
-                self.events.removed(old, (h,))  # type: ignore[arg-type]
+                self.events.evicted(old, (h,))  # type: ignore[arg-type]
 
     def touch(self, blocks: Sequence[int]) -> None:
         refs, fc, hit = self.refs, self.free_cached, self.hit

@@ -16,6 +16,7 @@ __all__ = [
     "ComputedBlocks",
     "StateCopy",
     "StateSlot",
+    "TierLoad",
 ]
 
 #: A block id inside one group's id space (``0`` is the null block).
@@ -63,6 +64,16 @@ class ComputedBlocks(NamedTuple):
     junction_tokens: int
 
 
+class TierLoad(NamedTuple):
+    """Copy the block with hash ``block_hash`` of group ``group_id`` from lower tier ``tier``
+    (``host`` or ``disk``) into device block ``block`` before the step reads it."""
+
+    group_id: int
+    block: BlockId
+    tier: str
+    block_hash: BlockHash
+
+
 class AllocationResult(NamedTuple):
     """What one successful ``allocate_slots`` call changed.
 
@@ -72,10 +83,13 @@ class AllocationResult(NamedTuple):
     perform before the step runs (restore a cached checkpoint into the running slot).
     ``zero_before``: state slots to zero before the step (a fresh running state).
     ``copies_after``: state copies to perform after the step ran (save the running state into
-    a checkpoint slot).
+    a checkpoint slot).  ``loads``: blocks of the hit read back from a lower tier
+    (:class:`~hybridkv.cache.tiers.TierLoad`), to copy into their device blocks before
+    ``copies_before`` and before the step reads them.
     """
 
     new_block_ids: tuple[tuple[BlockId, ...], ...]
     copies_before: tuple[StateCopy, ...]
     zero_before: tuple[StateSlot, ...]
     copies_after: tuple[StateCopy, ...]
+    loads: tuple[TierLoad, ...] = ()

@@ -70,6 +70,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="use the first N requests (default: all of a trace, 400 of a synthetic workload)",
     )
+    parser.add_argument(
+        "--host-memory",
+        default=None,
+        metavar="SIZE",
+        help="a host-memory tier below the device: blocks the device evicts are written back "
+        "to it and hits read them back (default: none)",
+    )
+    parser.add_argument(
+        "--disk-memory",
+        default=None,
+        metavar="SIZE",
+        help="a disk tier below the host tier (or the device): what the tier above evicts "
+        "(default: none)",
+    )
     add_max_model_len(parser)
     add_block_options(parser, kernel=True)
     add_pool_options(parser)
@@ -196,6 +210,12 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     memory = parse_bytes(args.memory, field="--memory")
+    host = (
+        None if args.host_memory is None else parse_bytes(args.host_memory, field="--host-memory")
+    )
+    disk = (
+        None if args.disk_memory is None else parse_bytes(args.disk_memory, field="--disk-memory")
+    )
     alignment = parse_bytes(args.chunk_alignment, field="--chunk-alignment")
     ratios = parse_ratios(args.pool_ratios)
     name = model_name(args, DEFAULT_MODEL)
@@ -221,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
             window_retention=args.window_retention,
             publish=args.publish,
             checkpoint_admission=args.checkpoint_admission,
+            host_memory_bytes=host,
+            disk_memory_bytes=disk,
         )
         for strategy in strategies
     ]
@@ -271,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(title)
         print(format_summary_table(results, failures))
+        for r in results:
+            for line in _tier_lines(r):
+                print(line)
         for f in failures:
             print(f"{f.strategy}: n/a: {f.reason}")
         print(interpretation(results, failures))
@@ -278,3 +303,20 @@ def run(args: argparse.Namespace) -> int:
         out = write_report(results, report_dir, title=title, failures=failures)
         print(f"report written to {out / 'index.html'}", file=sys.stderr)
     return 0
+
+
+def _tier_lines(result: SimResult) -> list[str]:
+    """One line per lower tier: hit tokens read back from it, bytes written and read."""
+    from hybridkv.units import format_bytes
+
+    lines = []
+    for name, st in result.tiers.items():
+        tokens = result.tier_hit_tokens.get(name, 0)
+        share = tokens / result.prompt_tokens if result.prompt_tokens else 0.0
+        lines.append(
+            f"{result.strategy} {name} tier: {format_bytes(st['capacity_bytes'])}, "
+            f"{tokens} prompt tokens read back ({share:.1%} of all), "
+            f"{format_bytes(st['stored_bytes'])} written, {format_bytes(st['loaded_bytes'])} "
+            f"read, {st['dropped']} blocks dropped"
+        )
+    return lines

@@ -8,8 +8,15 @@ The model is a roofline estimate, per step::
     bytes = active_weight_bytes                                  (weights read once per step)
           + sum over requests of the cache bytes its queries read (windows and states counted
             by each layer's own rule) + the new tokens' cache bytes written
-    time  = max(flops / (peak_flops * mfu), bytes / (hbm_bandwidth * bw_efficiency))
+    time  = max(flops / (peak_flops * mfu), bytes / (hbm_bandwidth * bw_efficiency),
+                loads)
           + step_overhead
+    loads = host bytes read back / host_bandwidth + disk bytes / disk_bandwidth
+            (+ disk_latency when the step reads the disk)
+
+Lower-tier loads run on their own copy engine and overlap the step's compute: a step waits
+for them only when they take longer (a simplification: a real engine would run the other
+requests meanwhile).
 
 State layers cost a constant per token (their state is read and written once per step, and
 their per-token work is in ``active_params``).  The numbers are estimates for comparing
@@ -39,12 +46,19 @@ class Accelerator:
     mfu: float = 0.5
     bw_efficiency: float = 0.8
     step_overhead_s: float = 0.0005
+    #: Host memory <-> device bytes/s (PCIe 5.0 x16 measured ~55 GB/s; 4.0: ~25 GB/s).
+    host_bandwidth: float = 50e9
+    #: Disk (local NVMe) read bytes/s and per-step access latency.
+    disk_bandwidth: float = 6e9
+    disk_latency_s: float = 0.0001
 
 
 ACCELERATORS: dict[str, Accelerator] = {
     "h100": Accelerator(name="H100 SXM", peak_flops=989e12, hbm_bandwidth=3.35e12),
     "h200": Accelerator(name="H200 SXM", peak_flops=989e12, hbm_bandwidth=4.8e12),
-    "a100": Accelerator(name="A100 SXM 80GB", peak_flops=312e12, hbm_bandwidth=2.04e12),
+    "a100": Accelerator(
+        name="A100 SXM 80GB", peak_flops=312e12, hbm_bandwidth=2.04e12, host_bandwidth=24e9
+    ),
 }
 
 
@@ -142,8 +156,17 @@ class StepCostModel:
             counts[key] = counts.get(key, 0) + 1
         self._attn = [(w, qk, bpt, n) for (w, qk, bpt), n in counts.items()]
 
-    def step_seconds(self, items: list[tuple[int, int]]) -> float:
-        """Time of a step computing, per request, ``(start, num_new_tokens)``."""
+    def load_seconds(self, host_bytes: int, disk_bytes: int) -> float:
+        """Time to read ``host_bytes`` from host memory and ``disk_bytes`` from disk."""
+        a = self.accel
+        t = host_bytes / a.host_bandwidth
+        if disk_bytes:
+            t += disk_bytes / a.disk_bandwidth + a.disk_latency_s
+        return t
+
+    def step_seconds(self, items: list[tuple[int, int]], load_s: float = 0.0) -> float:
+        """Time of a step computing, per request, ``(start, num_new_tokens)``, whose lower-tier
+        loads take ``load_s`` (overlapped with the step)."""
         if not items:
             return 0.0
         new_total = 0
@@ -173,4 +196,4 @@ class StepCostModel:
         a = self.accel
         compute = flops / (a.peak_flops * a.mfu)
         memory = (weight_bytes + kv_bytes) / (a.hbm_bandwidth * a.bw_efficiency)
-        return max(compute, memory) + a.step_overhead_s
+        return max(compute, memory, load_s) + a.step_overhead_s

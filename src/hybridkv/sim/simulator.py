@@ -10,13 +10,13 @@ once) and steps.  No torch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.cache import KVCacheManager
+from hybridkv.cache import KVCacheManager, TierLoad, TierSpec
 from hybridkv.errors import HybridKVError
-from hybridkv.plan import Strategy, make_plan
+from hybridkv.plan import MemoryLayout, Strategy, make_plan
 from hybridkv.plan.options import DEFAULT_CHUNK_ALIGNMENT
 from hybridkv.plan.result import Plan
 from hybridkv.scheduler import Scheduler, SchedulerConfig
@@ -66,8 +66,23 @@ class SimConfig:
     window_retention: str = "tails"
     publish: str = "scheduled"
     checkpoint_admission: str = "yield"
+    host_memory_bytes: int | None = None
+    disk_memory_bytes: int | None = None
+
+    def tiers(self) -> tuple[TierSpec, ...]:
+        """The lower tiers these settings ask for (host, then disk)."""
+        out = []
+        if self.host_memory_bytes:
+            out.append(TierSpec("host", self.host_memory_bytes))
+        if self.disk_memory_bytes:
+            out.append(TierSpec("disk", self.disk_memory_bytes))
+        return tuple(out)
 
     def __post_init__(self) -> None:
+        for name in ("host_memory_bytes", "disk_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise SimulationError(f"{name}: must be a positive byte count, got {value!r}")
         if self.accelerator not in ACCELERATORS:
             valid = ", ".join(sorted(ACCELERATORS))
             raise SimulationError(
@@ -134,6 +149,10 @@ class SimResult:
     #: :meth:`KVCacheManager.checkpoint_admission_report` at the end (None: no state group,
     #: or every checkpoint saved).
     checkpoint_admission: dict[str, dict[str, float | bool]] | None = None
+    #: Per lower tier: prompt tokens of admissions read back from it (part of
+    #: ``cached_tokens``), and :meth:`KVCacheManager.tier_stats` at the end.
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -174,6 +193,11 @@ class SimResult:
             "manager_us_per_step": self.manager_us_per_step,
             "wall_time_s": self.wall_time_s,
             "checkpoint_admission": self.checkpoint_admission,
+            "tier_hit_rates": {
+                k: v / self.prompt_tokens if self.prompt_tokens else 0.0
+                for k, v in self.tier_hit_tokens.items()
+            },
+            "tiers": self.tiers,
         }
 
 
@@ -264,6 +288,7 @@ def simulate(
         window_retention=config.window_retention,
         checkpoint_admission=config.checkpoint_admission,
         group_hit_stats=True,  # the report's per-group hit rates
+        tiers=config.tiers(),
     )
     sched = Scheduler(
         mgr,
@@ -297,6 +322,7 @@ def simulate(
     idx = 0
     wall0 = time.perf_counter()
     admitted_hits: dict[str, int] = {}
+    tier_tokens = {"host": 0, "disk": 0}
 
     while idx < len(reqs) or sched.has_unfinished():
         while idx < len(reqs) and (
@@ -340,13 +366,17 @@ def simulate(
                 clock = max(clock, reqs[idx].arrival_ms / 1000.0)
             continue
         steps += 1
+        moved = {"host": 0, "disk": 0}
         for item in out.scheduled:
             if item.num_cached_tokens and item.request_id not in admitted_hits:
                 admitted_hits[item.request_id] = item.num_cached_tokens
+                if item.allocation.loads:
+                    _count_loads(item.allocation.loads, layout, moved, tier_tokens)
             elif item.request_id not in admitted_hits:
                 admitted_hits[item.request_id] = 0
             computed += item.num_new_tokens
-        clock += cost.step_seconds([(s.start, s.num_new_tokens) for s in out.scheduled])
+        load_s = cost.load_seconds(moved["host"], moved["disk"]) if any(moved.values()) else 0.0
+        clock += cost.step_seconds([(s.start, s.num_new_tokens) for s in out.scheduled], load_s)
         sampled: dict[str, int] = {}
         for item in out.scheduled:
             if item.samples:
@@ -421,4 +451,25 @@ def simulate(
         manager_us_per_step=manager_ns / 1000.0 / steps if steps else 0.0,
         timeline=timeline,
         checkpoint_admission=mgr.checkpoint_admission_report(),
+        tier_hit_tokens={k: v for k, v in tier_tokens.items() if k in mgr.tier_stats()},
+        tiers=mgr.tier_stats(),
     )
+
+
+def _count_loads(
+    loads: Sequence[TierLoad],
+    layout: MemoryLayout,
+    moved: dict[str, int],
+    tier_tokens: dict[str, int],
+) -> None:
+    """Add an admission's loads to the step's bytes per tier, and the hit tokens they served
+    to the per-tier counts (attributed through the group that loaded the most tokens)."""
+    per_group: dict[int, dict[str, int]] = {}
+    for load in loads:
+        group = layout.groups[load.group_id]
+        moved[load.tier] += group.block_bytes
+        counts = per_group.setdefault(load.group_id, {"host": 0, "disk": 0})
+        counts[load.tier] += group.block_size
+    best = max(per_group.values(), key=lambda c: c["host"] + c["disk"])
+    for tier, n in best.items():
+        tier_tokens[tier] += n

@@ -138,7 +138,7 @@ class FullAttentionManager(_AttentionManager):
 
     def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
         # Left to right in slices of 64 blocks, each looked up at C speed, up to the first miss.
-        k, contains = self.stride, self.map.__contains__
+        k, contains = self.stride, self.hit_map.__contains__
         end = bound // self.block_size
         n = 0
         while n < end:
@@ -152,7 +152,8 @@ class FullAttentionManager(_AttentionManager):
 
     def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
         k = self.stride
-        return list(map(self.map.__getitem__, hashes[k - 1 : (length // self.block_size) * k : k]))
+        m = self.hit_map
+        return list(map(m.__getitem__, hashes[k - 1 : (length // self.block_size) * k : k]))
 
     def plan(
         self,
@@ -234,7 +235,7 @@ class _WindowedManager(_AttentionManager):
     def _flags(self, hashes: Sequence[int], top: int) -> bytes:
         """``flags[i] == 1`` iff block ``i`` (< ``top``) of the request is cached here."""
         k = self.stride
-        return bytes(map(self.map.__contains__, hashes[k - 1 : top * k : k]))
+        return bytes(map(self.hit_map.__contains__, hashes[k - 1 : top * k : k]))
 
     def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
         # Candidates right to left; a miss at block z rules out every candidate whose window
@@ -260,7 +261,7 @@ class _WindowedManager(_AttentionManager):
         return 0
 
     def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
-        k, m = self.stride, self.map
+        k, m = self.stride, self.hit_map
         n = length // self.block_size
         sb = min(self.sink_blocks, n)
         lo = min(max(self.first_kept_block(length), sb), n)
@@ -361,7 +362,7 @@ class SlidingWindowManager(_WindowedManager):
         j -= j % ab
         if not j:
             return 0
-        k, m = self.stride, self.map
+        k, m = self.stride, self.hit_map
         if all(
             hashes[(i + 1) * k - 1] in m
             for i in (*range(min(sb, j)), *range(max(j - reach, sb), j))

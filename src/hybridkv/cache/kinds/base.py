@@ -133,6 +133,9 @@ class KindManager(ABC):
         self.refs = pool.refs[g]
         self.block_hashes = pool.hashes[g]
         self.map = pool.maps[g]
+        #: What hit lookups read: the device map, or a :class:`~hybridkv.cache.tiers.TieredMap`
+        #: over it and the lower tiers (tier-only hashes map to the load marker ``-1``).
+        self.hit_map: Any = self.map
         self.block_bytes = group.block_bytes
         self._configure()
 
@@ -215,6 +218,26 @@ class KindManager(ABC):
     def credit_hit(self, hit: Sequence[int], tokens: int) -> None:  # noqa: B027
         """Hook when a request is admitted with a hit of ``tokens`` on the blocks ``hit``
         (state kinds credit the checkpoint's admission reason)."""
+
+    def tier_spots(
+        self, hashes: Sequence[int], length: int, hit: Sequence[int]
+    ) -> list[tuple[int, int]]:
+        """``(table index, hash)`` of every lower-tier block (marker ``-1``) of a hit of
+        ``length`` tokens whose blocks here are ``hit``."""
+        k = self.stride
+        return [(j, hashes[(j + 1) * k - 1]) for j, b in enumerate(hit) if b < 0]
+
+    def install_loaded(
+        self, st: GroupState, spots: Sequence[tuple[int, int]], blocks: Sequence[int]
+    ) -> list[tuple[int, int, int]]:
+        """Put the device blocks ``blocks`` allocated for the tier blocks at ``spots`` where
+        the hit's markers are; returns the ``(index, block, hash)`` items to publish."""
+        table = st.table
+        items = []
+        for (j, h), b in zip(spots, blocks, strict=True):
+            table[j] = b
+            items.append((j, b, h))
+        return items
 
     def apply_touch(self, st: GroupState, plan: StepPlan) -> None:
         """Phase 2: reference the hit blocks."""

@@ -54,13 +54,13 @@ class StateManager(KindManager):
         bs, ab = self.block_size, self.align_blocks
         step = ab * self.stride
         top = bound // bs // ab  # aligned candidates 1..top
-        flags = bytes(map(self.map.__contains__, hashes[step - 1 : top * step : step]))
+        flags = bytes(map(self.hit_map.__contains__, hashes[step - 1 : top * step : step]))
         return (flags.rfind(1) + 1) * ab * bs
 
     def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
         if not length:
             return []
-        return [self.map[hashes[(length // self.block_size) * self.stride - 1]]]
+        return [self.hit_map[hashes[(length // self.block_size) * self.stride - 1]]]
 
     def _checkpoint_hash(self, request: Request, end: int) -> int | None:
         """Hash of the block ending at token ``end``, or None when its tokens are unknown."""
@@ -144,8 +144,24 @@ class StateManager(KindManager):
             for _, b, _ in items:
                 adm.checkpoint_published(self.reasons[b], self.block_bytes)
 
+    def tier_spots(
+        self, hashes: Sequence[int], length: int, hit: Sequence[int]
+    ) -> list[tuple[int, int]]:
+        j = length // self.block_size
+        return [(j - 1, hashes[j * self.stride - 1])] if hit and hit[0] < 0 else []
+
+    def install_loaded(
+        self, st: GroupState, spots: Sequence[tuple[int, int]], blocks: Sequence[int]
+    ) -> list[tuple[int, int, int]]:
+        # The loaded checkpoint is the hit's source slot: copied into the running slot by
+        # copies_before (after the load), released at the next allocation.
+        [(j, h)], [b] = spots, blocks
+        st.source = b
+        self.reasons[b] = 0
+        return [(j, b, h)]
+
     def credit_hit(self, hit: Sequence[int], tokens: int) -> None:
-        if hit and self.admission is not None:
+        if hit and hit[0] > 0 and self.admission is not None:
             self.admission.checkpoint_hit(self.reasons[hit[0]], tokens)
 
     def apply_release(

@@ -1,0 +1,239 @@
+"""Lower cache tiers (host memory, disk): where blocks the device evicts go, and come back from.
+
+Bookkeeping only (no bytes, no torch): which ``(group, block hash)`` each tier holds, in what
+eviction order, against a byte capacity.  The storage layer moves the bytes as the manager's
+load and store instructions say.
+
+* **Write-back on eviction.**  When the device pool evicts a cached block to reuse it, the
+  block's hash goes to the first tier (its data still sits in the device block: the copy must
+  be taken before the block's next write, which the runner orders).  A tier that is full
+  evicts its least recently used entry into the next tier, and the last tier drops it.
+* **Lookups** see the union: a group serves a position when its block is on the device or in
+  any tier (:class:`TieredMap`), so the coordinator's fixed point is unchanged.
+* **Loads.**  A hit on a tier block gets a fresh device block, published under the hash at
+  once, and a :class:`TierLoad` in :attr:`~hybridkv.cache.types.AllocationResult.loads`; the
+  runner must complete the copy before the step reads the block.  Tiers are inclusive: the
+  entry stays where it was (refreshed), so evicting the device copy again writes nothing.
+
+Example: two tiers, one block of group 0 (1 KiB) evicted by the device::
+
+    >>> stack = TierStack([TierSpec("host", 4096), TierSpec("disk", 1 << 20)], [1024])
+    >>> stack.evicted(0, (7,))
+    >>> stack.where(0, 7), stack.tiers[0].used_bytes
+    ('host', 1024)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.cache.types import TierLoad
+from hybridkv.errors import InvariantError, PlanError
+
+__all__ = ["TIER_NAMES", "Tier", "TierLoad", "TierSpec", "TierStack", "TieredMap"]
+
+#: Tier names, top (nearest the device) first.
+TIER_NAMES = ("host", "disk")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One lower tier: ``name`` (``host`` or ``disk``) and its capacity in bytes (> 0)."""
+
+    name: str
+    capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.name not in TIER_NAMES:
+            raise PlanError(
+                f"TierSpec.name: unknown tier {self.name!r}; valid: {', '.join(TIER_NAMES)}"
+            )
+        cap = self.capacity_bytes
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+            raise PlanError(
+                f"TierSpec.capacity_bytes: the {self.name} tier needs a positive byte count, "
+                f"got {cap!r}"
+            )
+
+
+class Tier:
+    """One tier's entries: per group ``hash -> None`` plus one LRU over all of them."""
+
+    __slots__ = (
+        "block_bytes",
+        "capacity_bytes",
+        "dropped",
+        "keys",
+        "loaded",
+        "loaded_bytes",
+        "lru",
+        "name",
+        "stored",
+        "stored_bytes",
+        "used_bytes",
+    )
+
+    def __init__(self, spec: TierSpec, block_bytes: Sequence[int]) -> None:
+        self.name = spec.name
+        self.capacity_bytes = spec.capacity_bytes
+        self.block_bytes = list(block_bytes)
+        self.keys: list[dict[int, None]] = [{} for _ in block_bytes]
+        self.lru: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.used_bytes = 0
+        #: Blocks written into / loaded from / dropped by this tier, and bytes moved.
+        self.stored = self.loaded = self.dropped = 0
+        self.stored_bytes = self.loaded_bytes = 0
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key[1] in self.keys[key[0]]
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+
+class TieredMap:
+    """Group ``g``'s device ``hash -> block`` map seen through the lower tiers: a hash held
+    only by a tier is present with block ``-1`` (a load marker)."""
+
+    __slots__ = ("device", "lower")
+
+    def __init__(self, device: dict[int, int], lower: list[dict[int, None]]) -> None:
+        self.device = device
+        self.lower = lower
+
+    def __contains__(self, h: object) -> bool:
+        if h in self.device:
+            return True
+        return any(h in keys for keys in self.lower)
+
+    def __getitem__(self, h: int) -> int:
+        b = self.device.get(h)
+        if b is not None:
+            return b
+        for keys in self.lower:
+            if h in keys:
+                return -1
+        raise KeyError(h)
+
+    def get(self, h: int, default: Any = None) -> Any:
+        try:
+            return self[h]
+        except KeyError:
+            return default
+
+
+class TierStack:
+    """The lower tiers of one cache, top first, over a layout's groups (``block_bytes[g]``:
+    the bytes one block of group ``g`` takes in a tier)."""
+
+    def __init__(self, specs: Sequence[TierSpec], block_bytes: Sequence[int]) -> None:
+        names = [s.name for s in specs]
+        if (
+            not specs
+            or len(set(names)) != len(names)
+            or names != sorted(names, key=TIER_NAMES.index)
+        ):
+            raise PlanError(
+                f"tiers: {names} must be distinct tiers in order {', '.join(TIER_NAMES)}"
+            )
+        self.tiers = [Tier(s, block_bytes) for s in specs]
+        self.num_groups = len(block_bytes)
+
+    def view(self, group_id: int, device: dict[int, int]) -> TieredMap:
+        """Group ``group_id``'s lookup map over ``device`` and every tier."""
+        return TieredMap(device, [t.keys[group_id] for t in self.tiers])
+
+    def where(self, group_id: int, h: int) -> str | None:
+        """The top tier holding hash ``h`` of group ``group_id`` (None: no tier)."""
+        for t in self.tiers:
+            if h in t.keys[group_id]:
+                return t.name
+        return None
+
+    # -- mutation -----------------------------------------------------------------------------
+    def evicted(self, group_id: int, hashes: Sequence[int]) -> None:
+        """The device evicted these blocks of ``group_id``: write them back to the top tier."""
+        for h in hashes:
+            self._put(0, group_id, h)
+
+    def _put(self, level: int, g: int, h: int) -> None:
+        t = self.tiers[level]
+        key = (g, h)
+        if h in t.keys[g]:
+            t.lru.move_to_end(key)
+            return
+        size = t.block_bytes[g]
+        if size > t.capacity_bytes:
+            if level + 1 < len(self.tiers):
+                self._put(level + 1, g, h)
+            return
+        while t.used_bytes + size > t.capacity_bytes:
+            og, oh = t.lru.popitem(last=False)[0]
+            del t.keys[og][oh]
+            t.used_bytes -= t.block_bytes[og]
+            t.dropped += 1
+            if level + 1 < len(self.tiers):
+                self._put(level + 1, og, oh)
+        t.lru[key] = None
+        t.keys[g][h] = None
+        t.used_bytes += size
+        t.stored += 1
+        t.stored_bytes += size
+
+    def load_hash(self, group_id: int, h: int) -> str:
+        """A hit reads hash ``h`` of ``group_id`` back: refresh its entry (most recently
+        used) and return the name of the tier it is read from."""
+        for t in self.tiers:
+            if h in t.keys[group_id]:
+                t.lru.move_to_end((group_id, h))
+                t.loaded += 1
+                t.loaded_bytes += t.block_bytes[group_id]
+                return t.name
+        raise InvariantError(f"tiers: group {group_id} hash {h:#x} is in no tier")
+
+    def clear(self) -> None:
+        """Forget every entry (a prefix-cache reset)."""
+        for t in self.tiers:
+            for keys in t.keys:
+                keys.clear()
+            t.lru.clear()
+            t.used_bytes = 0
+
+    # -- reporting ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: capacity, bytes and blocks held, blocks stored, loaded and dropped, and the
+        bytes stored and loaded."""
+        return {
+            t.name: {
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "blocks": len(t.lru),
+                "stored": t.stored,
+                "loaded": t.loaded,
+                "dropped": t.dropped,
+                "stored_bytes": t.stored_bytes,
+                "loaded_bytes": t.loaded_bytes,
+            }
+            for t in self.tiers
+        }
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` when a tier's keys, LRU and byte count disagree."""
+        for t in self.tiers:
+            keys = {(g, h) for g, d in enumerate(t.keys) for h in d}
+            if keys != set(t.lru):
+                raise InvariantError(f"tiers: {t.name} keys and LRU differ")
+            used = sum(t.block_bytes[g] for g, _ in t.lru)
+            if used != t.used_bytes:
+                raise InvariantError(f"tiers: {t.name} counts {t.used_bytes} B, holds {used} B")
+            if used > t.capacity_bytes:
+                raise InvariantError(
+                    f"tiers: {t.name} holds {used} B over its capacity {t.capacity_bytes} B"
+                )
+
+    def snapshot(self) -> Any:
+        """A comparable copy of every tier's entries in eviction order."""
+        return tuple((t.name, tuple(t.lru), t.used_bytes) for t in self.tiers)
