@@ -1,0 +1,167 @@
+"""Lower cache tiers in the manager: write-back of evictions, lookups, loads (exact ids)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.cache import KVCacheManager, TierLoad, TierSpec
+from hybridkv.cache.tiers import TierStack
+from hybridkv.errors import PlanError
+from hybridkv.plan import MemoryLayout
+from test_cache_factories import admit, full, groups, layout_for, pools, state, swa, tokens
+
+
+def _mgr(layout: MemoryLayout, *tiers: TierSpec) -> KVCacheManager:
+    return KVCacheManager(layout, hasher="builtin", tiers=tiers, checkpoint_admission="all")
+
+
+def _run(
+    mgr: KVCacheManager, rid: str, prompt: list[int], first: int | None = None
+) -> tuple[int, tuple[TierLoad, ...]]:
+    """Admit ``prompt`` (a first step of ``first`` tokens, then the rest), compute it, free
+    it; returns (hit tokens, the first allocation's loads)."""
+    req = mgr.make_request(rid, prompt)
+    hit, res = admit(mgr, req, first)
+    assert res is not None
+    req.num_computed_tokens = req.num_tokens if first is None else hit.num_computed_tokens + first
+    if req.num_computed_tokens < req.num_tokens:
+        assert mgr.allocate_slots(req, req.num_tokens - req.num_computed_tokens) is not None
+        req.num_computed_tokens = req.num_tokens
+    mgr.free(rid)
+    mgr.check_invariants()
+    return hit.num_computed_tokens, res.loads
+
+
+def test_evicted_blocks_come_back_from_the_host_tier() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)  # 4 usable blocks
+    bb = layout.groups[0].block_bytes
+    mgr = _mgr(layout, TierSpec("host", 6 * bb))
+    assert _run(mgr, "a", tokens(13)) == (0, ())
+    assert _run(mgr, "b", tokens(13, 100)) == (0, ())  # evicts a's 3 cached blocks
+    assert mgr.tier_stats()["host"]["blocks"] == 3
+    req = mgr.make_request("c", tokens(13))
+    hit = mgr.get_computed_blocks(req)
+    assert hit.num_computed_tokens == 12
+    assert hit.blocks == ((-1, -1, -1),)  # read back from a tier
+    res = mgr.allocate_slots(req, 1, num_new_computed_tokens=12, new_computed_blocks=hit)
+    assert res is not None
+    hashes = req.block_hashes
+    assert res.loads == tuple(
+        TierLoad(0, b, "host", hashes[j]) for j, b in zip(range(3), (1, 2, 3), strict=True)
+    )
+    assert mgr.get_block_ids("c") == ([1, 2, 3, 4],)
+    assert res.new_block_ids == ((4,),)
+    mgr.check_invariants()
+    st = mgr.tier_stats()["host"]
+    # b's blocks went down when c took the device blocks back; a's entries stay (inclusive).
+    assert (st["blocks"], st["stored"], st["loaded"], st["dropped"]) == (6, 6, 3, 0)
+
+
+def test_a_full_host_tier_cascades_to_disk_and_loads_name_it() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)
+    bb = layout.groups[0].block_bytes
+    mgr = _mgr(layout, TierSpec("host", bb), TierSpec("disk", 2 * bb))
+    _run(mgr, "a", tokens(9))  # 2 cached blocks
+    _run(mgr, "b", tokens(13, 100))  # 4 blocks: evicts a's 2 (one stays in host, one -> disk)
+    stats = mgr.tier_stats()
+    assert (stats["host"]["blocks"], stats["disk"]["blocks"]) == (1, 1)
+    assert stats["host"]["dropped"] == 1
+    hit, loads = _run(mgr, "c", tokens(9))
+    assert hit == 8
+    assert sorted(load.tier for load in loads) == ["disk", "host"]
+
+
+def test_a_block_larger_than_the_host_tier_goes_straight_to_disk() -> None:
+    stack = TierStack([TierSpec("host", 100), TierSpec("disk", 1000)], [300])
+    stack.evicted(0, (1, 2))
+    assert [len(t) for t in stack.tiers] == [0, 2]
+    assert stack.where(0, 1) == "disk"
+    stack.evicted(0, (3, 4))  # disk holds 3 blocks of 300 B: the oldest is dropped
+    assert stack.where(0, 1) is None
+    assert stack.tiers[1].dropped == 1
+    stack.check_invariants()
+
+
+def test_state_checkpoint_read_back_then_copied_into_the_running_slot() -> None:
+    layout = pools(groups((full(), 4), (state(), 8)), [7, 3])  # 6 blocks, 2 state slots
+    bbs = [g.block_bytes for g in layout.groups]
+    mgr = _mgr(layout, TierSpec("host", 20 * max(bbs)))
+    _run(mgr, "a", tokens(17), first=16)  # a checkpoint at 16
+    _run(mgr, "b", tokens(17, 100), first=16)
+    assert mgr.tier_stats()["host"]["blocks"] > 0
+    req = mgr.make_request("c", tokens(17))
+    hit, res = admit(mgr, req)
+    assert res is not None and hit.num_computed_tokens == 16
+    state_loads = [load for load in res.loads if load.group_id == 1]
+    assert len(state_loads) == 1
+    [load] = state_loads
+    assert load.block_hash == req.block_hashes[16 // 4 - 1]
+    running = mgr.get_block_ids("c")[1][0]
+    assert [(c.src, c.dst) for c in res.copies_before] == [(load.block, running)]
+    mgr.check_invariants()
+
+
+def test_sliding_window_reads_back_only_its_window() -> None:
+    layout = layout_for("pools", groups((swa(4), 4), (full(), 4)), 6)
+    mgr = _mgr(layout, TierSpec("host", 40 * layout.groups[0].block_bytes))
+    _run(mgr, "a", tokens(21))
+    _run(mgr, "b", tokens(21, 100))
+    _run(mgr, "b2", tokens(21, 200))
+    req = mgr.make_request("c", tokens(21))
+    hit = mgr.get_computed_blocks(req)
+    assert hit.num_computed_tokens == 20
+    window = hit.blocks[0]
+    assert window[:4] == (0, 0, 0, 0) and window[4] != 0  # the window: the last block only
+    mgr.allocate_slots(req, 1, num_new_computed_tokens=20, new_computed_blocks=hit)
+    mgr.check_invariants()
+
+
+def test_refused_allocation_with_a_tier_hit_changes_nothing() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)
+    mgr = _mgr(layout, TierSpec("host", 8 * layout.groups[0].block_bytes))
+    _run(mgr, "a", tokens(13))
+    _run(mgr, "b", tokens(13, 100))
+    hold = mgr.make_request("hold", tokens(9, 300))
+    admit(mgr, hold)  # holds 3 of the 4 blocks
+    req = mgr.make_request("c", tokens(13))
+    hit = mgr.get_computed_blocks(req)
+    assert hit.num_computed_tokens == 12
+    before = mgr.snapshot()
+    assert mgr.allocate_slots(req, 1, num_new_computed_tokens=12, new_computed_blocks=hit) is None
+    assert mgr.snapshot() == before
+
+
+def test_reset_clears_the_tiers() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)
+    mgr = _mgr(layout, TierSpec("host", 8 * layout.groups[0].block_bytes))
+    _run(mgr, "a", tokens(13))
+    _run(mgr, "b", tokens(13, 100))
+    assert mgr.tier_stats()["host"]["blocks"] == 3
+    assert mgr.reset_prefix_cache()
+    assert mgr.tier_stats()["host"]["blocks"] == 0
+    assert _run(mgr, "c", tokens(13)) == (0, ())
+
+
+@pytest.mark.parametrize(
+    ("specs", "match"),
+    [
+        ([TierSpec("disk", 10), TierSpec("host", 10)], "in order host, disk"),
+        ([TierSpec("host", 10), TierSpec("host", 10)], "distinct"),
+    ],
+)
+def test_tier_stack_order(specs: list[TierSpec], match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        TierStack(specs, [1])
+
+
+@pytest.mark.parametrize(
+    ("name", "cap", "match"),
+    [
+        ("ssd", 10, "unknown tier 'ssd'"),
+        ("host", 0, "positive byte count"),
+        ("disk", True, "positive byte count"),
+    ],
+)
+def test_tier_spec_validation(name: str, cap: int, match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        TierSpec(name, cap)
