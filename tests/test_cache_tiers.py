@@ -73,10 +73,10 @@ def test_a_full_host_tier_cascades_to_disk_and_loads_name_it() -> None:
 
 def test_a_block_larger_than_the_host_tier_goes_straight_to_disk() -> None:
     stack = TierStack([TierSpec("host", 100), TierSpec("disk", 1000)], [300])
-    stack.evicted(0, (1, 2))
+    stack.evicted(0, (1, 2), (5, 6))
     assert [len(t) for t in stack.tiers] == [0, 2]
     assert stack.where(0, 1) == "disk"
-    stack.evicted(0, (3, 4))  # disk holds 3 blocks of 300 B: the oldest is dropped
+    stack.evicted(0, (3, 4), (7, 8))  # disk holds 3 blocks of 300 B: the oldest is dropped
     assert stack.where(0, 1) is None
     assert stack.tiers[1].dropped == 1
     stack.check_invariants()

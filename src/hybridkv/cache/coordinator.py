@@ -107,6 +107,7 @@ class HybridCoordinator:
         window_retention: str = "tails",
         checkpoint_admission: str = "yield",
         tiers: Sequence[TierSpec] = (),
+        tier_ops: bool = False,
     ) -> None:
         if checkpoint_admission not in CHECKPOINT_ADMISSION:
             raise PlanError(
@@ -163,7 +164,9 @@ class HybridCoordinator:
         #: Lower tiers (host, disk) fed by device evictions, or None.
         self.tiers: TierStack | None = None
         if tiers:
-            self.tiers = TierStack(tiers, [g.block_bytes for g in layout.groups])
+            self.tiers = TierStack(
+                tiers, [g.block_bytes for g in layout.groups], record_ops=tier_ops
+            )
             events.set_eviction_sink(self.tiers.evicted)
             for m in self.managers:
                 m.hit_map = self.tiers.view(m.group_id, m.map)
@@ -396,6 +399,8 @@ class HybridCoordinator:
             blocks = self.pool.allocate(i, len(spots))
             items = m.install_loaded(groups[i], spots, blocks)
             m._publish(items, request)
+            for (_, h), b, name in zip(spots, blocks, names, strict=True):
+                tiers.loaded(i, h, name, b)
             loads.extend(
                 TierLoad(i, BlockId(b), name, BlockHash(h))
                 for (_, h), b, name in zip(spots, blocks, names, strict=True)

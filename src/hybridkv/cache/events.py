@@ -54,21 +54,27 @@ class EventLog:
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
         self._events: list[KVEvent] = []
-        self._sink: Callable[[int, Sequence[int]], None] | None = None
+        self._sink: Callable[[int, Sequence[int], Sequence[int]], None] | None = None
         #: Whether pools must report evictions (:meth:`evicted`): events on or a sink set.
         self.tracks_evictions = enabled
 
-    def set_eviction_sink(self, sink: Callable[[int, Sequence[int]], None] | None) -> None:
-        """Also hand every eviction to ``sink(group_id, hashes)`` (the lower cache tiers)."""
+    def set_eviction_sink(
+        self, sink: Callable[[int, Sequence[int], Sequence[int]], None] | None
+    ) -> None:
+        """Also hand every eviction to ``sink(group_id, hashes, blocks)`` (the lower cache
+        tiers; ``blocks[i]`` still holds the data of ``hashes[i]``)."""
         self._sink = sink
         self.tracks_evictions = self.enabled or sink is not None
 
-    def evicted(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
-        """The pool evicted these cached blocks of ``group_id`` to reuse them."""
+    def evicted(
+        self, group_id: int, block_hashes: tuple[BlockHash, ...], blocks: Sequence[int]
+    ) -> None:
+        """The pool evicted these cached blocks of ``group_id`` (held in ``blocks``, whose
+        data is intact until the step that reuses them runs) to reuse them."""
         if self.enabled:
             self._events.append(BlockRemoved(group_id, block_hashes))
         if self._sink is not None:
-            self._sink(group_id, block_hashes)
+            self._sink(group_id, block_hashes, blocks)
 
     def stored(
         self,

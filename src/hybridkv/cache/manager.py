@@ -43,7 +43,7 @@ from hybridkv.cache.hashing import BlockHasher, make_hasher
 from hybridkv.cache.pool_base import BlockPool
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats, StatsCollector
-from hybridkv.cache.tiers import TierSpec
+from hybridkv.cache.tiers import TierOp, TierSpec
 from hybridkv.cache.types import AllocationResult, ComputedBlocks
 from hybridkv.errors import InvariantError, RequestError
 from hybridkv.plan.layout import MemoryLayout
@@ -88,7 +88,8 @@ class KVCacheManager:
     ``tiers``: lower cache tiers (:class:`~hybridkv.cache.tiers.TierSpec`, ``host`` then
     ``disk``) that blocks the device evicts are written back to; a hit on them allocates
     device blocks and returns :attr:`AllocationResult.loads` (see :mod:`hybridkv.cache.tiers`
-    and :meth:`tier_stats`).
+    and :meth:`tier_stats`).  ``tier_ops``: also record the storage operations the tiers
+    need (stores of evicted blocks, loads, moves, drops) for :meth:`take_tier_ops`.
     """
 
     #: Skip planning an allocation that provably changes nothing (see
@@ -110,6 +111,7 @@ class KVCacheManager:
         group_hit_stats: bool = False,
         checkpoint_admission: str = "yield",
         tiers: Sequence[TierSpec] = (),
+        tier_ops: bool = False,
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -129,6 +131,7 @@ class KVCacheManager:
             window_retention=window_retention,
             checkpoint_admission=checkpoint_admission,
             tiers=tuple(tiers),
+            tier_ops=tier_ops,
         )
         self.group_hit_stats = bool(group_hit_stats)
         self._stats = StatsCollector(len(layout.groups) if group_hit_stats else 0)
@@ -404,6 +407,12 @@ class KVCacheManager:
         if ok:
             self._stats.record_reset()
         return ok
+
+    def take_tier_ops(self) -> list[TierOp]:
+        """The tier storage operations since the last call, in the order they must run
+        (empty without tiers or ``tier_ops``); run them before the step's model pass."""
+        tiers = self._coord.tiers
+        return [] if tiers is None else tiers.take_ops()
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Per lower tier: capacity, bytes and blocks held, blocks stored, loaded (hits read

@@ -209,18 +209,20 @@ class ArenaPool(ArenaFits, BlockPool):
         f = self.first[h][c]
         hashes, m = self.hashes[h], self.maps[h]
         evicted: list[int] = []
+        where: list[int] = []
         for x in range(f, f + self.bpc[h]):
             hx = hashes[x]
             if hx is not None:
                 del m[hx]
                 hashes[x] = None
                 evicted.append(hx)
+                where.append(x)
         del self.idle[h][c]
         del self.idle_all[c]
         self.chunk_cached_free[c] = 0
         self.owner[c] = -1
         if evicted and self.events.tracks_evictions:
-            self.events.evicted(h, tuple(evicted))  # type: ignore[arg-type]
+            self.events.evicted(h, tuple(evicted), where)  # type: ignore[arg-type]
 
     # -- mutation -----------------------------------------------------------------------------
     def allocate(self, group_id: int, n: int) -> list[int]:
@@ -232,6 +234,7 @@ class ArenaPool(ArenaFits, BlockPool):
         bb, cb, first = self.block_bytes[g], self.chunk_bytes, self.first[g]
         out: list[int] = []
         evicted: list[int] = []
+        where_g: list[int] = []
         drain: list[int] = []  # cached blocks of an idle chunk this call reopened
         while len(out) < n:
             if bpc == 1 and not fu and not drain and self.free_chunks:
@@ -271,8 +274,9 @@ class ArenaPool(ArenaFits, BlockPool):
                     ccf[c] = 0
                     if ho == g:
                         evicted.append(hx)
+                        where_g.append(x)
                     elif self.events.tracks_evictions:
-                        self.events.evicted(ho, (hx,))  # type: ignore[arg-type]
+                        self.events.evicted(ho, (hx,), (x,))  # type: ignore[arg-type]
                     self.owner[c] = g
                     crefd[c] += 1
                     blk = first[c]
@@ -302,6 +306,7 @@ class ArenaPool(ArenaFits, BlockPool):
                 hashes[b] = None
                 ccf[b * bb // cb] -= 1
                 evicted.append(h)
+                where_g.append(b)
             elif self.free_chunks:
                 self._carve(g, self.free_chunks.pop())
                 continue
@@ -332,7 +337,7 @@ class ArenaPool(ArenaFits, BlockPool):
             fc.move_to_end(x, last=False)
         self.used[g] += n
         if evicted and self.events.tracks_evictions:
-            self.events.evicted(g, tuple(evicted))  # type: ignore[arg-type]
+            self.events.evicted(g, tuple(evicted), where_g)  # type: ignore[arg-type]
         return out
 
     def touch(self, group_id: int, blocks: Sequence[int]) -> None:

@@ -220,7 +220,7 @@ class FreeListPool:
         )
         if n > len(fc):
             raise InvariantError(f"FreeListPool.allocate: {n} blocks wanted, {len(fc)} evictable")
-        evicted: list[tuple[int, int]] = []
+        evicted: list[tuple[int, int, int]] = []
         hit = self.hit
         for _ in range(n):
             b = fc.popitem(last=False)[0]
@@ -233,13 +233,13 @@ class FreeListPool:
             old = owner[b]
             del maps[old][h]
             hashes[b] = None
-            evicted.append((old, h))
+            evicted.append((old, h, b))
             refs[b] = 1
             owner[b] = group_id
             out.append(b)
         if self.events.tracks_evictions:
-            for old, h in evicted:
-                self.events.evicted(old, (h,))  # type: ignore[arg-type]
+            for old, h, b in evicted:
+                self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]
 
     def touch(self, blocks: Sequence[int]) -> None:
         refs, fc, hit = self.refs, self.free_cached, self.hit

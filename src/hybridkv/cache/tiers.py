@@ -18,7 +18,7 @@ load and store instructions say.
 Example: two tiers, one block of group 0 (1 KiB) evicted by the device::
 
     >>> stack = TierStack([TierSpec("host", 4096), TierSpec("disk", 1 << 20)], [1024])
-    >>> stack.evicted(0, (7,))
+    >>> stack.evicted(0, (7,), (3,))
     >>> stack.where(0, 7), stack.tiers[0].used_bytes
     ('host', 1024)
 """
@@ -28,12 +28,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridkv.cache.types import TierLoad
 from hybridkv.errors import InvariantError, PlanError
 
-__all__ = ["TIER_NAMES", "Tier", "TierLoad", "TierSpec", "TierStack", "TieredMap"]
+__all__ = [
+    "TIER_NAMES",
+    "Tier",
+    "TierLoad",
+    "TierOp",
+    "TierSpec",
+    "TierStack",
+    "TieredMap",
+    "tier_hit_tokens",
+]
 
 #: Tier names, top (nearest the device) first.
 TIER_NAMES = ("host", "disk")
@@ -57,6 +66,24 @@ class TierSpec:
                 f"TierSpec.capacity_bytes: the {self.name} tier needs a positive byte count, "
                 f"got {cap!r}"
             )
+
+
+class TierOp(NamedTuple):
+    """One thing tier storage must do, in stream order.
+
+    ``store``: copy device ``block`` of group ``group_id`` (holding ``block_hash``) into tier
+    ``tier``; ``load``: copy tier ``tier``'s entry into device ``block``; ``move``: move the
+    entry from ``tier`` to ``dest``; ``drop``: delete the entry from ``tier``; ``clear``:
+    delete everything.  A store or load must run before the step that reuses or reads the
+    device block, and in this order relative to the others.
+    """
+
+    op: str
+    tier: str
+    group_id: int
+    block_hash: int
+    block: int
+    dest: str = ""
 
 
 class Tier:
@@ -129,7 +156,9 @@ class TierStack:
     """The lower tiers of one cache, top first, over a layout's groups (``block_bytes[g]``:
     the bytes one block of group ``g`` takes in a tier)."""
 
-    def __init__(self, specs: Sequence[TierSpec], block_bytes: Sequence[int]) -> None:
+    def __init__(
+        self, specs: Sequence[TierSpec], block_bytes: Sequence[int], *, record_ops: bool = False
+    ) -> None:
         names = [s.name for s in specs]
         if (
             not specs
@@ -141,6 +170,9 @@ class TierStack:
             )
         self.tiers = [Tier(s, block_bytes) for s in specs]
         self.num_groups = len(block_bytes)
+        #: With ``record_ops``: what storage must do, in order (:meth:`take_ops`).
+        self.record_ops = record_ops
+        self.ops: list[TierOp] = []
 
     def view(self, group_id: int, device: dict[int, int]) -> TieredMap:
         """Group ``group_id``'s lookup map over ``device`` and every tier."""
@@ -154,21 +186,28 @@ class TierStack:
         return None
 
     # -- mutation -----------------------------------------------------------------------------
-    def evicted(self, group_id: int, hashes: Sequence[int]) -> None:
-        """The device evicted these blocks of ``group_id``: write them back to the top tier."""
-        for h in hashes:
-            self._put(0, group_id, h)
+    def evicted(self, group_id: int, hashes: Sequence[int], blocks: Sequence[int]) -> None:
+        """The device evicted these blocks of ``group_id`` (``blocks[i]`` still holds
+        ``hashes[i]``): write them back to the top tier."""
+        for h, b in zip(hashes, blocks, strict=True):
+            self._put(0, group_id, h, b, None)
 
-    def _put(self, level: int, g: int, h: int) -> None:
+    def _put(self, level: int, g: int, h: int, block: int, source: str | None) -> None:
+        """Enter ``(g, h)`` into tier ``level``, from device ``block`` (``source`` None) or
+        from tier ``source``."""
         t = self.tiers[level]
         key = (g, h)
         if h in t.keys[g]:
             t.lru.move_to_end(key)
+            if source is not None and self.record_ops:
+                self.ops.append(TierOp("drop", source, g, h, 0))  # the copy here is the same
             return
         size = t.block_bytes[g]
         if size > t.capacity_bytes:
             if level + 1 < len(self.tiers):
-                self._put(level + 1, g, h)
+                self._put(level + 1, g, h, block, source)
+            elif source is not None and self.record_ops:
+                self.ops.append(TierOp("drop", source, g, h, 0))
             return
         while t.used_bytes + size > t.capacity_bytes:
             og, oh = t.lru.popitem(last=False)[0]
@@ -176,12 +215,29 @@ class TierStack:
             t.used_bytes -= t.block_bytes[og]
             t.dropped += 1
             if level + 1 < len(self.tiers):
-                self._put(level + 1, og, oh)
+                self._put(level + 1, og, oh, 0, t.name)
+            elif self.record_ops:
+                self.ops.append(TierOp("drop", t.name, og, oh, 0))
         t.lru[key] = None
         t.keys[g][h] = None
         t.used_bytes += size
         t.stored += 1
         t.stored_bytes += size
+        if self.record_ops:
+            if source is None:
+                self.ops.append(TierOp("store", t.name, g, h, block))
+            else:
+                self.ops.append(TierOp("move", source, g, h, 0, t.name))
+
+    def loaded(self, group_id: int, h: int, tier: str, block: int) -> None:
+        """Record that device ``block`` is to be filled from ``tier``'s copy of ``h``."""
+        if self.record_ops:
+            self.ops.append(TierOp("load", tier, group_id, h, block))
+
+    def take_ops(self) -> list[TierOp]:
+        """The storage operations since the last call, in the order they must run."""
+        ops, self.ops = self.ops, []
+        return ops
 
     def load_hash(self, group_id: int, h: int) -> str:
         """A hit reads hash ``h`` of ``group_id`` back: refresh its entry (most recently
@@ -196,6 +252,8 @@ class TierStack:
 
     def clear(self) -> None:
         """Forget every entry (a prefix-cache reset)."""
+        if self.record_ops:
+            self.ops.append(TierOp("clear", "", 0, 0, 0))
         for t in self.tiers:
             for keys in t.keys:
                 keys.clear()
@@ -237,3 +295,16 @@ class TierStack:
     def snapshot(self) -> Any:
         """A comparable copy of every tier's entries in eviction order."""
         return tuple((t.name, tuple(t.lru), t.used_bytes) for t in self.tiers)
+
+
+def tier_hit_tokens(loads: Sequence[TierLoad], block_sizes: Sequence[int]) -> dict[str, int]:
+    """Prompt tokens one admission's hit read back per tier, from its ``loads``
+    (``block_sizes[g]``: tokens per block of group ``g``): counted through the group that
+    loaded the most tokens, since every group serves the same hit."""
+    per_group: dict[int, dict[str, int]] = {}
+    for load in loads:
+        counts = per_group.setdefault(load.group_id, dict.fromkeys(TIER_NAMES, 0))
+        counts[load.tier] += block_sizes[load.group_id]
+    if not per_group:
+        return dict.fromkeys(TIER_NAMES, 0)
+    return max(per_group.values(), key=lambda c: sum(c.values()))

@@ -254,6 +254,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "small to gain from more; torch's default otherwise)",
     )
     parser.add_argument(
+        "--host-memory",
+        default=None,
+        metavar="SIZE",
+        help="a host-memory tier below the device cache: evicted blocks are copied there and "
+        "prefix hits read them back (default: none)",
+    )
+    parser.add_argument(
         "--speculate",
         type=int,
         default=0,
@@ -338,6 +345,9 @@ def _configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
     from hybridkv.units import parse_bytes
 
     memory = None if args.memory is None else parse_bytes(args.memory, field="--memory")
+    host = None
+    if args.host_memory is not None:
+        host = parse_bytes(args.host_memory, field="--host-memory")
     if memory is None and args.num_blocks is None:
         memory = parse_bytes(_DEFAULT_MEMORY, field="--memory")
     try:
@@ -350,6 +360,7 @@ def _configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
             state_block_size=args.state_block_size,
             max_model_len=args.max_model_len,
             attention_sinks=args.attention_sinks,
+            host_memory_bytes=host,
         )
         scheduler = SchedulerConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs)
     except HybridKVError as exc:

@@ -74,6 +74,11 @@ def summary_lines(stats: EngineStats, num_requests: int) -> list[str]:
         lines.append(
             "window blocks released: " + ", ".join(f"{label} {n}" for label, n in windowed)
         )
+    if stats.host_hit_tokens:
+        lines.append(
+            f"host tier: {stats.host_hit_tokens} of the {stats.prefix_hit_tokens} hit tokens read "
+            "back from host memory"
+        )
     if stats.draft_tokens:
         lines.append(
             f"speculative decoding: {stats.accepted_draft_tokens} of {stats.draft_tokens} draft "

@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from hybridkv.cache import PUBLISH_MODES, KVCacheManager
+from hybridkv.cache import PUBLISH_MODES, KVCacheManager, TierSpec
+from hybridkv.cache.tiers import tier_hit_tokens
 from hybridkv.engine.batch import StepBatch
 from hybridkv.engine.device import resolve_device
 from hybridkv.engine.errors import (
@@ -65,6 +66,7 @@ from hybridkv.engine.models import TINY_MODELS, load_model, tiny_config
 from hybridkv.engine.probe import probe_model, probe_model_spec, with_attention_sinks
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.speculative import SpeculativeConfig, accept_greedy
+from hybridkv.engine.tier_store import TierStore
 from hybridkv.engine.views import StorageViews
 from hybridkv.errors import HybridKVError, PlanError
 from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
@@ -122,8 +124,11 @@ class CacheConfig:
     request that every sliding-window layer reads besides its window (their blocks are never
     recycled); this changes the model's attention on purpose (long generations past the
     window keep the sinks), so outputs match the model with that mask, not the model as
-    trained.  Raises :class:`~hybridkv.errors.PlanError` when both budgets are given, a
-    count is not positive or negative where 0 is allowed, or ``publish`` is unknown.
+    trained.  ``host_memory_bytes``: a host-memory tier below the device cache: blocks the
+    device evicts are copied there and hits read them back (:mod:`hybridkv.cache.tiers`,
+    :mod:`hybridkv.engine.tier_store`).  Raises :class:`~hybridkv.errors.PlanError` when both
+    budgets are given, a
+    count is not positive (negative where 0 is allowed), or ``publish`` is unknown.
     """
 
     strategy: str = "arena"
@@ -136,9 +141,10 @@ class CacheConfig:
     chunk_alignment: int = 4096
     publish: str = "scheduled"
     attention_sinks: int = 0
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "num_blocks", "max_model_len"):
+        for name in ("memory_bytes", "num_blocks", "max_model_len", "host_memory_bytes"):
             _positive(name, getattr(self, name))
         sinks = self.attention_sinks
         if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
@@ -307,7 +313,10 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             publish=cache.publish,
             group_hit_stats=True,  # EngineStats.group_hit_tokens
+            tiers=(TierSpec("host", cache.host_memory_bytes),) if cache.host_memory_bytes else (),
+            tier_ops=True,
         )
+        self._tier_store = TierStore(self.storage) if cache.host_memory_bytes else None
         sched = scheduler or SchedulerConfig()
         if not sched.collect_block_ids:
             sched = replace(sched, collect_block_ids=True)
@@ -341,9 +350,11 @@ class LLMEngine:
                 "drafted",
                 "accepted",
                 "rewinds",
+                "host",
             ),
             0,
         )
+        self._block_sizes = [g.block_size for g in self.layout.groups]
         self._seconds = 0.0
         self._model_seconds = 0.0
         self._next_id = 0
@@ -407,6 +418,12 @@ class LLMEngine:
                 )
             self._seconds += time.perf_counter() - start
             return []
+        if self._tier_store is not None:  # evicted blocks out, hits back in, before the pass
+            self._tier_store.apply(self.manager.take_tier_ops())
+            sizes = self._block_sizes
+            for item in out.scheduled:
+                if item.allocation.loads:
+                    self._counts["host"] += tier_hit_tokens(item.allocation.loads, sizes)["host"]
         admitted = [i.request_id for i in out.scheduled if i.request_id not in running]
         self._tracker.record_step(
             out,
@@ -559,6 +576,7 @@ class LLMEngine:
             draft_tokens=c["drafted"],
             accepted_draft_tokens=c["accepted"],
             rollback_passes=c["rewinds"],
+            host_hit_tokens=c["host"],
         )
 
 

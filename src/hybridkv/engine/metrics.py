@@ -49,6 +49,7 @@ class EngineStats:
     Speculative decoding: ``draft_tokens`` verified, ``accepted_draft_tokens`` of them, and
     ``rollback_passes``: forward passes that ran accepted tokens again to roll a recurrent
     state back past rejected drafts (also counted in ``forward_passes``).
+    ``host_hit_tokens``: the part of ``prefix_hit_tokens`` read back from the host tier.
     """
 
     groups: tuple[str, ...]
@@ -72,6 +73,7 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     rollback_passes: int = 0
+    host_hit_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:

@@ -10,13 +10,14 @@ once) and steps.  No torch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.cache import KVCacheManager, TierLoad, TierSpec
+from hybridkv.cache import KVCacheManager, TierSpec
+from hybridkv.cache.tiers import tier_hit_tokens
 from hybridkv.errors import HybridKVError
-from hybridkv.plan import MemoryLayout, Strategy, make_plan
+from hybridkv.plan import Strategy, make_plan
 from hybridkv.plan.options import DEFAULT_CHUNK_ALIGNMENT
 from hybridkv.plan.result import Plan
 from hybridkv.scheduler import Scheduler, SchedulerConfig
@@ -323,6 +324,7 @@ def simulate(
     wall0 = time.perf_counter()
     admitted_hits: dict[str, int] = {}
     tier_tokens = {"host": 0, "disk": 0}
+    block_sizes = [g.block_size for g in layout.groups]
 
     while idx < len(reqs) or sched.has_unfinished():
         while idx < len(reqs) and (
@@ -371,7 +373,11 @@ def simulate(
             if item.num_cached_tokens and item.request_id not in admitted_hits:
                 admitted_hits[item.request_id] = item.num_cached_tokens
                 if item.allocation.loads:
-                    _count_loads(item.allocation.loads, layout, moved, tier_tokens)
+                    for load in item.allocation.loads:
+                        moved[load.tier] += layout.groups[load.group_id].block_bytes
+                    served = tier_hit_tokens(item.allocation.loads, block_sizes)
+                    for tier, n in served.items():
+                        tier_tokens[tier] += n
             elif item.request_id not in admitted_hits:
                 admitted_hits[item.request_id] = 0
             computed += item.num_new_tokens
@@ -454,22 +460,3 @@ def simulate(
         tier_hit_tokens={k: v for k, v in tier_tokens.items() if k in mgr.tier_stats()},
         tiers=mgr.tier_stats(),
     )
-
-
-def _count_loads(
-    loads: Sequence[TierLoad],
-    layout: MemoryLayout,
-    moved: dict[str, int],
-    tier_tokens: dict[str, int],
-) -> None:
-    """Add an admission's loads to the step's bytes per tier, and the hit tokens they served
-    to the per-tier counts (attributed through the group that loaded the most tokens)."""
-    per_group: dict[int, dict[str, int]] = {}
-    for load in loads:
-        group = layout.groups[load.group_id]
-        moved[load.tier] += group.block_bytes
-        counts = per_group.setdefault(load.group_id, {"host": 0, "disk": 0})
-        counts[load.tier] += group.block_size
-    best = max(per_group.values(), key=lambda c: c["host"] + c["disk"])
-    for tier, n in best.items():
-        tier_tokens[tier] += n
