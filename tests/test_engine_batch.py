@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,13 +17,7 @@ from hybridkv.engine.probe import ModelProbe, probe_model, probe_model_spec
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.views import DenseKVViews
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -9,7 +9,6 @@ generated tokens identical, logits within ``ATOL``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,13 +37,7 @@ WINDOWED = [n for n in ARCHS if n in ("gemma2", "gemma3_text", "gpt_oss", "lfm3"
 STATEFUL = ["granitemoehybrid", "lfm2", "lfm3", "nemotron_h", "qwen3_next"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny matrices: threading only adds overhead (and oversubscribes small CI machines).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

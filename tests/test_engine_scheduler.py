@@ -10,7 +10,6 @@ chosen from within ``ATOL``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -47,13 +46,7 @@ BATCHED_ATOL = {"qwen3_next": 5e-4}
 WINDOW_KINDS = (CacheKind.SLIDING, CacheKind.CHUNKED)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny matrices: threads only add overhead and oversubscribe small CI machines.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,12 +22,7 @@ from hybridkv.specs import CacheKind
 SLIDING = ["gpt_oss", "gemma3_text", "gemma2"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

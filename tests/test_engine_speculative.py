@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,9 +23,9 @@ from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
 from hybridkv.engine.errors import BatchError, SpeculativeConfigError
 from hybridkv.engine.models import load_model
 from hybridkv.engine.speculative import NgramProposer, SpeculativeConfig, accept_greedy
-from hybridkv.plan import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.scheduler import FinishReason, Scheduler, SchedulerConfig, SchedulerError
-from hybridkv.specs import DType, FullAttentionSpec, StateSpec, StateTensor
+from hybridkv.specs import CacheSpec
+from test_scheduler import FULL, STATE, _layout
 
 CACHE = CacheConfig(block_size=4, state_block_size=8)
 PROMPTS = {"a": [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7] * 2, "b": [9, 8, 7, 6, 5] * 2}
@@ -35,12 +34,7 @@ STATE_MODELS = ["qwen3_next", "lfm2", "granitemoehybrid", "falcon_h1", "zamba2"]
 ATTENTION_MODELS = ["gpt_oss", "llama", "deepseek_v3"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Oracle:
@@ -240,27 +234,8 @@ def test_rewind_errors_change_nothing() -> None:
 
 def make_manager(*, state: bool, num_blocks: int = 32) -> KVCacheManager:
     """Full attention (4-token blocks), plus a Mamba2 state group (8-token blocks)."""
-    full = FullAttentionSpec(num_kv_heads=1, head_dim=8, dtype=DType.FP16)
-    mamba = StateSpec(
-        mixer="mamba2", tensors=(StateTensor(name="ssm", shape=(4, 4), dtype=DType.FP32),)
-    )
-    specs = [(full, 4), (mamba, 8)] if state else [(full, 4)]
-    groups = tuple(
-        GroupPlan(
-            group_id=i,
-            spec=spec,
-            members=((i, 0),),
-            block_size=bs,
-            kernel_block_size=bs,
-            page_bytes=spec.bytes_per_block(bs),
-        )
-        for i, (spec, bs) in enumerate(specs)
-    )
-    pools = tuple(
-        PoolPlan(pool_id=i, group_ids=(i,), block_bytes=g.block_bytes, num_blocks=num_blocks)
-        for i, g in enumerate(groups)
-    )
-    return KVCacheManager(MemoryLayout(strategy=Strategy.POOLS, groups=groups, pools=pools))
+    specs: list[tuple[CacheSpec, int]] = [(FULL, 4), (STATE, 8)] if state else [(FULL, 4)]
+    return KVCacheManager(_layout(specs, num_blocks))
 
 
 def _scheduler(*, state: bool, budget: int = 64) -> Scheduler:

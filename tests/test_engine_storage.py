@@ -10,7 +10,6 @@ manager-granular views itself.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,12 +34,7 @@ CASES = [
 ARCHS = ["deepseek_v3", "gemma3_text", "lfm3", "qwen3_next"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

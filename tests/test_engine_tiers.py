@@ -4,7 +4,6 @@ them are served from host memory, and the tokens equal transformers' own."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,12 +25,7 @@ MODELS = [
 STATE = {"qwen3_next", "granitemoehybrid", "lfm2"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache
