@@ -71,6 +71,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.running: list[Request] = []
         self.count = 0
         self.mirror: list[set[int]] = []
+        self.tier_mirror: dict[str, list[set[int]]] = {}
         self.written: set[int] = set()
 
     @initialize(
@@ -129,6 +130,11 @@ class CacheMachine(RuleBasedStateMachine):
                 for m in coord.managers:
                     m.admission = coord.admission
         self.mirror = [set() for _ in layout.groups]
+
+    def _mirror(self, medium: str) -> list[set[int]]:
+        if medium == "device":
+            return self.mirror
+        return self.tier_mirror.setdefault(medium, [set() for _ in self.mirror])
 
     def _m(self) -> KVCacheManager:
         assert self.mgr is not None
@@ -231,14 +237,19 @@ class CacheMachine(RuleBasedStateMachine):
         mgr.check_invariants()
         for event in mgr.take_events():
             if isinstance(event, BlockStored):
-                self.mirror[event.group_id] |= set(event.block_hashes)
+                self._mirror(event.medium)[event.group_id] |= set(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                self.mirror[event.group_id] -= set(event.block_hashes)
+                self._mirror(event.medium)[event.group_id] -= set(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.mirror = [set() for _ in self.mirror]
+                self.tier_mirror = {}
         cached = cached_hashes(mgr)
-        if mgr._events.enabled:
+        if mgr._events.enabled:  # a router replaying the events knows every medium's blocks
             assert self.mirror == cached
+            tiers = mgr._coord.tiers
+            for t in tiers.tiers if tiers is not None else ():
+                want = [set(keys) for keys in t.keys]
+                assert self.tier_mirror.get(t.name, [set() for _ in want]) == want
         for g, hashes in enumerate(cached):  # a hit never serves data no step computed
             assert hashes <= self.written, f"group {g} caches never-computed blocks"
         for g, hashes in enumerate(tier_hashes(mgr)):  # nor does a lower tier

@@ -165,7 +165,11 @@ class HybridCoordinator:
         self.tiers: TierStack | None = None
         if tiers:
             self.tiers = TierStack(
-                tiers, [g.block_bytes for g in layout.groups], record_ops=tier_ops
+                tiers,
+                [g.block_bytes for g in layout.groups],
+                record_ops=tier_ops,
+                events=events,
+                block_sizes=[g.block_size for g in layout.groups],
             )
             events.set_eviction_sink(self.tiers.evicted)
             for m in self.managers:

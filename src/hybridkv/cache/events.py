@@ -2,7 +2,10 @@
 
 A router mirrors which prefixes an engine holds by replaying these events in order:
 :class:`BlockStored` adds hashes, :class:`BlockRemoved` drops them, :class:`AllBlocksCleared`
-drops everything.  Hashes are the manager's group-level block hashes
+drops everything; ``medium`` says whether a block is on the device or in a lower tier
+(``host``, ``disk``: a block read back from a tier is stored on the device again, and a tier
+entry that moves down is removed from one tier and stored in the next).  Hashes are the
+manager's group-level block hashes
 (:mod:`hybridkv.cache.hashing`); a group with block size ``k * hash_block_size`` stores the
 hash of the last hash block of each of its blocks.
 """
@@ -30,13 +33,16 @@ class BlockStored(NamedTuple):
     parent_block_hash: BlockHash | None
     token_count: int
     block_size: int
+    #: Where the blocks are: ``device``, or a lower tier (``host``, ``disk``).
+    medium: str = "device"
 
 
 class BlockRemoved(NamedTuple):
-    """Blocks of group ``group_id`` left the prefix cache (evicted)."""
+    """Blocks of group ``group_id`` left the prefix cache (evicted) of ``medium``."""
 
     group_id: int
     block_hashes: tuple[BlockHash, ...]
+    medium: str = "device"
 
 
 class AllBlocksCleared(NamedTuple):
@@ -89,6 +95,15 @@ class EventLog:
 
     def removed(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:
         self._events.append(BlockRemoved(group_id, block_hashes))
+
+    def tier_stored(self, group_id: int, block_hash: int, tier: str, block_size: int) -> None:
+        """Block ``block_hash`` of ``group_id`` entered lower tier ``tier``."""
+        h = BlockHash(block_hash)
+        self._events.append(BlockStored(group_id, (h,), None, block_size, block_size, tier))
+
+    def tier_removed(self, group_id: int, block_hash: int, tier: str) -> None:
+        """Block ``block_hash`` of ``group_id`` left lower tier ``tier``."""
+        self._events.append(BlockRemoved(group_id, (BlockHash(block_hash),), tier))
 
     def cleared(self) -> None:
         self._events.append(AllBlocksCleared())

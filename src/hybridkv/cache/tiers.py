@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from hybridkv.cache.events import EventLog
 from hybridkv.cache.types import TierLoad
 from hybridkv.errors import InvariantError, PlanError
 
@@ -157,7 +158,13 @@ class TierStack:
     the bytes one block of group ``g`` takes in a tier)."""
 
     def __init__(
-        self, specs: Sequence[TierSpec], block_bytes: Sequence[int], *, record_ops: bool = False
+        self,
+        specs: Sequence[TierSpec],
+        block_bytes: Sequence[int],
+        *,
+        record_ops: bool = False,
+        events: EventLog | None = None,
+        block_sizes: Sequence[int] = (),
     ) -> None:
         names = [s.name for s in specs]
         if (
@@ -173,6 +180,9 @@ class TierStack:
         #: With ``record_ops``: what storage must do, in order (:meth:`take_ops`).
         self.record_ops = record_ops
         self.ops: list[TierOp] = []
+        #: KV events naming the tier, when the log is enabled (``block_sizes``: tokens).
+        self.events = events if events is not None and events.enabled else None
+        self.block_sizes = list(block_sizes) or [0] * len(block_bytes)
 
     def view(self, group_id: int, device: dict[int, int]) -> TieredMap:
         """Group ``group_id``'s lookup map over ``device`` and every tier."""
@@ -214,6 +224,8 @@ class TierStack:
             del t.keys[og][oh]
             t.used_bytes -= t.block_bytes[og]
             t.dropped += 1
+            if self.events is not None:
+                self.events.tier_removed(og, oh, t.name)
             if level + 1 < len(self.tiers):
                 self._put(level + 1, og, oh, 0, t.name)
             elif self.record_ops:
@@ -223,6 +235,8 @@ class TierStack:
         t.used_bytes += size
         t.stored += 1
         t.stored_bytes += size
+        if self.events is not None:
+            self.events.tier_stored(g, h, t.name, self.block_sizes[g])
         if self.record_ops:
             if source is None:
                 self.ops.append(TierOp("store", t.name, g, h, block))
