@@ -253,3 +253,16 @@ def test_cli_simulate_tier_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["simulate", "gpt-oss-20b", "--host-memory", "0", "--quiet"])
     assert code == 2
     assert "--host-memory" in capsys.readouterr().err
+
+
+def test_tier_hits_in_a_full_arena_allocate_in_the_order_fits_counted() -> None:
+    # Regression: agent loops on Qwen3-Next in 1 GiB with a host tier.  Tier blocks of a hit
+    # were allocated for every group before the groups' own new blocks, an order the arena's
+    # exact fits() did not count, and a chunk ran out ("group 0 out of blocks").
+    model = resolve_model("Qwen3-Next-80B-A3B")
+    profile = ModelProfile.from_config(load_model_config("Qwen3-Next-80B-A3B"))
+    work = synthetic_workload("agent", SyntheticOptions(num_requests=80, seed=3))
+    cfg = SimConfig(memory_bytes=1 << 30, max_model_len=32768, host_memory_bytes=8 << 30)
+    r = simulate(model, profile, work, cfg)
+    assert r.finished == 80
+    assert r.tier_hit_tokens["host"] > 0

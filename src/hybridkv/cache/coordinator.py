@@ -349,16 +349,23 @@ class HybridCoordinator:
                 managers[i].apply_touch(groups[i], p)
         out = StepOutputs()
         loads: list[TierLoad] = []
+        spots: list[tuple[list[tuple[int, int]], list[str]]] | None = None
         if markers is not None and hit is not None:
-            self._load_from_tiers(request, groups, hit, markers, num_new_computed_tokens, loads)
+            spots = self._tier_spots(request, hit, markers, num_new_computed_tokens)
         new_ids: list[tuple[BlockId, ...]] = []
         pool = self.pool
         for i, p in enumerate(plans):
-            need = p.need - (markers[i] if markers is not None else 0) if p is not None else 0
-            if p is None or not need:
+            if p is None or not p.need:
                 new_ids.append(())
                 continue
-            added = managers[i].apply_new(groups[i], p, pool.allocate(i, need), out)
+            # One allocation per group, in group order, as fits() counted it; a hit's tier
+            # blocks take the first ones.
+            blocks = pool.allocate(i, p.need)
+            if spots is not None and spots[i][0]:
+                k = len(spots[i][0])
+                self._install_loads(request, groups[i], i, spots[i], blocks[:k], loads)
+                blocks = blocks[k:]
+            added = managers[i].apply_new(groups[i], p, blocks, out) if blocks else ()
             new_ids.append(cast(tuple[BlockId, ...], tuple(added)))
         for i, m in self._scheduled:
             m.publish_scheduled(groups[i], request, step_end)
@@ -374,41 +381,45 @@ class HybridCoordinator:
             tuple(loads),
         )
 
-    def _load_from_tiers(
+    def _tier_spots(
         self,
         request: Request,
-        groups: list[GroupState],
         hit: Sequence[Sequence[int]],
         markers: list[int],
         length: int,
-        loads: list[TierLoad],
-    ) -> None:
-        """Give every tier block of a hit a fresh device block, published under its hash at
-        once (the runner loads it before the step reads it), and record the loads."""
+    ) -> list[tuple[list[tuple[int, int]], list[str]]]:
+        """Per group, ``(table index, hash)`` of each tier block of the hit and the tier it is
+        read from.  The entries are refreshed in their tiers first, so the evictions the
+        allocation causes cannot push them out before their loads are recorded."""
         tiers = self.tiers
         assert tiers is not None
         hashes = request.block_hashes
-        wanted: list[tuple[int, list[tuple[int, int]], list[str]]] = []
+        out: list[tuple[list[tuple[int, int]], list[str]]] = []
         for i, k in enumerate(markers):
-            if not k:
-                continue
-            m = self.managers[i]
-            # (table index, hash) of each marker; entries are refreshed in their tier first,
-            # so the evictions the allocation below causes cannot push them out.
-            spots = m.tier_spots(hashes, length, hit[i])
-            names = [tiers.load_hash(i, h) for _, h in spots]
-            wanted.append((i, spots, names))
-        for i, spots, names in wanted:
-            m = self.managers[i]
-            blocks = self.pool.allocate(i, len(spots))
-            items = m.install_loaded(groups[i], spots, blocks)
-            m._publish(items, request)
-            for (_, h), b, name in zip(spots, blocks, names, strict=True):
-                tiers.loaded(i, h, name, b)
-            loads.extend(
-                TierLoad(i, BlockId(b), name, BlockHash(h))
-                for (_, h), b, name in zip(spots, blocks, names, strict=True)
-            )
+            spots = self.managers[i].tier_spots(hashes, length, hit[i]) if k else []
+            out.append((spots, [tiers.load_hash(i, h) for _, h in spots]))
+        return out
+
+    def _install_loads(
+        self,
+        request: Request,
+        st: GroupState,
+        group_id: int,
+        spots: tuple[list[tuple[int, int]], list[str]],
+        blocks: Sequence[int],
+        loads: list[TierLoad],
+    ) -> None:
+        """Put fresh device ``blocks`` where the hit's tier blocks go, publish them under
+        their hashes at once (the runner loads them before the step reads them), and record
+        the loads."""
+        tiers = self.tiers
+        assert tiers is not None
+        m = self.managers[group_id]
+        where, names = spots
+        m._publish(m.install_loaded(st, where, blocks), request)
+        for (_, h), b, name in zip(where, blocks, names, strict=True):
+            tiers.loaded(group_id, h, name, b)
+            loads.append(TierLoad(group_id, BlockId(b), name, BlockHash(h)))
 
     def _set_quiet(self, rs: RequestState, num_computed: int) -> None:
         end = computed = self.max_model_len if self.max_model_len is not None else 1 << 62
