@@ -171,9 +171,18 @@ class HybridCoordinator:
                 events=events,
                 block_sizes=[g.block_size for g in layout.groups],
             )
-            events.set_eviction_sink(self.tiers.evicted)
+            events.set_eviction_sink(self._evicted)
             for m in self.managers:
                 m.hit_map = self.tiers.view(m.group_id, m.map)
+
+    def _evicted(self, group_id: int, hashes: Sequence[int], blocks: Sequence[int]) -> None:
+        """Device evictions go down a tier; a state checkpoint keeps its admission reason."""
+        tiers = self.tiers
+        assert tiers is not None
+        m = self.managers[group_id]
+        reasons = getattr(m, "reasons", None)
+        tags = None if reasons is None else [reasons[b] for b in blocks]
+        tiers.evicted(group_id, hashes, blocks, tags)
 
     def _set_window_grids(self) -> None:
         """Tail retention also keeps the window before every multiple of a grid, where the
@@ -338,7 +347,14 @@ class HybridCoordinator:
             self.requests[request.request_id] = rs
             if hit and num_new_computed_tokens and self.admission is not None:
                 self.admission.hit(num_new_computed_tokens)
-                for m, blocks in zip(managers, hit, strict=True):
+                for i, (m, blocks) in enumerate(zip(managers, hit, strict=True)):
+                    if blocks and blocks[0] < 0 and self.tiers is not None:
+                        # a checkpoint read back: credit the reason it was saved for
+                        found = m.tier_spots(request.block_hashes, num_new_computed_tokens, blocks)
+                        if found and hasattr(m, "reasons"):
+                            tag = self.tiers.tag(i, found[0][1])
+                            self.admission.checkpoint_hit(tag, num_new_computed_tokens)
+                        continue
                     m.credit_hit(blocks, num_new_computed_tokens)
         groups = rs.groups
         for i, p in enumerate(plans):
@@ -416,7 +432,12 @@ class HybridCoordinator:
         assert tiers is not None
         m = self.managers[group_id]
         where, names = spots
-        m._publish(m.install_loaded(st, where, blocks), request)
+        items = m.install_loaded(st, where, blocks)
+        reasons = getattr(m, "reasons", None)
+        if reasons is not None:  # a checkpoint keeps the reason it was saved for
+            for _, b, h in items:
+                reasons[b] = tiers.tag(group_id, h)
+        m.publish_loaded(items, request)
         for (_, h), b, name in zip(where, blocks, names, strict=True):
             tiers.loaded(group_id, h, name, b)
             loads.append(TierLoad(group_id, BlockId(b), name, BlockHash(h)))

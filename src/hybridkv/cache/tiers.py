@@ -108,7 +108,8 @@ class Tier:
         self.name = spec.name
         self.capacity_bytes = spec.capacity_bytes
         self.block_bytes = list(block_bytes)
-        self.keys: list[dict[int, None]] = [{} for _ in block_bytes]
+        #: Per group ``hash -> tag`` (a state checkpoint's admission reason, else 0).
+        self.keys: list[dict[int, int]] = [{} for _ in block_bytes]
         self.lru: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.used_bytes = 0
         #: Blocks written into / loaded from / dropped by this tier, and bytes moved.
@@ -128,7 +129,7 @@ class TieredMap:
 
     __slots__ = ("device", "lower")
 
-    def __init__(self, device: dict[int, int], lower: list[dict[int, None]]) -> None:
+    def __init__(self, device: dict[int, int], lower: list[dict[int, int]]) -> None:
         self.device = device
         self.lower = lower
 
@@ -196,13 +197,28 @@ class TierStack:
         return None
 
     # -- mutation -----------------------------------------------------------------------------
-    def evicted(self, group_id: int, hashes: Sequence[int], blocks: Sequence[int]) -> None:
+    def evicted(
+        self,
+        group_id: int,
+        hashes: Sequence[int],
+        blocks: Sequence[int],
+        tags: Sequence[int] | None = None,
+    ) -> None:
         """The device evicted these blocks of ``group_id`` (``blocks[i]`` still holds
-        ``hashes[i]``): write them back to the top tier."""
-        for h, b in zip(hashes, blocks, strict=True):
-            self._put(0, group_id, h, b, None)
+        ``hashes[i]``; ``tags[i]``: what to remember of it, e.g. a checkpoint's admission
+        reason): write them back to the top tier."""
+        for i, (h, b) in enumerate(zip(hashes, blocks, strict=True)):
+            self._put(0, group_id, h, b, None, tags[i] if tags is not None else 0)
 
-    def _put(self, level: int, g: int, h: int, block: int, source: str | None) -> None:
+    def tag(self, group_id: int, h: int) -> int:
+        """The tag stored with hash ``h`` of ``group_id`` (0 when no tier holds it)."""
+        for t in self.tiers:
+            found = t.keys[group_id].get(h)
+            if found is not None:
+                return found
+        return 0
+
+    def _put(self, level: int, g: int, h: int, block: int, source: str | None, tag: int) -> None:
         """Enter ``(g, h)`` into tier ``level``, from device ``block`` (``source`` None) or
         from tier ``source``."""
         t = self.tiers[level]
@@ -215,23 +231,23 @@ class TierStack:
         size = t.block_bytes[g]
         if size > t.capacity_bytes:
             if level + 1 < len(self.tiers):
-                self._put(level + 1, g, h, block, source)
+                self._put(level + 1, g, h, block, source, tag)
             elif source is not None and self.record_ops:
                 self.ops.append(TierOp("drop", source, g, h, 0))
             return
         while t.used_bytes + size > t.capacity_bytes:
             og, oh = t.lru.popitem(last=False)[0]
-            del t.keys[og][oh]
+            otag = t.keys[og].pop(oh)
             t.used_bytes -= t.block_bytes[og]
             t.dropped += 1
             if self.events is not None:
                 self.events.tier_removed(og, oh, t.name)
             if level + 1 < len(self.tiers):
-                self._put(level + 1, og, oh, 0, t.name)
+                self._put(level + 1, og, oh, 0, t.name, otag)
             elif self.record_ops:
                 self.ops.append(TierOp("drop", t.name, og, oh, 0))
         t.lru[key] = None
-        t.keys[g][h] = None
+        t.keys[g][h] = tag
         t.used_bytes += size
         t.stored += 1
         t.stored_bytes += size

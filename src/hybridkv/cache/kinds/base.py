@@ -265,6 +265,13 @@ class KindManager(ABC):
         ``scheduled`` mode; only kinds with :attr:`publishes_scheduled`)."""
         raise InvariantError(f"group {self.group_id}: {self.spec.kind} publishes once computed")
 
+    def publish_loaded(self, items: list[tuple[int, int, int]], request: Request) -> None:
+        """Publish device blocks read back from a lower tier (no admission accounting: the
+        data was published before)."""
+        self.pool.cache_many(self.group_id, items)
+        if self.events.enabled:
+            self._emit_stored(items, request.block_hashes)
+
     def _publish(self, items: list[tuple[int, int, int]], request: Request) -> None:
         self.pool.cache_many(self.group_id, items)
         if self.admission is not None:

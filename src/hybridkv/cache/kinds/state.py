@@ -157,7 +157,6 @@ class StateManager(KindManager):
         # copies_before (after the load), released at the next allocation.
         [(j, h)], [b] = spots, blocks
         st.source = b
-        self.reasons[b] = 0
         return [(j, b, h)]
 
     def credit_hit(self, hit: Sequence[int], tokens: int) -> None:
