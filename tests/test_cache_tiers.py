@@ -165,3 +165,35 @@ def test_tier_stack_order(specs: list[TierSpec], match: str) -> None:
 def test_tier_spec_validation(name: str, cap: int, match: str) -> None:
     with pytest.raises(PlanError, match=match):
         TierSpec(name, cap)
+
+
+def test_a_checkpoint_read_back_credits_the_reason_it_was_saved_for() -> None:
+    layout = pools(groups((full(), 4), (state(), 8)), [7, 3])
+    mgr = KVCacheManager(
+        layout,
+        hasher="builtin",
+        tiers=[TierSpec("host", 20 * max(g.block_bytes for g in layout.groups))],
+        checkpoint_admission="yield",
+    )
+    _run(mgr, "a", tokens(17), first=16)  # a chunk-end checkpoint at 16
+    _run(mgr, "b", tokens(17, 100), first=16)  # evicts it to the host tier
+    tiers = mgr._coord.tiers
+    assert tiers is not None
+    req = mgr.make_request("c", tokens(17))
+    h = req.block_hashes[16 // 4 - 1]
+    assert tiers.where(1, h) == "host"
+    reason = tiers.tag(1, h)
+    before = mgr.checkpoint_admission_report()
+    assert before is not None
+    name = next(k for k in before if before[k]["hit_tokens"] == 0)
+    hit, res = admit(mgr, req)
+    assert res is not None and hit.num_computed_tokens == 16
+    after = mgr.checkpoint_admission_report()
+    assert after is not None
+    credited = {k for k in after if after[k]["hit_tokens"] > before[k]["hit_tokens"]}
+    assert len(credited) == 1 and reason != 0
+    assert name in before  # the report lists every reason
+    running = mgr.get_block_ids("c")[1][0]
+    loaded = next(load.block for load in res.loads if load.group_id == 1)
+    assert mgr._coord.managers[1].reasons[loaded] == reason  # kept on the device again
+    assert [(c.src, c.dst) for c in res.copies_before] == [(loaded, running)]
