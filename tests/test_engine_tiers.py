@@ -74,8 +74,9 @@ def test_prefixes_come_back_from_host_memory_exactly(name: str) -> None:
     stats = engine.stats()
     assert stats.prompt_tokens == 940
     # Every hit comes back from host memory: each conversation was evicted by the four
-    # others since its last turn.  State models hit at multiples of 8 (their alignment).
-    want = 600 if name in STATE else 620
+    # others since its last turn.  State models hit at multiples of 8 (their alignment), where
+    # checkpoint admission kept a checkpoint (lfm2: one of them was not admitted).
+    want = {"lfm2": 592}.get(name, 600 if name in STATE else 620)
     assert stats.prefix_hit_tokens == stats.host_hit_tokens == want
     assert stats.host_hit_tokens / stats.prompt_tokens >= 0.5
     engine.manager.check_invariants()
