@@ -316,7 +316,9 @@ class LLMEngine:
             tiers=(TierSpec("host", cache.host_memory_bytes),) if cache.host_memory_bytes else (),
             tier_ops=True,
         )
-        self._tier_store = TierStore(self.storage) if cache.host_memory_bytes else None
+        self._tier_store = (
+            TierStore(self.storage, cache.host_memory_bytes) if cache.host_memory_bytes else None
+        )
         sched = scheduler or SchedulerConfig()
         if not sched.collect_block_ids:
             sched = replace(sched, collect_block_ids=True)
