@@ -266,3 +266,27 @@ def test_tier_hits_in_a_full_arena_allocate_in_the_order_fits_counted() -> None:
     r = simulate(model, profile, work, cfg)
     assert r.finished == 80
     assert r.tier_hit_tokens["host"] > 0
+
+
+def test_cli_sweeps_host_tier_sizes_and_plots_them(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = main(
+        ["simulate", "gpt-oss-20b", "--trace", "synthetic:agent", "--requests", "30",
+         "--memory", "700MiB", "--max-model-len", "16384", "--strategy", "arena",
+         "--host-memory", "0,1GiB,4GiB", "--report", str(tmp_path), "--quiet"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line.split()[:4] for line in out.splitlines() if line.startswith("arena host")]
+    assert [r[:3] for r in rows[:3]] == [
+        ["arena", "host", "none"],
+        ["arena", "host", "1"],
+        ["arena", "host", "4"],
+    ]
+    assert "the differences are the host tier sizes" in out
+    width, height = _png_size(tmp_path / "tiers.png")
+    assert width > 800 and height > 300
+    code = main(["simulate", "gpt-oss-20b", "--host-memory", "0,1GiB", "--quiet"])
+    assert code == 2
+    assert "a sweep of host sizes runs one strategy" in capsys.readouterr().err

@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="a host-memory tier below the device: blocks the device evicts are written back "
-        "to it and hits read them back (default: none)",
+        "to it and hits read them back; a comma-separated list (0 = none) sweeps the sizes "
+        "with one --strategy, and --report plots hit rate and TTFT against them (default: none)",
     )
     parser.add_argument(
         "--disk-memory",
@@ -210,9 +211,12 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     memory = parse_bytes(args.memory, field="--memory")
-    host = (
-        None if args.host_memory is None else parse_bytes(args.host_memory, field="--host-memory")
-    )
+    hosts: list[int | None] = [None]
+    if args.host_memory is not None:
+        hosts = [
+            None if part.strip() == "0" else parse_bytes(part.strip(), field="--host-memory")
+            for part in str(args.host_memory).split(",")
+        ]
     disk = (
         None if args.disk_memory is None else parse_bytes(args.disk_memory, field="--disk-memory")
     )
@@ -224,6 +228,12 @@ def run(args: argparse.Namespace) -> int:
     max_len = max_model_len_for(model, args.max_model_len)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
     strategies = list(Strategy) if args.strategy == "all" else [Strategy(args.strategy)]
+    if len(hosts) > 1 and len(strategies) > 1:
+        raise CliInputError(
+            f"--host-memory {args.host_memory}: a sweep of host sizes runs one strategy; "
+            "add --strategy arena (or uniform, pools)"
+        )
+    sweep = len(hosts) > 1
     configs = [
         SimConfig(
             memory_bytes=memory,
@@ -243,8 +253,10 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_admission=args.checkpoint_admission,
             host_memory_bytes=host,
             disk_memory_bytes=disk,
+            label=f"{strategy} host {format_bytes(host) if host else 'none'}" if sweep else None,
         )
         for strategy in strategies
+        for host in hosts
     ]
     # Plans are cheap: make them all before simulating, so a plan that cannot exist is
     # reported at once (exit 2 for one strategy, n/a among several).

@@ -116,9 +116,10 @@ def interpretation(results: list[SimResult], failures: list[StrategyFailure] | N
     s = best.summary()
     tie = [r.strategy for r in ranked[1:] if abs(r.hit_rate - best.hit_rate) < 0.0005]
     lead = f"{best.strategy}" + (f" (tied with {', '.join(tie)})" if tie else "")
+    what = "host tier sizes" if len({_host_bytes(r) for r in results}) > 1 else "layouts"
     return (
         f"meaning: same model, workload and {budget} budget, so the differences are the "
-        f"layouts: {lead} served the most prompt tokens from the prefix cache, "
+        f"{what}: {lead} served the most prompt tokens from the prefix cache, "
         f"{best.hit_rate:.1%} (vs {_others(ranked, 'token_hit_rate', '{:.1%}')}), with "
         f"{best.preemptions} preemptions (vs {_others(ranked, 'preemptions', '{}')}) and TTFT "
         f"p99 {s['ttft_p99_s']:.2f}s (vs {_others(ranked, 'ttft_p99_s', '{:.2f}s')}){failed}"
@@ -227,7 +228,53 @@ def _plots(results: list[SimResult], out: Path, title: str) -> list[str]:
     fig.savefig(out / "group_usage.png", dpi=110)
     plt.close(fig)
     names.append("group_usage.png")
+    if len({_host_bytes(r) for r in results}) > 1:
+        names.append(_tier_plot(results, out, title))
     return names
+
+
+def _host_bytes(r: SimResult) -> int:
+    return r.tiers.get("host", {}).get("capacity_bytes", 0)
+
+
+def _tier_plot(results: list[SimResult], out: Path, title: str) -> str:
+    """Hit rate (per tier, stacked) and TTFT against the host tier's size."""
+    import matplotlib.pyplot as plt
+
+    ordered = sorted(results, key=_host_bytes)
+    gib = float(1 << 30)
+    x = [_host_bytes(r) / gib for r in ordered]
+    host = [100 * r.tier_hit_tokens.get("host", 0) / r.prompt_tokens for r in ordered]
+    disk = [100 * r.tier_hit_tokens.get("disk", 0) / r.prompt_tokens for r in ordered]
+    total = [100 * r.hit_rate for r in ordered]
+    device = [t - h - d for t, h, d in zip(total, host, disk, strict=True)]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax.stackplot(x, device, host, disk, labels=["device", "host tier", "disk tier"], alpha=0.85)
+    ax.plot(x, total, color="black", marker="o", label="total")
+    ax.set_xlabel("host tier (GiB)")
+    ax.set_ylabel("prompt tokens served from cache (%)")
+    ax.set_title("Hit rate by where the hit came from", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    for q, label in ((0.5, "p50"), (0.99, "p99")):
+        bx.plot(x, [_pct(r.ttft_s, q) for r in ordered], marker="o", label=f"TTFT {label}")
+    bx.set_xlabel("host tier (GiB)")
+    bx.set_ylabel("seconds")
+    bx.set_title("Time to first token", fontsize=10)
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(title, 110), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "tiers.png", dpi=110)
+    plt.close(fig)
+    return "tiers.png"
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def write_report(

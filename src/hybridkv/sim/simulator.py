@@ -69,6 +69,8 @@ class SimConfig:
     checkpoint_admission: str = "yield"
     host_memory_bytes: int | None = None
     disk_memory_bytes: int | None = None
+    #: The run's name in tables and plots (default: the strategy).
+    label: str | None = None
 
     def tiers(self) -> tuple[TierSpec, ...]:
         """The lower tiers these settings ask for (host, then disk)."""
@@ -432,7 +434,7 @@ def simulate(
     stats = mgr.stats
     q = stats.query_tokens or 1
     return SimResult(
-        strategy=str(config.strategy),
+        strategy=config.label or str(config.strategy),
         plan=plan,
         workload=workload.name,
         num_requests=len(reqs),
