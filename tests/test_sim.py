@@ -250,7 +250,7 @@ def test_cli_simulate_tier_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert code == 0
     assert "arena host tier: 4 GiB," in out and "arena disk tier: 16 GiB," in out
-    code = main(["simulate", "gpt-oss-20b", "--host-memory", "0", "--quiet"])
+    code = main(["simulate", "gpt-oss-20b", "--host-memory", "lots", "--quiet"])
     assert code == 2
     assert "--host-memory" in capsys.readouterr().err
 
