@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench_transfer import _layout, _paired
+from bench_transfer import _layout, _paired, add_block_arguments
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather
@@ -94,16 +94,7 @@ def _gathered(storage: KVCacheStorage, ids: list[int]) -> list[torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--blocks", type=int, default=128, help="blocks evicted and read back")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--repeats", type=int, default=9, help="interleaved runs; best is kept")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_block_arguments(parser)
     parser.add_argument("--out", default="results/bench_tiers.json")
     args = parser.parse_args(argv)
     if args.threads:

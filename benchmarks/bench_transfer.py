@@ -181,8 +181,8 @@ def _bench_commit(args: argparse.Namespace, device: torch.device) -> dict[str, A
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_block_arguments(parser: argparse.ArgumentParser) -> None:
+    """The device, the full-attention group whose blocks move, and the timing settings."""
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--blocks", type=int, default=128, help="blocks copied per transfer")
     parser.add_argument("--layers", type=int, default=16)
@@ -191,11 +191,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--repeats", type=int, default=9, help="interleaved runs; best is kept")
-    parser.add_argument("--chunk-mib", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_block_arguments(parser)
+    parser.add_argument("--chunk-mib", type=int, default=64)
     parser.add_argument("--out", default="results/bench_transfer.json")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
