@@ -258,6 +258,25 @@ class HybridCoordinator:
             cast(tuple[BlockId, ...], tuple(m.hit_blocks(hashes, length))) for m in self.managers
         )
 
+    def tier_blocks(
+        self, request: Request, hit: Sequence[Sequence[int]], length: int
+    ) -> list[tuple[int, int, str]]:
+        """``(group, hash, tier)`` of every block of a hit of ``length`` tokens (``hit``: its
+        blocks, lower-tier ones marked ``-1``) that would be read back from a lower tier, and
+        the top tier holding it.  Reads only."""
+        tiers = self.tiers
+        if tiers is None or not length:
+            return []
+        hashes = request.block_hashes
+        out: list[tuple[int, int, str]] = []
+        for i, blocks in enumerate(hit):
+            if any(b < 0 for b in blocks):
+                for _, h in self.managers[i].tier_spots(hashes, length, blocks):
+                    name = tiers.where(i, h)
+                    if name is not None:
+                        out.append((i, h, name))
+        return out
+
     # -- allocation ---------------------------------------------------------------------------
     def allocate(
         self,

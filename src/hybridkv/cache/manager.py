@@ -45,7 +45,7 @@ from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats, StatsCollector
 from hybridkv.cache.tiers import TierOp, TierSpec
 from hybridkv.cache.types import AllocationResult, ComputedBlocks
-from hybridkv.errors import InvariantError, RequestError
+from hybridkv.errors import InvariantError, PlanError, RequestError
 from hybridkv.plan.layout import MemoryLayout
 
 __all__ = ["KVCacheManager"]
@@ -414,9 +414,43 @@ class KVCacheManager:
         tiers = self._coord.tiers
         return [] if tiers is None else tiers.take_ops()
 
+    def tier_blocks(self, request: Request, computed: ComputedBlocks) -> list[tuple[int, int, str]]:
+        """``(group, hash, tier)`` of each block of ``computed`` (from
+        :meth:`get_computed_blocks`) that its allocation would read back from a lower tier.
+        Storage that must check a copy before it is used (a disk tier's checksums) checks
+        these, and :meth:`discard_tier_block` the bad ones, before the allocation.  Reads
+        only."""
+        self._check_request(request)
+        return self._coord.tier_blocks(request, computed.blocks, computed.num_computed_tokens)
+
+    def discard_tier_block(self, group_id: int, block_hash: int) -> bool:
+        """Storage found the lower-tier copy of ``block_hash`` of group ``group_id`` unusable
+        (a failed write, a truncated or corrupt copy): forget it, so no hit reads it (a
+        ``drop`` operation and a tier event follow).  Returns whether a tier held it; False,
+        changing nothing, without tiers."""
+        tiers = self._coord.tiers
+        if tiers is None:
+            return False
+        if not 0 <= group_id < self.num_groups:
+            raise LayoutMismatchError(
+                f"group_id: {group_id} is not a group of this layout (0..{self.num_groups - 1})"
+            )
+        return tiers.discard(group_id, block_hash)
+
+    def adopt_tier_entries(self, tier: str, entries: Sequence[tuple[int, int, int]]) -> list[int]:
+        """Take ``(group, hash, tag)`` entries that tier ``tier``'s storage already holds (a
+        persistent disk tier left by an earlier process), oldest first, as cached there.
+        Returns the indices of those adopted; the others found no room or repeat a hash, and
+        storage should free them.  Raises :class:`PlanError` without such a tier."""
+        tiers = self._coord.tiers
+        if tiers is None:
+            raise PlanError(f"tier {tier!r}: this manager has no lower tiers")
+        return tiers.adopt(tier, entries)
+
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Per lower tier: capacity, bytes and blocks held, blocks stored, loaded (hits read
-        back) and dropped (evicted from it); empty without tiers."""
+        back), dropped (evicted from it), discarded (unusable in storage) and adopted (from an
+        earlier process); empty without tiers."""
         tiers = self._coord.tiers
         return {} if tiers is None else tiers.stats()
 

@@ -85,14 +85,19 @@ class TierOp(NamedTuple):
     block_hash: int
     block: int
     dest: str = ""
+    #: What the tier remembers of the entry (a state checkpoint's admission reason), for
+    #: storage that outlives the process.
+    tag: int = 0
 
 
 class Tier:
     """One tier's entries: per group ``hash -> None`` plus one LRU over all of them."""
 
     __slots__ = (
+        "adopted",
         "block_bytes",
         "capacity_bytes",
+        "discarded",
         "dropped",
         "keys",
         "loaded",
@@ -114,6 +119,9 @@ class Tier:
         self.used_bytes = 0
         #: Blocks written into / loaded from / dropped by this tier, and bytes moved.
         self.stored = self.loaded = self.dropped = 0
+        #: Entries found unusable by storage (a failed or corrupt copy) and taken out, and
+        #: entries adopted from storage that outlived an earlier process.
+        self.discarded = self.adopted = 0
         self.stored_bytes = self.loaded_bytes = 0
 
     def __contains__(self, key: tuple[int, int]) -> bool:
@@ -255,14 +263,62 @@ class TierStack:
             self.events.tier_stored(g, h, t.name, self.block_sizes[g])
         if self.record_ops:
             if source is None:
-                self.ops.append(TierOp("store", t.name, g, h, block))
+                self.ops.append(TierOp("store", t.name, g, h, block, "", tag))
             else:
-                self.ops.append(TierOp("move", source, g, h, 0, t.name))
+                self.ops.append(TierOp("move", source, g, h, 0, t.name, tag))
 
     def loaded(self, group_id: int, h: int, tier: str, block: int) -> None:
         """Record that device ``block`` is to be filled from ``tier``'s copy of ``h``."""
         if self.record_ops:
             self.ops.append(TierOp("load", tier, group_id, h, block))
+
+    def discard(self, group_id: int, h: int) -> bool:
+        """Storage found the entry ``(group_id, h)`` unusable (a failed write, a truncated or
+        corrupt copy): take it out of every tier holding it, so lookups miss it.  Records a
+        ``drop`` for each tier.  Returns whether any tier held it."""
+        found = False
+        for t in self.tiers:
+            if t.keys[group_id].pop(h, None) is None:
+                continue
+            found = True
+            del t.lru[(group_id, h)]
+            t.used_bytes -= t.block_bytes[group_id]
+            t.discarded += 1
+            if self.events is not None:
+                self.events.tier_removed(group_id, h, t.name)
+            if self.record_ops:
+                self.ops.append(TierOp("drop", t.name, group_id, h, 0))
+        return found
+
+    def adopt(self, name: str, entries: Sequence[tuple[int, int, int]]) -> list[int]:
+        """Enter ``(group, hash, tag)`` entries that storage of tier ``name`` already holds
+        (left by an earlier process), oldest first, without storage operations.  Entries
+        that find no room, repeat a held hash or name an unknown group are skipped; returns
+        the indices of the adopted ones (storage frees the rest)."""
+        t = self._named(name)
+        taken: list[int] = []
+        for i, (g, h, tag) in enumerate(entries):
+            if not 0 <= g < self.num_groups or h in t.keys[g]:
+                continue
+            size = t.block_bytes[g]
+            if t.used_bytes + size > t.capacity_bytes:
+                continue
+            t.keys[g][h] = tag
+            t.lru[(g, h)] = None
+            t.used_bytes += size
+            t.adopted += 1
+            taken.append(i)
+            if self.events is not None:
+                self.events.tier_stored(g, h, t.name, self.block_sizes[g])
+        return taken
+
+    def _named(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise PlanError(
+            f"tiers: no {name!r} tier here (tiers: {', '.join(t.name for t in self.tiers)})"
+        )
 
     def take_ops(self) -> list[TierOp]:
         """The storage operations since the last call, in the order they must run."""
@@ -292,8 +348,9 @@ class TierStack:
 
     # -- reporting ----------------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per tier: capacity, bytes and blocks held, blocks stored, loaded and dropped, and the
-        bytes stored and loaded."""
+        """Per tier: capacity, bytes and blocks held, blocks stored, loaded, dropped, discarded
+        (unusable in storage) and adopted (from an earlier process), and the bytes stored and
+        loaded."""
         return {
             t.name: {
                 "capacity_bytes": t.capacity_bytes,
@@ -302,6 +359,8 @@ class TierStack:
                 "stored": t.stored,
                 "loaded": t.loaded,
                 "dropped": t.dropped,
+                "discarded": t.discarded,
+                "adopted": t.adopted,
                 "stored_bytes": t.stored_bytes,
                 "loaded_bytes": t.loaded_bytes,
             }

@@ -41,6 +41,7 @@ Example (a tiny built-in hybrid model, random weights)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -50,7 +51,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.cache import PUBLISH_MODES, KVCacheManager, TierSpec
+from hybridkv.cache import PUBLISH_MODES, KVCacheManager
 from hybridkv.cache.tiers import tier_hit_tokens
 from hybridkv.engine.batch import StepBatch
 from hybridkv.engine.device import resolve_device
@@ -66,7 +67,7 @@ from hybridkv.engine.models import TINY_MODELS, load_model, tiny_config
 from hybridkv.engine.probe import probe_model, probe_model_spec, with_attention_sinks
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.speculative import SpeculativeConfig, accept_greedy
-from hybridkv.engine.tier_store import TierStore
+from hybridkv.engine.tier_store import fingerprint, open_tiers, tier_specs
 from hybridkv.engine.views import StorageViews
 from hybridkv.errors import HybridKVError, PlanError
 from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
@@ -126,9 +127,12 @@ class CacheConfig:
     window keep the sinks), so outputs match the model with that mask, not the model as
     trained.  ``host_memory_bytes``: a host-memory tier below the device cache: blocks the
     device evicts are copied there and hits read them back (:mod:`hybridkv.cache.tiers`,
-    :mod:`hybridkv.engine.tier_store`).  Raises :class:`~hybridkv.errors.PlanError` when both
-    budgets are given, a
-    count is not positive (negative where 0 is allowed), or ``publish`` is unknown.
+    :mod:`hybridkv.engine.tier_store`).  ``disk_cache_dir`` with ``disk_memory_bytes``: a
+    disk tier below (checksummed slots in a preallocated file in that directory, reused by
+    the next engine of the same model and layout: a prefix cache that outlives the process;
+    :mod:`hybridkv.storage.disk_slots`).  Raises :class:`~hybridkv.errors.PlanError` when
+    both budgets are given, a count is not positive (negative where 0 is allowed),
+    ``publish`` is unknown, or only one of the two disk fields is given.
     """
 
     strategy: str = "arena"
@@ -142,10 +146,27 @@ class CacheConfig:
     publish: str = "scheduled"
     attention_sinks: int = 0
     host_memory_bytes: int | None = None
+    disk_cache_dir: str | Path | None = None
+    disk_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "num_blocks", "max_model_len", "host_memory_bytes"):
+        for name in (
+            "memory_bytes",
+            "num_blocks",
+            "max_model_len",
+            "host_memory_bytes",
+            "disk_memory_bytes",
+        ):
             _positive(name, getattr(self, name))
+        if (self.disk_cache_dir is None) != (self.disk_memory_bytes is None):
+            raise PlanError(
+                "CacheConfig: a disk tier needs both disk_cache_dir (got "
+                f"{self.disk_cache_dir!r}) and disk_memory_bytes (got {self.disk_memory_bytes!r})"
+            )
+        if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, str | Path):
+            raise PlanError(
+                f"CacheConfig.disk_cache_dir: expected a path, got {self.disk_cache_dir!r}"
+            )
         sinks = self.attention_sinks
         if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
             raise PlanError(
@@ -313,11 +334,23 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             publish=cache.publish,
             group_hit_stats=True,  # EngineStats.group_hit_tokens
-            tiers=(TierSpec("host", cache.host_memory_bytes),) if cache.host_memory_bytes else (),
+            tiers=tier_specs(cache.host_memory_bytes, cache.disk_memory_bytes),
             tier_ops=True,
         )
-        self._tier_store = (
-            TierStore(self.storage, cache.host_memory_bytes) if cache.host_memory_bytes else None
+        self._tier_store = open_tiers(
+            self.storage,
+            self.manager,
+            host_bytes=cache.host_memory_bytes,
+            disk_dir=cache.disk_cache_dir,
+            disk_bytes=cache.disk_memory_bytes,
+            fingerprint=fingerprint(
+                name,
+                dtype,
+                self.layout,
+                self.manager.hasher.name,
+                seed=seed if name in TINY_MODELS else None,
+                attention_sinks=cache.attention_sinks,
+            ),
         )
         sched = scheduler or SchedulerConfig()
         if not sched.collect_block_ids:
@@ -334,7 +367,17 @@ class LLMEngine:
                 f"speculative: expected a SpeculativeConfig, got {speculative!r}"
             )
         self.speculative = speculative
-        self.scheduler = Scheduler(self.manager, sched, max_model_len=self.max_model_len)
+        store = self._tier_store
+        self.scheduler = Scheduler(
+            self.manager,
+            sched,
+            max_model_len=self.max_model_len,
+            hit_check=(
+                functools.partial(store.check_hit, self.manager)
+                if store is not None and store.disk is not None
+                else None
+            ),
+        )
         self.vocab_size = config_vocab_size(net.config)
         self.keep_logits = keep_logits
         self.completions: dict[str, Completion] = {}
@@ -353,6 +396,7 @@ class LLMEngine:
                 "accepted",
                 "rewinds",
                 "host",
+                "disk",
             ),
             0,
         )
@@ -412,6 +456,10 @@ class LLMEngine:
         start = time.perf_counter()
         running = {s.request_id for s in self.scheduler.running}
         out = self.scheduler.schedule(self._propose())
+        store = self._tier_store
+        while out.is_empty and not out.preempted and store is not None and store.reading():
+            store.wait()  # nothing else to run: wait for a waiting request's disk reads
+            out = self.scheduler.schedule(self._propose())
         if out.is_empty:
             if not out.preempted and self.scheduler.has_unfinished():
                 raise EngineError(
@@ -425,7 +473,9 @@ class LLMEngine:
             sizes = self._block_sizes
             for item in out.scheduled:
                 if item.allocation.loads:
-                    self._counts["host"] += tier_hit_tokens(item.allocation.loads, sizes)["host"]
+                    by_tier = tier_hit_tokens(item.allocation.loads, sizes)
+                    self._counts["host"] += by_tier["host"]
+                    self._counts["disk"] += by_tier["disk"]
         admitted = [i.request_id for i in out.scheduled if i.request_id not in running]
         self._tracker.record_step(
             out,
@@ -552,6 +602,12 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- reporting
 
+    def close(self) -> None:
+        """Let go of the disk tier's directory (its lock, its files) after in-flight reads;
+        the engine must not step afterwards.  A no-op without a disk tier."""
+        if self._tier_store is not None:
+            self._tier_store.close()
+
     def stats(self) -> EngineStats:
         """Counters since the engine was built (see :class:`EngineStats`)."""
         c, t = self._counts, self._tracker
@@ -579,6 +635,7 @@ class LLMEngine:
             accepted_draft_tokens=c["accepted"],
             rollback_passes=c["rewinds"],
             host_hit_tokens=c["host"],
+            disk_hit_tokens=c["disk"],
         )
 
 

@@ -49,7 +49,8 @@ class EngineStats:
     Speculative decoding: ``draft_tokens`` verified, ``accepted_draft_tokens`` of them, and
     ``rollback_passes``: forward passes that ran accepted tokens again to roll a recurrent
     state back past rejected drafts (also counted in ``forward_passes``).
-    ``host_hit_tokens``: the part of ``prefix_hit_tokens`` read back from the host tier.
+    ``host_hit_tokens`` / ``disk_hit_tokens``: the part of ``prefix_hit_tokens`` read back
+    from the host / disk tier.
     """
 
     groups: tuple[str, ...]
@@ -74,6 +75,7 @@ class EngineStats:
     accepted_draft_tokens: int = 0
     rollback_passes: int = 0
     host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
@@ -41,7 +41,11 @@ from hybridkv.scheduler.types import (
 )
 from hybridkv.specs import CacheKind
 
-__all__ = ["Scheduler", "SequenceState"]
+__all__ = ["HitCheck", "Scheduler", "SequenceState"]
+
+#: ``hit_check(request, hit)``: the hit to admit a waiting request with, or None while its
+#: lower-tier copies are still being read (see :attr:`Scheduler.hit_check`).
+HitCheck = Callable[[Request, ComputedBlocks], ComputedBlocks | None]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +85,17 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         *,
         max_model_len: int,
+        hit_check: HitCheck | None = None,
     ) -> None:
         self.manager = manager
+        #: Called with a waiting request and its hit before it is admitted: returns the hit
+        #: to admit it with (storage may have dropped unusable lower-tier copies and looked
+        #: up again) or None while its lower-tier copies are still being read and checked;
+        #: the request then waits and later ones are admitted past it.
+        self.hit_check = hit_check
+        #: Waiting requests passed over in the last schedule() because their loads were not
+        #: ready.
+        self.num_loading = 0
         self.config = config or SchedulerConfig()
         if max_model_len <= 0:
             raise SchedulerError(f"max_model_len: must be positive, got {max_model_len}")
@@ -303,14 +316,22 @@ class Scheduler:
             budget -= end - start + len(draft)
             i += 1
         skipped = 0
+        self.num_loading = 0
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                seq = self.waiting[0]
+            w = 0  # the first waiting request whose loads are ready, in arrival order
+            while w < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                seq = self.waiting[w]
                 req = seq.request
                 hit: ComputedBlocks | None = None
                 cached = 0
                 if not cfg.whole_prefill:
                     hit = mgr.get_computed_blocks(req)
+                    if self.hit_check is not None and hit.num_computed_tokens:
+                        hit = self.hit_check(req, hit)
+                        if hit is None:  # its lower-tier copies are still being read
+                            self.num_loading += 1
+                            w += 1
+                            continue
                     cached = hit.num_computed_tokens
                     seq.junction = hit.junction_tokens
                 end = self._chunk_end(seq, cached, budget)
@@ -340,7 +361,7 @@ class Scheduler:
                         )
                     seq.chunk_cap = max(1, (end - cached) // 2)
                     continue
-                self.waiting.popleft()
+                del self.waiting[w]
                 self.running.append(seq)
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = cached

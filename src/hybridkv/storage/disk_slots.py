@@ -1,0 +1,369 @@
+"""A disk tier's bytes: one preallocated file of checksummed slots that outlives the process.
+
+The directory holds three files:
+
+* ``manifest.json``: the format version, the capacity, and the *fingerprint* of whoever made
+  it (model, dtype, layout, hasher: the engine's :func:`hybridkv.engine.tier_store.fingerprint`).
+  A directory made by a different fingerprint or capacity is refused
+  (:class:`DiskCacheError`), never read as this model's data.
+* ``blocks.bin``: the slots, preallocated (``posix_fallocate``) to the capacity plus one header
+  per possible slot, so a full disk is found when the cache opens, not in the middle of a
+  write.  Slots are carved from the front in the order they are first needed and reused
+  through a free list per payload size.
+* ``lock``: an exclusive ``flock`` while a process has the directory open (a second process
+  on the same directory is refused; the lock dies with its process).
+
+Each slot is a 128-byte header and the payload.  The header names the entry (group, block
+hash, admission tag), its payload size, a store counter (the eviction order a later process
+adopts), the payload's CRC-32 and its own CRC-32.  Writing an entry first marks the slot
+empty, then writes the payload, then the committed header, so a process killed at any point
+leaves either the old entry, or an empty slot, or the complete new one; a torn header or
+payload fails its checksum.  Every read checks the header (name, size, state, header CRC)
+and the payload CRC before the bytes are used: a write that failed, a truncated file, a
+flipped byte all read as *missing*, never as data.
+
+Positioned reads and writes (``pread``/``pwrite``), not ``mmap``: an I/O error, a full disk
+or a file truncated by someone else then surfaces as an :class:`OSError` that becomes a
+miss; through a mapping it is a ``SIGBUS`` that kills the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from hybridkv.errors import StorageError
+
+__all__ = ["FORMAT_VERSION", "HEADER_BYTES", "DiskCacheError", "DiskSlots", "SlotEntry"]
+
+logger = logging.getLogger(__name__)
+
+#: Bumped whenever the file format changes; a manifest of another version is refused.
+FORMAT_VERSION = 1
+#: Bytes before each payload.
+HEADER_BYTES = 128
+_ALIGN = 64
+_MAGIC = b"HKVSLOT1"
+_EMPTY, _COMMITTED = 0, 1
+# magic, payload size, group, state, tag, stamp, payload crc, hash (33 bytes signed LE: a
+# SHA-256 hash or a negative builtin one)
+_HEAD = struct.Struct("<8sQIIqQI33s")
+_HCRC = struct.Struct("<I")
+_MANIFEST = "manifest.json"
+_DATA = "blocks.bin"
+_LOCK = "lock"
+
+
+class DiskCacheError(StorageError):
+    """A disk-cache directory that cannot be used: not a directory, not writable, too small a
+    disk, in use by another process, or made for another model, layout or capacity."""
+
+
+class SlotEntry(NamedTuple):
+    """A committed slot: its entry ``(group, block hash)``, admission ``tag``, payload
+    ``size``, file ``offset`` of its header and ``stamp`` (store order)."""
+
+    group_id: int
+    block_hash: int
+    tag: int
+    size: int
+    offset: int
+    stamp: int
+
+
+def _stride(size: int) -> int:
+    return -(-(HEADER_BYTES + size) // _ALIGN) * _ALIGN
+
+
+def _header(group: int, h: int, tag: int, size: int, stamp: int, crc: int, state: int) -> bytes:
+    head = _HEAD.pack(
+        _MAGIC, size, group, state, tag, stamp, crc, h.to_bytes(33, "little", signed=True)
+    )
+    return head + _HCRC.pack(zlib.crc32(head))
+
+
+class DiskSlots:
+    """The slots of one disk-cache directory, for entries of at most the payload ``sizes``
+    given (one per group), within ``capacity_bytes`` of payload.
+
+    Opening creates the directory and its files, or reopens those an earlier process left
+    (same ``fingerprint`` and capacity) and finds their committed entries
+    (:attr:`recovered`, oldest first).  Raises :class:`DiskCacheError` for a path that is a
+    file or not writable, a directory with other content, another fingerprint or capacity,
+    a directory locked by a live process, or a disk without room for the file.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        capacity_bytes: int,
+        fingerprint: Mapping[str, Any],
+        sizes: Sequence[int],
+    ) -> None:
+        self.directory = Path(directory)
+        self.capacity_bytes = capacity_bytes
+        self.sizes = sorted({int(s) for s in sizes if s > 0})
+        if not self.sizes:
+            raise DiskCacheError("disk cache: no group has a positive block size")
+        self.max_slots = capacity_bytes // self.sizes[0] + 1
+        self.file_bytes = capacity_bytes + self.max_slots * (HEADER_BYTES + _ALIGN)
+        self._fd = -1
+        self._lock_fd = -1
+        self._open(dict(fingerprint))
+        #: Committed entries by ``(group, hash)``.
+        self.entries: dict[tuple[int, int], SlotEntry] = {}
+        self._free: dict[int, list[int]] = {}
+        self._top = 0
+        self._stamp = 0
+        #: Entries found committed when the directory was opened, oldest first.
+        self.recovered: list[SlotEntry] = self._recover()
+        #: Writes that failed (I/O error, no room left in the file) and entries dropped.
+        self.write_errors = 0
+        self.no_room = 0
+
+    # -- opening ------------------------------------------------------------------------------
+    def _open(self, fingerprint: dict[str, Any]) -> None:
+        d = self.directory
+        if d.exists() and not d.is_dir():
+            raise DiskCacheError(f"disk cache: {d} is a file, not a directory")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DiskCacheError(
+                f"disk cache: cannot create directory {d}: {exc.strerror}"
+            ) from exc
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise DiskCacheError(f"disk cache: directory {d} is not writable")
+        manifest = d / _MANIFEST
+        want = {"format": FORMAT_VERSION, "capacity_bytes": self.capacity_bytes, **fingerprint}
+        ours = {_MANIFEST, _DATA, _LOCK}
+        if manifest.exists():
+            try:
+                have = json.loads(manifest.read_text())
+            except (OSError, ValueError) as exc:
+                raise DiskCacheError(
+                    f"disk cache: {manifest} is unreadable ({exc}); use an empty directory"
+                ) from exc
+            if have != want:
+                diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k)) or [
+                    "?"
+                ]
+                raise DiskCacheError(
+                    f"disk cache: {d} holds a cache made for another "
+                    f"{', '.join(diff)} (it has {diff[0]}={_short(have.get(diff[0]))}, this "
+                    f"engine {diff[0]}={_short(want.get(diff[0]))}); use another directory or "
+                    "empty it"
+                )
+        else:
+            others = sorted(p.name for p in d.iterdir() if p.name not in ours)
+            if others:
+                raise DiskCacheError(
+                    f"disk cache: {d} holds files that are not a hybridkv cache "
+                    f"({', '.join(others[:3])}); use an empty directory"
+                )
+        self._lock_fd = os.open(d / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise DiskCacheError(f"disk cache: {d} is in use by another process") from exc
+        self._fd = os.open(d / _DATA, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.posix_fallocate(self._fd, 0, self.file_bytes)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: sparse
+                if os.fstat(self._fd).st_size < self.file_bytes:
+                    os.ftruncate(self._fd, self.file_bytes)
+            else:
+                self.close()
+                raise DiskCacheError(
+                    f"disk cache: cannot reserve {self.file_bytes} bytes in {d}: "
+                    f"{exc.strerror} (free space, or a smaller --disk-memory)"
+                ) from exc
+        if not manifest.exists():
+            tmp = d / (_MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(want, sort_keys=True))
+            os.replace(tmp, manifest)
+
+    def _recover(self) -> list[SlotEntry]:
+        """Walk the carved slots from the front: committed ones become entries, empty ones
+        free slots; the walk ends at the first slot whose header does not check out (never
+        carved, or torn), and everything after it is free space."""
+        found: list[SlotEntry] = []
+        offset = 0
+        size_now = os.fstat(self._fd).st_size
+        largest = self.sizes[-1]
+        while offset + HEADER_BYTES <= size_now:
+            try:
+                raw = os.pread(self._fd, _HEAD.size + _HCRC.size, offset)
+            except OSError:
+                break
+            parsed = _parse(raw)
+            if parsed is None or not 0 < parsed[1] <= largest:
+                break
+            group, size, state, tag, stamp, h, _ = parsed
+            end = offset + _stride(size)
+            if end > self.file_bytes:
+                break
+            if state == _COMMITTED and (group, h) not in self.entries:
+                entry = SlotEntry(group, h, tag, size, offset, stamp)
+                self.entries[group, h] = entry
+                found.append(entry)
+                self._stamp = max(self._stamp, stamp + 1)
+            else:
+                if state == _COMMITTED:  # a second copy of an entry: the slot is free
+                    with contextlib.suppress(OSError):
+                        self._pwrite(_header(group, h, tag, size, 0, 0, _EMPTY), offset)
+                self._free.setdefault(size, []).append(offset)
+            offset = end
+        self._top = offset
+        found.sort(key=lambda e: e.stamp)
+        return found
+
+    # -- entries ------------------------------------------------------------------------------
+    def keep_only(self, keys: Iterable[tuple[int, int]]) -> None:
+        """Free every entry but ``keys`` (those an earlier process left that the cache did
+        not adopt)."""
+        keep = set(keys)
+        for key in [k for k in self.entries if k not in keep]:
+            self.drop(key)
+        self.recovered = [e for e in self.recovered if (e.group_id, e.block_hash) in keep]
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def write(self, key: tuple[int, int], tag: int, data: memoryview) -> bool:
+        """Store ``data`` (contiguous bytes) as entry ``key`` with admission ``tag``.  Returns
+        False, storing nothing, when no slot is left for its size or the write fails (the
+        entry then reads as missing)."""
+        size = data.nbytes
+        if key in self.entries:
+            self.drop(key)
+        offset = self._take(size)
+        if offset is None:
+            self.no_room += 1
+            return False
+        g, h = key
+        stamp = self._stamp
+        try:
+            self._pwrite(_header(g, h, tag, size, 0, 0, _EMPTY), offset)
+            self._pwrite(data, offset + HEADER_BYTES)
+            crc = zlib.crc32(data)
+            self._pwrite(_header(g, h, tag, size, stamp, crc, _COMMITTED), offset)
+        except OSError as exc:
+            logger.warning("disk cache: writing group %d block %#x failed: %s", g, h, exc)
+            self.write_errors += 1
+            with contextlib.suppress(OSError):
+                self._pwrite(_header(g, h, tag, size, 0, 0, _EMPTY), offset)
+            self._free.setdefault(size, []).append(offset)
+            return False
+        self._stamp += 1
+        self.entries[key] = SlotEntry(g, h, tag, size, offset, stamp)
+        return True
+
+    def read(self, key: tuple[int, int], out: memoryview) -> bool:
+        """Read entry ``key`` into ``out`` (its size) and check it: the header must name
+        ``key``, be committed and intact, and the payload must match its CRC.  Returns False
+        (``out`` then holds garbage) for a missing, torn, truncated or corrupt entry."""
+        entry = self.entries.get(key)
+        if entry is None or out.nbytes != entry.size:
+            return False
+        try:
+            raw = os.pread(self._fd, _HEAD.size + _HCRC.size, entry.offset)
+            got = os.preadv(self._fd, [out], entry.offset + HEADER_BYTES)
+        except OSError as exc:
+            logger.warning("disk cache: reading group %d block %#x failed: %s", *key, exc)
+            return False
+        parsed = _parse(raw)
+        if parsed is None or got != entry.size:
+            return False
+        group, size, state, _, _, h, crc = parsed
+        return (
+            state == _COMMITTED
+            and (group, h) == key
+            and size == entry.size
+            and zlib.crc32(out) == crc
+        )
+
+    def drop(self, key: tuple[int, int]) -> bool:
+        """Forget entry ``key`` and mark its slot empty (reused by a later write of its size);
+        False when no such entry."""
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return False
+        with contextlib.suppress(OSError):  # a slot that stays committed is refused by name
+            self._pwrite(_header(*key, entry.tag, entry.size, 0, 0, _EMPTY), entry.offset)
+        self._free.setdefault(entry.size, []).append(entry.offset)
+        return True
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        for key in list(self.entries):
+            self.drop(key)
+
+    def used_bytes(self) -> int:
+        """Payload bytes of the committed entries."""
+        return sum(e.size for e in self.entries.values())
+
+    def close(self) -> None:
+        """Close the files and release the directory's lock."""
+        for fd in (self._fd, self._lock_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._lock_fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    # -- slots --------------------------------------------------------------------------------
+    def _take(self, size: int) -> int | None:
+        spare = self._free.get(size)
+        if spare:
+            return spare.pop()
+        end = self._top + _stride(size)
+        if end > self.file_bytes:
+            return None
+        offset, self._top = self._top, end
+        return offset
+
+    def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            n = os.pwrite(self._fd, view, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            view = view[n:]
+            offset += n
+
+
+def _parse(raw: bytes) -> tuple[int, int, int, int, int, int, int] | None:
+    """``(group, size, state, tag, stamp, hash, crc)`` of a header that checks out."""
+    if len(raw) < _HEAD.size + _HCRC.size:
+        return None
+    head = raw[: _HEAD.size]
+    (hcrc,) = _HCRC.unpack_from(raw, _HEAD.size)
+    if zlib.crc32(head) != hcrc:
+        return None
+    magic, size, group, state, tag, stamp, crc, h = _HEAD.unpack(head)
+    if magic != _MAGIC or state not in (_EMPTY, _COMMITTED):
+        return None
+    return group, size, state, tag, stamp, int.from_bytes(h, "little", signed=True), crc
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
