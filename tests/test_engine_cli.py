@@ -360,14 +360,14 @@ def test_every_option_shows_its_default() -> None:
         for a in run_parser._actions
         if a.dest != "help"
     }
-    assert len(shown) == 24
+    assert len(shown) == 26
     assert [flag for flag, text in shown.items() if "default" not in text] == []
     for flag in ("--memory", "--block-size", "--state-block-size", "--max-model-len"):
         assert flag in shown  # the names plan and simulate use
     assert "--kv-cache-dtype" not in shown  # the engine caches in the model's dtype
     # the defaults run states without importing torch are the engine's
     assert run_prompts.MAX_MODEL_LEN_CAP == llm_engine.DEFAULT_MAX_MODEL_LEN
-    assert parse_bytes(run_cmd._DEFAULT_MEMORY) == llm_engine.DEFAULT_MEMORY_BYTES
+    assert parse_bytes(run_cmd.DEFAULT_MEMORY) == llm_engine.DEFAULT_MEMORY_BYTES
 
 
 def test_gzip_prompts_are_read(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -184,7 +184,7 @@ def test_plan_from_the_config_is_the_engines_plan(name: str) -> None:
         CacheConfig(strategy="uniform", memory_bytes=8 << 20),
     ):
         max_len = cache.max_model_len or llm_engine.default_max_model_len(config)
-        before = llm_engine._plan_cache(spec, max_len, cache)
+        before = llm_engine.plan_cache(spec, max_len, cache)
         engine = LLMEngine(model, cache=cache)
         assert (before.layout, before.memory_bytes) == (
             engine.plan.layout,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.cli.common import add_block_options
+from hybridkv.cli.run_config import DEFAULT_MEMORY, check_device, check_numbers, configs, flagged
 from hybridkv.cli.run_prompts import (
     DEFAULT_REQUESTS,
     MAX_MODEL_LEN_CAP,
@@ -48,21 +49,8 @@ _WEIGHT_FILES = ("*.safetensors", "*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: What the engine extra brings; ``hybridkv run`` needs both.
 _ENGINE_MODULES = ("torch", "transformers")
-#: Defaults of ``run`` (the engine's own where it has one).
-_DEFAULT_MEMORY = "64MiB"
 #: Kind labels of :func:`hybridkv.models.summary.cache_label` spelled out for the listing.
 _LABELS = {"none": "uncached"}
-#: Plan/cache fields in error messages -> the ``run`` flag that sets them.
-_FIELD_FLAGS = {
-    "memory_bytes": "--memory",
-    "max_model_len": "--max-model-len",
-    "block_size": "--block-size",
-    "kernel_block_size": "--kernel-block-size",
-    "state_block_size": "--state-block-size",
-    "strategy": "--strategy",
-}
-
-
 # ----------------------------------------------------------------- built-in tiny models
 
 
@@ -200,7 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory",
         default=None,
         metavar="SIZE",
-        help=f"KV-cache budget, e.g. 16MiB or 500kB (default: {_DEFAULT_MEMORY})",
+        help=f"KV-cache budget, e.g. 16MiB or 500kB (default: {DEFAULT_MEMORY})",
     )
     budget.add_argument(
         "--num-blocks",
@@ -261,6 +249,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prefix hits read them back (default: none)",
     )
     parser.add_argument(
+        "--disk-cache",
+        default=None,
+        metavar="DIR",
+        help="a disk tier in DIR (with --disk-memory): what the tiers above evict is written "
+        "there, checksummed, and a later run of the same model and layout on DIR reuses it "
+        "(default: none)",
+    )
+    parser.add_argument(
+        "--disk-memory",
+        default=None,
+        metavar="SIZE",
+        help="the disk tier's capacity (with --disk-cache), reserved in DIR up front "
+        "(default: none)",
+    )
+    parser.add_argument(
         "--speculate",
         type=int,
         default=0,
@@ -299,83 +302,6 @@ def _check_engine_extra() -> None:
             f"needs the engine extra ({', '.join(_ENGINE_MODULES)}): pip install "
             f"'hybridkv[engine]' (cannot import {', '.join(missing)})"
         )
-
-
-def _check_numbers(args: argparse.Namespace) -> None:
-    for name in (
-        "num_requests",
-        "max_tokens",
-        "waves",
-        "num_blocks",
-        "block_size",
-        "kernel_block_size",
-        "state_block_size",
-        "max_model_len",
-        "token_budget",
-        "max_num_seqs",
-        "threads",
-    ):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            flag = "--" + name.replace("_", "-")
-            raise RunInputError(f"{flag}: must be a positive integer, got {value}")
-    if args.shared_prefix < 0:
-        raise RunInputError(f"--shared-prefix: must be >= 0, got {args.shared_prefix}")
-
-
-def _flagged(exc: HybridKVError, args: argparse.Namespace) -> RunInputError:
-    """``exc`` with its leading field name (``memory_bytes: ...``,
-    ``SchedulerConfig.token_budget: ...``) replaced by the ``run`` flag that sets it."""
-    text = str(exc)
-    field, sep, rest = text.partition(": ")
-    config_field = field.removeprefix("CacheConfig.").removeprefix("SchedulerConfig.")
-    if not sep:
-        return RunInputError(text)
-    if config_field == "memory_bytes" and args.num_blocks is not None:
-        return RunInputError(f"--num-blocks {args.num_blocks}: a budget of {rest}")
-    flag = _FIELD_FLAGS.get(config_field)
-    if flag is None and config_field != field and config_field.isidentifier():
-        flag = "--" + config_field.replace("_", "-")
-    return RunInputError(f"{flag}: {rest}" if flag is not None else text)
-
-
-def _configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
-    from hybridkv.engine import CacheConfig
-    from hybridkv.scheduler import SchedulerConfig
-    from hybridkv.units import parse_bytes
-
-    memory = None if args.memory is None else parse_bytes(args.memory, field="--memory")
-    host = None
-    if args.host_memory is not None:
-        host = parse_bytes(args.host_memory, field="--host-memory")
-    if memory is None and args.num_blocks is None:
-        memory = parse_bytes(_DEFAULT_MEMORY, field="--memory")
-    try:
-        cache = CacheConfig(
-            strategy=args.strategy,
-            memory_bytes=memory,
-            num_blocks=args.num_blocks,
-            block_size=args.block_size,
-            kernel_block_size=args.kernel_block_size,
-            state_block_size=args.state_block_size,
-            max_model_len=args.max_model_len,
-            attention_sinks=args.attention_sinks,
-            host_memory_bytes=host,
-        )
-        scheduler = SchedulerConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs)
-    except HybridKVError as exc:
-        raise _flagged(exc, args) from None
-    return cache, scheduler
-
-
-def _check_device(device: str) -> None:
-    from hybridkv.engine.device import resolve_device
-    from hybridkv.engine.errors import DeviceError
-
-    try:
-        resolve_device(device)
-    except DeviceError as exc:
-        raise RunInputError(f"--device: {str(exc).removeprefix('device: ')}") from None
 
 
 def _check_real_extra(model: str) -> None:
@@ -476,6 +402,7 @@ def _build(args: argparse.Namespace, cache: CacheConfig, scheduler: SchedulerCon
     from hybridkv.engine.errors import SpeculativeConfigError
     from hybridkv.engine.speculative import NgramProposer, SpeculativeConfig
     from hybridkv.errors import PlanError
+    from hybridkv.storage.disk_slots import DiskCacheError
 
     try:
         speculative = SpeculativeConfig(NgramProposer(), args.speculate) if args.speculate else None
@@ -499,9 +426,12 @@ def _build(args: argparse.Namespace, cache: CacheConfig, scheduler: SchedulerCon
             raise
         raise RunInputError(f"--attention-sinks {args.attention_sinks}: {rest}") from None
     except PlanError as exc:
-        raise _flagged(exc, args) from None
+        raise flagged(exc, args) from None
     except ModelSourceError as exc:  # transformers could not load the weights
         raise RunInputError(f"--model: {str(exc).removeprefix('model: ')}") from None
+    except DiskCacheError as exc:
+        text = str(exc).removeprefix("disk cache: ")
+        raise RunInputError(f"--disk-cache {args.disk_cache}: {text}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -509,9 +439,9 @@ def run(args: argparse.Namespace) -> int:
         return _list_models()
     # Every check below comes before the model is loaded (seconds to minutes).
     _check_engine_extra()
-    _check_numbers(args)
-    cache, scheduler = _configs(args)
-    _check_device(args.device)
+    check_numbers(args)
+    cache, scheduler = configs(args)
+    check_device(args.device)
     _check_real_extra(args.model)
     lines = None if args.prompts is None else prompt_lines(args.prompts)
     real = _prepare_real(args)
@@ -563,6 +493,7 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         bar.close()
+        engine.close()  # the disk tier's directory is free for the next run
     for c in done:
         print(output_line(c, tokenizer))
     for line in summary_lines(engine.stats(), len(done)):

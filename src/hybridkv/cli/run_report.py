@@ -79,6 +79,11 @@ def summary_lines(stats: EngineStats, num_requests: int) -> list[str]:
             f"host tier: {stats.host_hit_tokens} of the {stats.prefix_hit_tokens} hit tokens read "
             "back from host memory"
         )
+    if stats.disk_hit_tokens:
+        lines.append(
+            f"disk tier: {stats.disk_hit_tokens} of the {stats.prefix_hit_tokens} hit tokens read "
+            "back from disk"
+        )
     if stats.draft_tokens:
         lines.append(
             f"speculative decoding: {stats.accepted_draft_tokens} of {stats.draft_tokens} draft "

@@ -51,9 +51,16 @@ from typing import Any
 
 import torch
 
-from hybridkv.cache import PUBLISH_MODES, KVCacheManager
+from hybridkv.cache import KVCacheManager
 from hybridkv.cache.tiers import tier_hit_tokens
 from hybridkv.engine.batch import StepBatch
+from hybridkv.engine.cache_config import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MEMORY_BYTES,
+    CacheConfig,
+    plan_cache,
+    preflight_plan,
+)
 from hybridkv.engine.device import resolve_device
 from hybridkv.engine.errors import (
     EngineError,
@@ -69,8 +76,7 @@ from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.speculative import SpeculativeConfig, accept_greedy
 from hybridkv.engine.tier_store import fingerprint, open_tiers, tier_specs
 from hybridkv.engine.views import StorageViews
-from hybridkv.errors import HybridKVError, PlanError
-from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
+from hybridkv.plan import Plan
 from hybridkv.scheduler import (
     FinishReason,
     RequestOutput,
@@ -94,94 +100,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Cache budget when neither ``memory_bytes`` nor ``num_blocks`` is given: 64 MiB.
-DEFAULT_MEMORY_BYTES = 64 << 20
-#: ``max_model_len`` when none is given: the model's own limit, at most this many tokens.
-DEFAULT_MAX_MODEL_LEN = 2048
-
-
-def _positive(name: str, value: object) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise PlanError(f"CacheConfig.{name}: must be a positive integer or None, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CacheConfig:
-    """How the engine plans its cache (see :func:`hybridkv.plan.make_plan` for the fields it
-    passes on: ``strategy``, ``block_size``, ``kernel_block_size``, ``state_block_size``,
-    ``chunk_alignment``).
-
-    The budget is ``memory_bytes``, or ``num_blocks``: room for that many blocks of every group
-    at once (arena: whole chunks of each group plus the null chunk; pools: one pool of
-    ``num_blocks + 1`` blocks per group; uniform: ``num_blocks + 1`` blocks per group in the
-    shared pool), or
-    :data:`DEFAULT_MEMORY_BYTES`.
-    ``max_model_len`` (tokens) defaults to the model's ``max_position_embeddings``, at most
-    2048.  ``publish``: when the manager publishes attention blocks (``scheduled``: at the
-    allocation of the step that fills them, so requests admitted in the same step hit them;
-    the runner orders its passes so that they are written before they are read; or
-    ``computed``).  ``attention_sinks``: StreamingLLM sink tokens, the first tokens of a
-    request that every sliding-window layer reads besides its window (their blocks are never
-    recycled); this changes the model's attention on purpose (long generations past the
-    window keep the sinks), so outputs match the model with that mask, not the model as
-    trained.  ``host_memory_bytes``: a host-memory tier below the device cache: blocks the
-    device evicts are copied there and hits read them back (:mod:`hybridkv.cache.tiers`,
-    :mod:`hybridkv.engine.tier_store`).  ``disk_cache_dir`` with ``disk_memory_bytes``: a
-    disk tier below (checksummed slots in a preallocated file in that directory, reused by
-    the next engine of the same model and layout: a prefix cache that outlives the process;
-    :mod:`hybridkv.storage.disk_slots`).  Raises :class:`~hybridkv.errors.PlanError` when
-    both budgets are given, a count is not positive (negative where 0 is allowed),
-    ``publish`` is unknown, or only one of the two disk fields is given.
-    """
-
-    strategy: str = "arena"
-    memory_bytes: int | None = None
-    num_blocks: int | None = None
-    block_size: int = 16
-    kernel_block_size: int | None = None
-    state_block_size: int | None = None
-    max_model_len: int | None = None
-    chunk_alignment: int = 4096
-    publish: str = "scheduled"
-    attention_sinks: int = 0
-    host_memory_bytes: int | None = None
-    disk_cache_dir: str | Path | None = None
-    disk_memory_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in (
-            "memory_bytes",
-            "num_blocks",
-            "max_model_len",
-            "host_memory_bytes",
-            "disk_memory_bytes",
-        ):
-            _positive(name, getattr(self, name))
-        if (self.disk_cache_dir is None) != (self.disk_memory_bytes is None):
-            raise PlanError(
-                "CacheConfig: a disk tier needs both disk_cache_dir (got "
-                f"{self.disk_cache_dir!r}) and disk_memory_bytes (got {self.disk_memory_bytes!r})"
-            )
-        if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, str | Path):
-            raise PlanError(
-                f"CacheConfig.disk_cache_dir: expected a path, got {self.disk_cache_dir!r}"
-            )
-        sinks = self.attention_sinks
-        if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
-            raise PlanError(
-                f"CacheConfig.attention_sinks: must be an integer >= 0 (0: none), got {sinks!r}"
-            )
-        if self.publish not in PUBLISH_MODES:
-            raise PlanError(
-                f"CacheConfig.publish: unknown mode {self.publish!r}; valid: "
-                f"{', '.join(PUBLISH_MODES)}"
-            )
-        if self.memory_bytes is not None and self.num_blocks is not None:
-            raise PlanError(
-                f"CacheConfig: give memory_bytes ({self.memory_bytes}) or num_blocks "
-                f"({self.num_blocks}), not both"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,7 +233,7 @@ class LLMEngine:
             name = str(model)
             config = model_config(model)
             max_len = cache.max_model_len or default_max_model_len(config)
-            derived = _preflight_plan(config, dtype, max_len, cache)
+            derived = preflight_plan(config, dtype, max_len, cache)
             if speculative is not None and derived is not None and resumes_no_prefill(derived):
                 raise _no_drafts(name)
             net = load_model(model, seed=seed, dtype=dtype).to(device)
@@ -323,7 +241,7 @@ class LLMEngine:
         probe = with_attention_sinks(probe_model(net), cache.attention_sinks)
         self.spec: ModelSpec = probe_model_spec(probe, name=name)
         self.max_model_len = cache.max_model_len or default_max_model_len(net.config)
-        self.plan: Plan = _plan_cache(self.spec, self.max_model_len, cache)
+        self.plan: Plan = plan_cache(self.spec, self.max_model_len, cache)
         self.layout = self.plan.layout
         device = next(net.parameters()).device
         self.storage = KVCacheStorage(self.layout, device=device)
@@ -657,71 +575,6 @@ def _check_draft(draft: Sequence[int], room: int, vocab_size: int) -> tuple[int,
                 f"[0, {vocab_size})"
             )
     return out
-
-
-def _plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan:
-    """The plan of ``spec``'s cache as ``cache`` asks for it (see :class:`CacheConfig`)."""
-    options: dict[str, Any] = {
-        "max_model_len": max_model_len,
-        "strategy": cache.strategy,
-        "block_size": cache.block_size,
-        "kernel_block_size": cache.kernel_block_size,
-        "state_block_size": cache.state_block_size,
-        "chunk_alignment": cache.chunk_alignment,
-    }
-    if cache.num_blocks is None:
-        memory = cache.memory_bytes or DEFAULT_MEMORY_BYTES
-        return make_plan(spec, memory_bytes=memory, **options)
-    # The arena planner may pad state pages differently for another budget (other chunk
-    # sizes): size the budget from a plan until the plan it gives agrees.
-    plan = make_plan(spec, memory_bytes=1 << 40, **options)
-    if plan.layout.strategy is Strategy.POOLS:
-        # Weights proportional to block bytes give every pool the same number of blocks.
-        options["pool_ratios"] = [g.block_bytes for g in plan.layout.groups]
-    for _ in range(4):
-        memory = _budget_for_blocks(plan.layout, cache.num_blocks)
-        if memory == plan.memory_bytes:
-            break
-        plan = make_plan(spec, memory_bytes=memory, **options)
-    return plan
-
-
-def _preflight_plan(
-    config: Any, dtype: torch.dtype, max_model_len: int, cache: CacheConfig
-) -> ModelSpec | None:
-    """Raise the :class:`PlanError` the engine's plan would raise, before any weight is loaded.
-
-    The spec comes from ``config`` (:func:`hybridkv.models.spec_from_config`, every cache in
-    the engine's ``dtype``), which equals what the probe measures on the loaded model for
-    every architecture hybridkv maps (``tests/test_engine_binding.py``).  When the config
-    cannot be derived here, nothing is checked: the plan from the probe decides.  Returns the
-    derived spec (None when it could not be derived).
-    """
-    from hybridkv.models import spec_from_config
-
-    dtype_name = str(dtype).removeprefix("torch.")
-    data = config.to_dict()
-    for part in (data, data.get("text_config")):
-        if isinstance(part, dict):
-            part["dtype"] = dtype_name
-            part.pop("torch_dtype", None)
-    try:
-        spec = spec_from_config(data, kv_cache_dtype=dtype_name)
-    except HybridKVError:
-        return None
-    _plan_cache(spec, max_model_len, cache)
-    return spec
-
-
-def _budget_for_blocks(layout: MemoryLayout, num_blocks: int) -> int:
-    """Bytes holding ``num_blocks`` blocks of every group of ``layout`` at once, null blocks
-    included: whole chunks per group plus the null chunk (arena), or ``num_blocks + 1``
-    blocks of every group (pools, uniform).  Block and chunk sizes do not depend on the
-    budget, except where the arena planner pads state pages differently for it."""
-    if layout.arena is not None:
-        per_group = (-(-num_blocks // layout.blocks_per_chunk(g.group_id)) for g in layout.groups)
-        return (1 + sum(per_group)) * layout.arena.chunk_bytes
-    return (num_blocks + 1) * sum(g.block_bytes for g in layout.groups)
 
 
 def resumes_no_prefill(spec: ModelSpec) -> bool:
