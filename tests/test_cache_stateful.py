@@ -11,6 +11,7 @@ computed (both publication modes; some admissions are dropped before their step 
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import strategies as hst
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -32,6 +33,7 @@ from hybridkv.cache import (
 )
 from hybridkv.cache.admission import CheckpointAdmission
 from hybridkv.cache.tiers import TierSpec
+from hybridkv.errors import RequestError
 from test_cache_factories import (
     cached_hashes,
     eviction_for,
@@ -161,6 +163,13 @@ class CacheMachine(RuleBasedStateMachine):
         want, _, blocks = oracle(mgr, req)
         assert hit.num_computed_tokens == want
         assert [list(b) for b in hit.blocks] == blocks
+        if self.tiered:  # what storage checks before the admission: every marker, named
+            spots = mgr.tier_blocks(req, hit)
+            assert len(spots) == sum(b < 0 for group in hit.blocks for b in group)
+            tiers = mgr._coord.tiers
+            assert tiers is not None
+            for g, h, name in spots:
+                assert tiers.where(g, h) == name
         n = min(budget, req.num_tokens - hit.num_computed_tokens)
         if to_junction and hit.junction_tokens > hit.num_computed_tokens:
             n = min(n, hit.junction_tokens - hit.num_computed_tokens)
@@ -311,6 +320,39 @@ class TieredArenaMachine(CacheMachine):
         self.count += 1
         tokens = self.seen[which % len(self.seen)] + [more]
         self.waiting.append(self._m().make_request(f"r{self.count}", tokens))
+
+    @rule(which=hst.integers(0, 1000))
+    def discard(self, which: int) -> None:
+        """Storage found a lower-tier copy bad: it is gone from every tier, lookups miss it."""
+        if self.mgr is None:
+            return
+        held = [(g, h) for g, hashes in enumerate(tier_hashes(self.mgr)) for h in sorted(hashes)]
+        if not held:
+            assert not self.mgr.discard_tier_block(0, 12345)
+            return
+        g, h = held[which % len(held)]
+        assert self.mgr.discard_tier_block(g, h)
+        assert h not in tier_hashes(self.mgr)[g]
+        assert not self.mgr.discard_tier_block(g, h)
+
+    @rule()
+    def persist(self) -> None:
+        """Everything cached goes to the last tier (a disk tier before the process ends)."""
+        if self.mgr is None:
+            return
+        mgr = self.mgr
+        tiers = mgr._coord.tiers
+        assert tiers is not None
+        last = tiers.tiers[-1]
+        if self.running:
+            before = mgr.snapshot()
+            with pytest.raises(RequestError, match="still hold blocks"):
+                mgr.persist_to_tier(last.name)
+            assert mgr.snapshot() == before
+            return
+        mgr.persist_to_tier(last.name)
+        for upper in tiers.tiers[:-1]:
+            assert not upper.lru  # moved down
 
 
 class TieredPoolsMachine(TieredArenaMachine):

@@ -197,3 +197,53 @@ def test_a_checkpoint_read_back_credits_the_reason_it_was_saved_for() -> None:
     loaded = next(load.block for load in res.loads if load.group_id == 1)
     assert mgr._coord.managers[1].reasons[loaded] == reason  # kept on the device again
     assert [(c.src, c.dst) for c in res.copies_before] == [(loaded, running)]
+
+
+def test_a_discarded_copy_is_a_miss_and_tier_blocks_name_what_loads() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)
+    bb = layout.groups[0].block_bytes
+    mgr = KVCacheManager(layout, hasher="builtin", tiers=(TierSpec("disk", 6 * bb),), tier_ops=True)
+    _run(mgr, "a", tokens(13))
+    _run(mgr, "b", tokens(13, 100))  # a's 3 blocks go to disk
+    mgr.take_tier_ops()
+    req = mgr.make_request("c", tokens(13))
+    hit = mgr.get_computed_blocks(req)
+    hashes = req.block_hashes
+    assert mgr.tier_blocks(req, hit) == [(0, hashes[j], "disk") for j in range(3)]
+    # storage finds the second block's copy bad: the hit stops before it
+    assert mgr.discard_tier_block(0, hashes[1])
+    assert not mgr.discard_tier_block(0, hashes[1])
+    assert [tuple(op[:4]) for op in mgr.take_tier_ops()] == [("drop", "disk", 0, hashes[1])]
+    hit = mgr.get_computed_blocks(req)
+    assert (hit.num_computed_tokens, hit.blocks) == (4, ((-1,),))
+    assert mgr.tier_blocks(req, hit) == [(0, hashes[0], "disk")]
+    assert mgr.tier_stats()["disk"]["discarded"] == 1
+    mgr.check_invariants()
+
+
+def test_persist_moves_everything_cached_down_and_a_new_manager_adopts_it() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)
+    bb = layout.groups[0].block_bytes
+    specs = (TierSpec("host", 2 * bb), TierSpec("disk", 8 * bb))
+    mgr = KVCacheManager(layout, hasher="builtin", tiers=specs, tier_ops=True)
+    _run(mgr, "a", tokens(13))
+    _run(mgr, "b", tokens(13, 100))  # a's 3 blocks: 2 in host, 1 cascaded to disk
+    mgr.take_tier_ops()
+    mgr.persist_to_tier("disk")
+    ops = [op.op for op in mgr.take_tier_ops()]
+    assert ops == ["move", "move", "store", "store", "store"]  # host entries, then b's blocks
+    st = mgr.tier_stats()
+    assert (st["host"]["blocks"], st["disk"]["blocks"]) == (0, 6)
+    mgr.check_invariants()
+    tiers = mgr._coord.tiers
+    assert tiers is not None
+    held = [(g, h, 0) for g, h in tiers.tiers[1].lru]
+    fresh = KVCacheManager(layout, hasher="builtin", tiers=specs)
+    # the new manager adopts them oldest first; a repeat is refused
+    assert fresh.adopt_tier_entries("disk", [*held, held[0]]) == list(range(6))
+    assert fresh.tier_stats()["disk"]["adopted"] == 6
+    assert _run(fresh, "c", tokens(13))[0] == 12  # a's prefix, from disk
+    with pytest.raises(PlanError, match="no 'ssd' tier"):
+        fresh.adopt_tier_entries("ssd", [])
+    with pytest.raises(PlanError, match="no lower tiers"):
+        KVCacheManager(layout).persist_to_tier()

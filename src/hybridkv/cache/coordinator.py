@@ -184,6 +184,18 @@ class HybridCoordinator:
         tags = None if reasons is None else [reasons[b] for b in blocks]
         tiers.evicted(group_id, hashes, blocks, tags)
 
+    def persist(self, tier: str) -> None:
+        """Copy every cached device block and upper-tier entry into ``tier`` (see
+        :meth:`TierStack.persist`); the device keeps its copies."""
+        tiers = self.tiers
+        assert tiers is not None
+        device: list[tuple[int, int, int, int]] = []
+        for m in self.managers:
+            reasons = getattr(m, "reasons", None)
+            for h, b in m.map.items():
+                device.append((m.group_id, h, b, 0 if reasons is None else reasons[b]))
+        tiers.persist(tier, device)
+
     def _set_window_grids(self) -> None:
         """Tail retention also keeps the window before every multiple of a grid, where the
         window's bytes are a sixteenth of the prefix-closed groups' bytes up to that point:

@@ -447,6 +447,23 @@ class KVCacheManager:
             raise PlanError(f"tier {tier!r}: this manager has no lower tiers")
         return tiers.adopt(tier, entries)
 
+    def persist_to_tier(self, tier: str = "disk") -> None:
+        """Copy everything cached (device blocks, upper-tier entries) into ``tier``: what a
+        persistent disk tier needs before the process ends, so the next one finds it.  Only
+        while no request holds blocks (raises :class:`RequestError` otherwise: a running
+        request's blocks may not be written yet); the storage operations follow in
+        :meth:`take_tier_ops`.  Raises :class:`PlanError` without such a tier."""
+        tiers = self._coord.tiers
+        if tiers is None:
+            raise PlanError(f"tier {tier!r}: this manager has no lower tiers")
+        if self._coord.requests:
+            raise RequestError(
+                f"persist_to_tier: {len(self._coord.requests)} requests still hold blocks; "
+                "free them first"
+            )
+        tiers.named(tier)
+        self._coord.persist(tier)
+
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Per lower tier: capacity, bytes and blocks held, blocks stored, loaded (hits read
         back), dropped (evicted from it), discarded (unusable in storage) and adopted (from an

@@ -272,6 +272,26 @@ class TierStack:
         if self.record_ops:
             self.ops.append(TierOp("load", tier, group_id, h, block))
 
+    def persist(self, name: str, device: Sequence[tuple[int, int, int, int]]) -> None:
+        """Copy everything cached into tier ``name`` (a disk tier before the process ends):
+        the entries of the tiers above it (moved down, oldest first), then the device's cached
+        blocks ``(group, hash, block, tag)`` (stored).  Entries already there are refreshed;
+        the tier's own eviction order decides what fits."""
+        level = next((i for i, t in enumerate(self.tiers) if t.name == name), None)
+        if level is None:
+            self.named(name)  # raises
+            return
+        for upper in self.tiers[:level]:
+            while upper.lru:
+                g, h = upper.lru.popitem(last=False)[0]
+                tag = upper.keys[g].pop(h)
+                upper.used_bytes -= upper.block_bytes[g]
+                if self.events is not None:
+                    self.events.tier_removed(g, h, upper.name)
+                self._put(level, g, h, 0, upper.name, tag)
+        for g, h, block, tag in device:
+            self._put(level, g, h, block, None, tag)
+
     def discard(self, group_id: int, h: int) -> bool:
         """Storage found the entry ``(group_id, h)`` unusable (a failed write, a truncated or
         corrupt copy): take it out of every tier holding it, so lookups miss it.  Records a
@@ -295,7 +315,7 @@ class TierStack:
         (left by an earlier process), oldest first, without storage operations.  Entries
         that find no room, repeat a held hash or name an unknown group are skipped; returns
         the indices of the adopted ones (storage frees the rest)."""
-        t = self._named(name)
+        t = self.named(name)
         taken: list[int] = []
         for i, (g, h, tag) in enumerate(entries):
             if not 0 <= g < self.num_groups or h in t.keys[g]:
@@ -312,7 +332,8 @@ class TierStack:
                 self.events.tier_stored(g, h, t.name, self.block_sizes[g])
         return taken
 
-    def _named(self, name: str) -> Tier:
+    def named(self, name: str) -> Tier:
+        """The tier called ``name``; raises :class:`PlanError` when there is none."""
         for t in self.tiers:
             if t.name == name:
                 return t

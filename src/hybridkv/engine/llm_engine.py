@@ -521,10 +521,17 @@ class LLMEngine:
     # ----------------------------------------------------------------- reporting
 
     def close(self) -> None:
-        """Let go of the disk tier's directory (its lock, its files) after in-flight reads;
-        the engine must not step afterwards.  A no-op without a disk tier."""
-        if self._tier_store is not None:
-            self._tier_store.close()
+        """Write everything cached (device blocks, host entries) to the disk tier, so the
+        next engine on its directory finds it, and let go of the directory (its lock, its
+        files); with requests unfinished only what is already on disk stays.  The engine
+        must not step afterwards.  Idempotent; a no-op without tiers."""
+        store, self._tier_store = self._tier_store, None
+        if store is None:
+            return
+        if store.disk is not None and not self.scheduler.has_unfinished():
+            self.manager.persist_to_tier("disk")
+            store.apply(self.manager.take_tier_ops())
+        store.close()
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (see :class:`EngineStats`)."""

@@ -35,6 +35,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -178,6 +179,14 @@ class DiskSlots:
             self._lock_fd = -1
             raise DiskCacheError(f"disk cache: {d} is in use by another process") from exc
         self._fd = os.open(d / _DATA, os.O_RDWR | os.O_CREAT, 0o644)
+        more = self.file_bytes - os.fstat(self._fd).st_size
+        free = shutil.disk_usage(d).free
+        if more > free:
+            self.close()
+            raise DiskCacheError(
+                f"disk cache: cannot reserve {self.file_bytes} bytes in {d}: {free} bytes free "
+                "(free space, or a smaller --disk-memory)"
+            )
         try:
             os.posix_fallocate(self._fd, 0, self.file_bytes)
         except OSError as exc:

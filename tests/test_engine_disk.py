@@ -1,0 +1,300 @@
+"""The engine over a disk tier: prefixes come back from disk exactly, a later engine (or
+process) on the same directory reuses them, and every kind of damage ends in a miss with the
+same tokens."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_engine_tiers import MODELS, STATE, _reference, conversations
+
+from hybridkv.cli.main import main
+from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
+from hybridkv.engine.tier_store import TierStore
+from hybridkv.errors import PlanError
+from hybridkv.storage.disk_slots import HEADER_BYTES, DiskCacheError, DiskSlots
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TURNS = conversations(1, n_conv=5, turns=4, first=32, step=10)
+
+
+def _engine(name: str, disk: Path, host: int | None = None) -> LLMEngine:
+    # 24 blocks of 4 tokens per group: one 96-token request; five conversations do not fit.
+    cache = CacheConfig(
+        strategy="pools",
+        block_size=4,
+        state_block_size=8,
+        num_blocks=24,
+        max_model_len=96,
+        host_memory_bytes=host,
+        disk_cache_dir=disk,
+        disk_memory_bytes=64 << 20,
+    )
+    return LLMEngine(name, cache=cache, keep_logits=True)
+
+
+def _serve(engine: LLMEngine, turns: list[list[int]] = TURNS) -> list[Any]:
+    done = []
+    for i, prompt in enumerate(turns):
+        done += engine.generate({f"r{i}": prompt}, max_tokens=4)  # one request at a time
+    return done
+
+
+def _exact(name: str, done: list[Any]) -> None:
+    result = verify_completions(_reference(name), done)
+    assert result.ok, result.mismatches
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefixes_come_back_from_disk_and_from_a_later_engine(name: str, tmp_path: Path) -> None:
+    engine = _engine(name, tmp_path)
+    _exact(name, _serve(engine))
+    stats = engine.stats()
+    # Every hit comes back from disk (no host tier): the same hits as from host memory.
+    want = {"lfm2": 592}.get(name, 600 if name in STATE else 620)
+    assert stats.prefix_hit_tokens == stats.disk_hit_tokens == want
+    assert stats.disk_hit_tokens / stats.prompt_tokens >= 0.5
+    engine.manager.check_invariants()
+    store = engine._tier_store
+    assert store is not None and store.disk is not None and store.bad_reads == 0
+    tiers = engine.manager._coord.tiers
+    assert tiers is not None
+    assert set(store.disk.entries) == {
+        (g, h) for g, keys in enumerate(tiers.tiers[0].keys) for h in keys
+    }
+    evicted = engine.manager.tier_stats()["disk"]["blocks"]
+    engine.close()  # writes what the device still caches to disk too
+    disk = engine.manager.tier_stats()["disk"]
+    assert disk["blocks"] > evicted
+    # A new engine (host tier above this time) adopts what the first left: the first turn of
+    # every conversation now hits too, read from disk.
+    again = _engine(name, tmp_path, host=1 << 20)
+    assert again.manager.tier_stats()["disk"]["adopted"] == disk["blocks"]
+    _exact(name, _serve(again))
+    st = again.stats()
+    assert st.disk_hit_tokens > 0 and st.prefix_hit_tokens > want
+    assert st.prefix_hit_tokens == st.disk_hit_tokens + st.host_hit_tokens
+    again.manager.check_invariants()
+    again.close()
+
+
+def _first_run(name: str, d: Path) -> int:
+    """Fill ``d`` with a clean run; returns its number of disk entries."""
+    engine = _engine(name, d)
+    _serve(engine)
+    engine.close()
+    return engine.manager.tier_stats()["disk"]["blocks"]
+
+
+def _rerun(name: str, d: Path) -> tuple[LLMEngine, TierStore]:
+    engine = _engine(name, d)
+    _exact(name, _serve(engine))
+    engine.manager.check_invariants()
+    store = engine._tier_store
+    assert store is not None
+    engine.close()
+    return engine, store
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_flipped_bytes_are_misses(name: str, tmp_path: Path) -> None:
+    clean_dir, bad_dir = tmp_path / "clean", tmp_path / "bad"
+    _first_run(name, clean_dir)
+    clean, _ = _rerun(name, clean_dir)
+    _first_run(name, bad_dir)
+    # flip one payload byte of every other committed slot, found by walking the file
+    data = (bad_dir / "blocks.bin").read_bytes()
+    offsets = _committed_offsets(data)
+    with (bad_dir / "blocks.bin").open("r+b") as f:
+        for off in offsets[::2]:
+            f.seek(off + HEADER_BYTES + 3)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x01]))
+    engine, store = _rerun(name, bad_dir)
+    assert store.bad_reads > 0
+    assert engine.manager.tier_stats()["disk"]["discarded"] == store.bad_reads
+    assert engine.stats().disk_hit_tokens < clean.stats().disk_hit_tokens
+
+
+def _committed_offsets(data: bytes) -> list[int]:
+    from hybridkv.storage.disk_slots import _parse, _stride
+
+    out, off = [], 0
+    while off + HEADER_BYTES <= len(data):
+        parsed = _parse(data[off : off + 128])
+        if parsed is None:
+            break
+        if parsed[2] == 1:
+            out.append(off)
+        off += _stride(parsed[1])
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_a_flipped_checksum_and_a_truncated_file_are_misses(name: str, tmp_path: Path) -> None:
+    n = _first_run(name, tmp_path)
+    data = (tmp_path / "blocks.bin").read_bytes()
+    offsets = _committed_offsets(data)
+    assert len(offsets) == n
+    crc_at = 8 + 8 + 4 + 4 + 8 + 8  # the payload CRC inside the header
+    with (tmp_path / "blocks.bin").open("r+b") as f:
+        f.seek(offsets[1] + crc_at)
+        f.write(bytes([data[offsets[1] + crc_at] ^ 0x10]))
+    os.truncate(tmp_path / "blocks.bin", offsets[n // 2] + HEADER_BYTES + 5)
+    engine, store = _rerun(name, tmp_path)
+    # the torn header ends the walk: only the entry before it is adopted
+    assert engine.manager.tier_stats()["disk"]["adopted"] == 1
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_failed_writes_are_misses(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.pwrite
+    count = [0]
+
+    def flaky(fd: int, data: Any, offset: int) -> int:
+        if len(data) > HEADER_BYTES:  # a payload: every third one fails
+            count[0] += 1
+            if count[0] % 3 == 0:
+                raise OSError(5, "Input/output error")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", flaky)
+    engine = _engine(name, tmp_path)
+    _exact(name, _serve(engine))
+    store = engine._tier_store
+    assert store is not None and store.disk is not None
+    assert store.disk.write_errors > 0 and store.bad_reads > 0
+    stats = engine.stats()
+    assert 0 < stats.disk_hit_tokens < {"qwen3_next": 600}.get(name, 620)
+    engine.manager.check_invariants()
+    engine.close()
+
+
+_KILLER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_engine_disk import _engine, _serve
+from hybridkv.storage.disk_slots import DiskSlots
+real = DiskSlots._pwrite
+calls = [0]
+def dies(self, data, offset):
+    calls[0] += 1
+    if calls[0] == {at}:  # the payload of a write is out, its commit is not
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(self, data, offset)
+DiskSlots._pwrite = dies
+import torch
+torch.set_num_threads(1)
+_serve(_engine({name!r}, {d!r}))
+"""
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_a_process_killed_mid_write_leaves_a_usable_directory(name: str, tmp_path: Path) -> None:
+    tests = str(Path(__file__).parent)
+    # three writes per entry (empty header, payload, commit): the 20th call is a payload
+    script = _KILLER.format(tests=tests, name=name, d=str(tmp_path), at=20)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    engine, store = _rerun(name, tmp_path)
+    adopted = engine.manager.tier_stats()["disk"]["adopted"]
+    assert adopted == 6  # the six entries committed before the kill; the seventh is not
+    assert store.bad_reads == 0
+    assert engine.stats().disk_hit_tokens > 0
+
+
+def test_a_request_waiting_for_disk_does_not_hold_up_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _first_run("llama", tmp_path)
+    engine = _engine("llama", tmp_path)
+    gate = threading.Event()
+    real = TierStore._read
+
+    def slow(self: TierStore, key: tuple[int, int]) -> Any:
+        gate.wait(timeout=60)
+        return real(self, key)
+
+    monkeypatch.setattr(TierStore, "_read", slow)
+    engine.add_request("cached", TURNS[5], max_tokens=4)  # a second turn: its prefix is on disk
+    engine.add_request("new", [7] * 20, max_tokens=4)  # nothing cached
+    engine.step()
+    scheduler = engine.scheduler
+    assert [s.request_id for s in scheduler.running] == ["new"]
+    assert [s.request_id for s in scheduler.waiting] == ["cached"]
+    assert scheduler.num_loading == 1
+    gate.set()
+    engine.run()
+    done = [engine.completions[r] for r in ("cached", "new")]
+    _exact("llama", done)
+    assert done[0].num_cached_tokens > 0 and engine.stats().disk_hit_tokens > 0
+    engine.close()
+
+
+def test_disk_settings_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="disk_cache_dir .* and disk_memory_bytes"):
+        CacheConfig(disk_cache_dir=tmp_path)
+    with pytest.raises(PlanError, match=r"CacheConfig\.disk_memory_bytes"):
+        CacheConfig(disk_cache_dir=tmp_path, disk_memory_bytes=0)
+    _first_run("llama", tmp_path)
+    with pytest.raises(DiskCacheError, match="another .*model"):
+        _engine("gpt_oss", tmp_path)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["run", "--model", "llama", "--quiet", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_reuses_its_disk_cache_across_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    d = str(tmp_path / "cache")
+    args = ("--disk-cache", d, "--disk-memory", "16MiB", "--verify")
+    code, first, _ = run_cli(capsys, *args)
+    assert code == 0 and "disk tier" not in first
+    code, second, _ = run_cli(capsys, *args)
+    assert code == 0
+    # the first wave's shared prefix comes from the first run's disk cache
+    assert "disk tier: 32 of the 256 hit tokens read back from disk" in second
+    assert "verify: all 8 requests (128 tokens) identical" in second
+
+
+def test_run_refuses_bad_disk_settings(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    cases = [
+        (("--disk-cache", str(afile), "--disk-memory", "1MiB"), "is a file, not a directory"),
+        (("--disk-cache", str(tmp_path / "d")), "--disk-cache: a disk tier also needs"),
+        (("--disk-memory", "1MiB"), "--disk-memory: a disk tier also needs --disk-cache"),
+        (("--disk-cache", str(tmp_path / "d"), "--disk-memory", "0"), "--disk-memory"),
+        (("--disk-cache", str(tmp_path / "d"), "--disk-memory", "lots"), "--disk-memory"),
+    ]
+    for argv, message in cases:
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+    d = str(tmp_path / "m")
+    assert run_cli(capsys, "--disk-cache", d, "--disk-memory", "1MiB")[0] == 0
+    code, _, err = main_err(
+        capsys, "--model", "gpt_oss", "--disk-cache", d, "--disk-memory", "1MiB"
+    )
+    assert code == 2 and f"--disk-cache {d}: " in err and "another" in err
+
+
+def main_err(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["run", "--quiet", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err

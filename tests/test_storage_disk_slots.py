@@ -1,0 +1,264 @@
+"""DiskSlots, the disk tier's file: entries survive a reopen, every damage reads as missing,
+and a directory made for something else is refused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hybridkv.storage.disk_slots import HEADER_BYTES, DiskCacheError, DiskSlots
+
+FP = {"model": "m", "layout": {"groups": [1, 2]}}
+SIZES = [96, 256]
+
+
+def payload(seed: int, size: int) -> bytes:
+    return bytes((seed * 31 + i * 7) % 251 for i in range(size))
+
+
+def slots(d: Path, capacity: int = 4096, fp: dict[str, Any] | None = None) -> DiskSlots:
+    return DiskSlots(d, capacity, FP if fp is None else fp, SIZES)
+
+
+def read(s: DiskSlots, key: tuple[int, int], size: int) -> bytes | None:
+    out = bytearray(size)
+    return bytes(out) if s.read(key, memoryview(out)) else None
+
+
+def test_entries_survive_a_reopen_in_store_order(tmp_path: Path) -> None:
+    s = slots(tmp_path)
+    assert s.write((0, 11), 0, memoryview(payload(1, 96)))
+    assert s.write((1, -5), 3, memoryview(payload(2, 256)))  # a negative (builtin) hash
+    assert s.write((0, 2**256 - 1), 0, memoryview(payload(3, 96)))  # the largest SHA-256
+    s.drop((0, 11))
+    s.close()
+    again = slots(tmp_path)
+    assert [(e.group_id, e.block_hash, e.tag) for e in again.recovered] == [
+        (1, -5, 3),
+        (0, 2**256 - 1, 0),
+    ]
+    assert read(again, (1, -5), 256) == payload(2, 256)
+    assert read(again, (0, 2**256 - 1), 96) == payload(3, 96)
+    assert read(again, (0, 11), 96) is None
+    # the dropped entry's slot is reused by the next write of its size
+    assert again.write((0, 12), 0, memoryview(payload(4, 96)))
+    assert again.entries[0, 12].offset == 0
+
+
+def test_a_second_process_on_the_directory_is_refused(tmp_path: Path) -> None:
+    first = slots(tmp_path)
+    with pytest.raises(DiskCacheError, match="in use by another process"):
+        slots(tmp_path)
+    first.close()
+    slots(tmp_path).close()  # the lock went with the first
+
+
+@pytest.mark.parametrize(
+    ("fp", "capacity", "field"),
+    [
+        ({"model": "other", "layout": {"groups": [1, 2]}}, 4096, "model"),
+        ({"model": "m", "layout": {"groups": [1, 3]}}, 4096, "layout"),
+        (FP, 8192, "capacity_bytes"),
+    ],
+)
+def test_a_directory_made_for_something_else_is_refused(
+    tmp_path: Path, fp: dict[str, Any], capacity: int, field: str
+) -> None:
+    slots(tmp_path).close()
+    with pytest.raises(DiskCacheError, match=f"another {field} .*use another directory"):
+        DiskSlots(tmp_path, capacity, fp, SIZES)
+
+
+def test_paths_that_cannot_hold_a_cache_are_refused(tmp_path: Path) -> None:
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    with pytest.raises(DiskCacheError, match="is a file, not a directory"):
+        slots(afile)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(DiskCacheError, match=r"not a hybridkv cache \(notes.txt\)"):
+        slots(other)
+    bad = tmp_path / "bad"
+    slots(bad).close()
+    (bad / "manifest.json").write_text("{not json")
+    with pytest.raises(DiskCacheError, match="manifest.json is unreadable"):
+        slots(bad)
+    with pytest.raises(DiskCacheError, match="cannot reserve"):
+        DiskSlots(tmp_path / "huge", 1 << 55, FP, SIZES)  # more than any disk
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_an_unwritable_directory_is_refused(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    with pytest.raises(DiskCacheError, match="not writable"):
+        slots(ro)
+
+
+def test_damage_reads_as_missing(tmp_path: Path) -> None:
+    s = slots(tmp_path)
+    for i in range(4):
+        assert s.write((0, i), 0, memoryview(payload(i, 96)))
+    data = tmp_path / "blocks.bin"
+    with data.open("r+b") as f:  # a flipped payload byte, a flipped header (CRC) byte
+        f.seek(s.entries[0, 1].offset + HEADER_BYTES + 50)
+        f.write(bytes([payload(1, 96)[50] ^ 1]))
+        f.seek(s.entries[0, 2].offset + 60)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x80]))
+    assert read(s, (0, 0), 96) == payload(0, 96)
+    assert read(s, (0, 1), 96) is None
+    assert read(s, (0, 2), 96) is None
+    assert read(s, (0, 3), 96) == payload(3, 96)
+    s.close()
+    # the torn header ends the walk: entry 3 after it is not recovered either (free space)
+    again = slots(tmp_path)
+    assert [e.block_hash for e in again.recovered] == [0, 1]
+    assert read(again, (0, 1), 96) is None  # recovered by its header, refused by its CRC
+
+
+def test_a_truncated_file_loses_what_was_cut(tmp_path: Path) -> None:
+    s = slots(tmp_path)
+    for i in range(3):
+        assert s.write((1, i), 0, memoryview(payload(i, 256)))
+    cut = s.entries[1, 1].offset + HEADER_BYTES + 100  # half of entry 1's payload
+    s.close()
+    os.truncate(tmp_path / "blocks.bin", cut)
+    again = slots(tmp_path)  # the file is reserved whole again; the cut reads as zeros
+    assert (tmp_path / "blocks.bin").stat().st_size == again.file_bytes
+    assert [e.block_hash for e in again.recovered] == [0, 1]
+    assert read(again, (1, 0), 256) == payload(0, 256)
+    assert read(again, (1, 1), 256) is None
+
+
+def test_a_write_killed_before_its_commit_leaves_no_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = slots(tmp_path)
+    assert s.write((0, 1), 0, memoryview(payload(1, 96)))
+    calls = []
+    real = DiskSlots._pwrite
+
+    def dies_before_commit(self: DiskSlots, data: Any, offset: int) -> None:
+        calls.append(offset)
+        if len(calls) == 3:  # empty header, payload, then the commit: never happens
+            raise KeyboardInterrupt
+        real(self, data, offset)
+
+    monkeypatch.setattr(DiskSlots, "_pwrite", dies_before_commit)
+    with pytest.raises(KeyboardInterrupt):
+        s.write((0, 2), 0, memoryview(payload(2, 96)))
+    monkeypatch.undo()
+    s.close()
+    again = slots(tmp_path)
+    assert [e.block_hash for e in again.recovered] == [1]
+    assert again.write((0, 3), 0, memoryview(payload(3, 96)))  # the slot is free again
+    assert again.entries[0, 3].offset == calls[0]
+
+
+def test_a_failed_write_stores_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = slots(tmp_path)
+    real = os.pwrite
+
+    def full(fd: int, data: Any, offset: int) -> int:
+        if len(data) == 96:
+            raise OSError(28, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    assert not s.write((0, 1), 0, memoryview(payload(1, 96)))
+    monkeypatch.undo()
+    assert (0, 1) not in s and s.write_errors == 1
+    assert read(s, (0, 1), 96) is None
+    assert s.write((0, 1), 0, memoryview(payload(1, 96)))
+    assert read(s, (0, 1), 96) == payload(1, 96)
+
+
+def test_a_full_file_refuses_the_write(tmp_path: Path) -> None:
+    s = DiskSlots(tmp_path, 256, FP, [256])  # room for one entry
+    assert s.write((0, 1), 0, memoryview(payload(1, 256)))
+    assert not s.write((0, 2), 0, memoryview(payload(2, 256)))
+    assert s.no_room == 1 and len(s) == 1
+    s.drop((0, 1))
+    assert s.write((0, 2), 0, memoryview(payload(2, 256)))
+
+
+class DiskSlotsMachine(RuleBasedStateMachine):
+    """Writes, drops, damage and reopens against a dict of what must read back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp())
+        self.s = slots(self.dir, capacity=2048)
+        self.model: dict[tuple[int, int], bytes] = {}
+        self.counter = 0
+
+    @rule(group=st.integers(0, 1), h=st.integers(-3, 3))
+    def write(self, group: int, h: int) -> None:
+        self.counter += 1
+        data = payload(self.counter, SIZES[group])
+        if self.s.write((group, h), 0, memoryview(data)):
+            self.model[group, h] = data
+        else:
+            self.model.pop((group, h), None)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.model)
+    def drop(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        assert self.s.drop(key)
+        del self.model[key]
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.model)
+    def corrupt(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        entry = self.s.entries[key]
+        with (self.dir / "blocks.bin").open("r+b") as f:
+            f.seek(entry.offset + HEADER_BYTES + data.draw(st.integers(0, entry.size - 1)))
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        assert read(self.s, key, entry.size) is None
+        self.s.drop(key)  # what the engine does with a bad copy
+        del self.model[key]
+
+    @rule()
+    def reopen(self) -> None:
+        self.s.close()
+        self.s = slots(self.dir, capacity=2048)
+        assert {(e.group_id, e.block_hash) for e in self.s.recovered} == set(self.model)
+
+    @invariant()
+    def reads_back(self) -> None:
+        assert set(self.s.entries) == set(self.model)
+        spans = sorted(
+            (e.offset, e.offset + HEADER_BYTES + e.size) for e in self.s.entries.values()
+        )
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            assert end <= start  # no two entries share bytes
+        for key, data in self.model.items():
+            assert read(self.s, key, len(data)) == data
+
+    def teardown(self) -> None:
+        self.s.close()
+
+
+TestDiskSlotsMachine = DiskSlotsMachine.TestCase
+TestDiskSlotsMachine.settings = settings(
+    max_examples=25,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
