@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_engine_tiers import MODELS, STATE, _reference, conversations
 
 from hybridkv.cli.main import main
 from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import PlanError
-from hybridkv.storage.disk_slots import HEADER_BYTES, DiskCacheError, DiskSlots
+from hybridkv.storage.disk_slots import HEADER_BYTES, DiskCacheError
+from test_engine_tiers import MODELS, STATE, _reference, conversations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -149,7 +149,7 @@ def test_a_flipped_checksum_and_a_truncated_file_are_misses(name: str, tmp_path:
         f.seek(offsets[1] + crc_at)
         f.write(bytes([data[offsets[1] + crc_at] ^ 0x10]))
     os.truncate(tmp_path / "blocks.bin", offsets[n // 2] + HEADER_BYTES + 5)
-    engine, store = _rerun(name, tmp_path)
+    engine, _ = _rerun(name, tmp_path)
     # the torn header ends the walk: only the entry before it is adopted
     assert engine.manager.tier_stats()["disk"]["adopted"] == 1
 
@@ -244,12 +244,12 @@ def test_a_request_waiting_for_disk_does_not_hold_up_others(
 
 
 def test_disk_settings_are_checked(tmp_path: Path) -> None:
-    with pytest.raises(PlanError, match="disk_cache_dir .* and disk_memory_bytes"):
+    with pytest.raises(PlanError, match=r"disk_cache_dir .* and disk_memory_bytes"):
         CacheConfig(disk_cache_dir=tmp_path)
     with pytest.raises(PlanError, match=r"CacheConfig\.disk_memory_bytes"):
         CacheConfig(disk_cache_dir=tmp_path, disk_memory_bytes=0)
     _first_run("llama", tmp_path)
-    with pytest.raises(DiskCacheError, match="another .*model"):
+    with pytest.raises(DiskCacheError, match=r"another .*model"):
         _engine("gpt_oss", tmp_path)
 
 

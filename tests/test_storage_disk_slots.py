@@ -3,6 +3,7 @@ and a directory made for something else is refused."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ def test_paths_that_cannot_hold_a_cache_are_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     slots(bad).close()
     (bad / "manifest.json").write_text("{not json")
-    with pytest.raises(DiskCacheError, match="manifest.json is unreadable"):
+    with pytest.raises(DiskCacheError, match=r"manifest\.json is unreadable"):
         slots(bad)
     with pytest.raises(DiskCacheError, match="cannot reserve"):
         DiskSlots(tmp_path / "huge", 1 << 55, FP, SIZES)  # more than any disk
@@ -246,7 +247,7 @@ class DiskSlotsMachine(RuleBasedStateMachine):
         spans = sorted(
             (e.offset, e.offset + HEADER_BYTES + e.size) for e in self.s.entries.values()
         )
-        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        for (_, end), (start, _) in itertools.pairwise(spans):
             assert end <= start  # no two entries share bytes
         for key, data in self.model.items():
             assert read(self.s, key, len(data)) == data
