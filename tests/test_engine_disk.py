@@ -189,7 +189,7 @@ real = DiskSlots._pwrite
 calls = [0]
 def dies(self, data, offset):
     calls[0] += 1
-    if calls[0] == {at}:  # the payload of a write is out, its commit is not
+    if calls[0] == {at}:  # the payload of a write is out, its header is not
         os.kill(os.getpid(), signal.SIGKILL)
     real(self, data, offset)
 DiskSlots._pwrite = dies
@@ -202,8 +202,8 @@ _serve(_engine({name!r}, {d!r}))
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
 def test_a_process_killed_mid_write_leaves_a_usable_directory(name: str, tmp_path: Path) -> None:
     tests = str(Path(__file__).parent)
-    # three writes per entry (empty header, payload, commit): the 20th call is a payload
-    script = _KILLER.format(tests=tests, name=name, d=str(tmp_path), at=20)
+    # two writes per entry (payload, then header): the 14th call is the seventh's header
+    script = _KILLER.format(tests=tests, name=name, d=str(tmp_path), at=14)
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )

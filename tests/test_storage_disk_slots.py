@@ -141,29 +141,39 @@ def test_a_truncated_file_loses_what_was_cut(tmp_path: Path) -> None:
     assert read(again, (1, 1), 256) is None
 
 
-def test_a_write_killed_before_its_commit_leaves_no_entry(
+def test_a_write_killed_before_its_header_leaves_no_entry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = slots(tmp_path)
     assert s.write((0, 1), 0, memoryview(payload(1, 96)))
-    calls = []
+    assert s.write((0, 2), 0, memoryview(payload(2, 96)))
+    s.drop((0, 1))  # its slot is marked empty, to be reused
+    calls: list[int] = []
     real = DiskSlots._pwrite
 
-    def dies_before_commit(self: DiskSlots, data: Any, offset: int) -> None:
+    def dies_before_the_header(self: DiskSlots, data: Any, offset: int) -> None:
         calls.append(offset)
-        if len(calls) == 3:  # empty header, payload, then the commit: never happens
+        if len(calls) % 2 == 0:  # the payload is out, its header never is
             raise KeyboardInterrupt
         real(self, data, offset)
 
-    monkeypatch.setattr(DiskSlots, "_pwrite", dies_before_commit)
+    monkeypatch.setattr(DiskSlots, "_pwrite", dies_before_the_header)
     with pytest.raises(KeyboardInterrupt):
-        s.write((0, 2), 0, memoryview(payload(2, 96)))
+        s.write((0, 3), 0, memoryview(payload(3, 96)))  # into the reused slot
+    with pytest.raises(KeyboardInterrupt):
+        s.write((0, 4), 0, memoryview(payload(4, 96)))  # into a fresh slot at the end
     monkeypatch.undo()
     s.close()
     again = slots(tmp_path)
-    assert [e.block_hash for e in again.recovered] == [1]
-    assert again.write((0, 3), 0, memoryview(payload(3, 96)))  # the slot is free again
-    assert again.entries[0, 3].offset == calls[0]
+    assert [e.block_hash for e in again.recovered] == [2]
+    assert read(again, (0, 2), 96) == payload(2, 96)
+    # both slots are free again: the reused one (marked empty) and the fresh one (the end)
+    assert again.write((0, 5), 0, memoryview(payload(5, 96)))
+    assert again.write((0, 6), 0, memoryview(payload(6, 96)))
+    assert {again.entries[0, 5].offset, again.entries[0, 6].offset} == {
+        calls[0] - HEADER_BYTES,
+        calls[2] - HEADER_BYTES,
+    }
 
 
 def test_a_failed_write_stores_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,12 +15,15 @@ The directory holds three files:
 
 Each slot is a 128-byte header and the payload.  The header names the entry (group, block
 hash, admission tag), its payload size, a store counter (the eviction order a later process
-adopts), the payload's CRC-32 and its own CRC-32.  Writing an entry first marks the slot
-empty, then writes the payload, then the committed header, so a process killed at any point
-leaves either the old entry, or an empty slot, or the complete new one; a torn header or
-payload fails its checksum.  Every read checks the header (name, size, state, header CRC)
-and the payload CRC before the bytes are used: a write that failed, a truncated file, a
-flipped byte all read as *missing*, never as data.
+adopts), the payload's CRC-32 and its own CRC-32.  A write puts the payload first and the
+header after it; a slot is reused only after its drop marked it empty.  A process killed in
+the middle of a write so leaves an empty or never-written header (no entry), or a torn one
+(its CRC fails), or, in a slot whose empty mark itself failed, an old header over a new
+payload (the payload CRC fails).  Entries are content-addressed (a hash names the same
+bytes for the same fingerprint), so any slot whose CRCs hold is a correct entry.  Every read checks the header (name, size,
+state, header CRC) and the payload CRC before the bytes are used: a write that failed, a
+truncated file, a flipped byte, a torn write all read as *missing*, never as data.  Dropping
+an entry marks its slot empty.
 
 Positioned reads and writes (``pread``/``pwrite``), not ``mmap``: an I/O error, a full disk
 or a file truncated by someone else then surfaces as an :class:`OSError` that becomes a
@@ -89,7 +92,8 @@ def _header(group: int, h: int, tag: int, size: int, stamp: int, crc: int, state
     head = _HEAD.pack(
         _MAGIC, size, group, state, tag, stamp, crc, h.to_bytes(33, "little", signed=True)
     )
-    return head + _HCRC.pack(zlib.crc32(head))
+    whole = head + _HCRC.pack(zlib.crc32(head))
+    return whole + bytes(HEADER_BYTES - len(whole))
 
 
 class DiskSlots:
@@ -268,9 +272,8 @@ class DiskSlots:
         g, h = key
         stamp = self._stamp
         try:
-            self._pwrite(_header(g, h, tag, size, 0, 0, _EMPTY), offset)
-            self._pwrite(data, offset + HEADER_BYTES)
             crc = zlib.crc32(data)
+            self._pwrite(data, offset + HEADER_BYTES)  # the payload, then its header
             self._pwrite(_header(g, h, tag, size, stamp, crc, _COMMITTED), offset)
         except OSError as exc:
             logger.warning("disk cache: writing group %d block %#x failed: %s", g, h, exc)
