@@ -15,6 +15,7 @@ import pytest
 
 from hybridkv.cli.main import main
 from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
+from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import PlanError
 from hybridkv.storage.disk_slots import HEADER_BYTES, DiskCacheError
@@ -66,7 +67,8 @@ def test_prefixes_come_back_from_disk_and_from_a_later_engine(name: str, tmp_pat
     assert store is not None and store.disk is not None and store.bad_reads == 0
     tiers = engine.manager._coord.tiers
     assert tiers is not None
-    assert set(store.disk.entries) == {
+    store.disk.flush()  # the writer thread's queue
+    assert set(store.disk.slots.entries) == {
         (g, h) for g, keys in enumerate(tiers.tiers[0].keys) for h in keys
     }
     evicted = engine.manager.tier_stats()["disk"]["blocks"]
@@ -173,7 +175,8 @@ def test_failed_writes_are_misses(
     _exact(name, _serve(engine))
     store = engine._tier_store
     assert store is not None and store.disk is not None
-    assert store.disk.write_errors > 0 and store.bad_reads > 0
+    store.disk.flush()
+    assert store.disk.slots.write_errors > 0 and store.bad_reads > 0
     stats = engine.stats()
     assert 0 < stats.disk_hit_tokens < {"qwen3_next": 600}.get(name, 620)
     engine.manager.check_invariants()
@@ -221,13 +224,13 @@ def test_a_request_waiting_for_disk_does_not_hold_up_others(
     _first_run("llama", tmp_path)
     engine = _engine("llama", tmp_path)
     gate = threading.Event()
-    real = TierStore._read
+    real = DiskTier._read
 
-    def slow(self: TierStore, key: tuple[int, int]) -> Any:
+    def slow(self: DiskTier, key: tuple[int, int]) -> Any:
         gate.wait(timeout=60)
         return real(self, key)
 
-    monkeypatch.setattr(TierStore, "_read", slow)
+    monkeypatch.setattr(DiskTier, "_read", slow)
     engine.add_request("cached", TURNS[5], max_tokens=4)  # a second turn: its prefix is on disk
     engine.add_request("new", [7] * 20, max_tokens=4)  # nothing cached
     engine.step()

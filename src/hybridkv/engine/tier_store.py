@@ -21,7 +21,8 @@ A disk tier's entries live in a :class:`~hybridkv.storage.disk_slots.DiskSlots` 
 (checksummed slots in a preallocated file, kept across processes).  A disk copy is checked
 before it is used: :meth:`TierStore.check_hit` runs before a waiting request is admitted
 (the scheduler's ``hit_check``), reads the request's disk blocks into host staging tensors on
-a worker thread and checks their CRCs; a copy that fails (a write that failed, a truncated
+reader threads and checks their CRCs (:mod:`hybridkv.engine.disk_tier`, which also writes on
+a thread of its own); a copy that fails (a write that failed, a truncated
 file, a flipped byte, a slot a killed process left half written) is discarded from the
 manager, whose next lookup misses it, and a request whose reads are in flight waits while
 the others run.  The ``load`` later copies the checked staging bytes to the device.
@@ -29,7 +30,6 @@ the others run.  The ``load`` later copies the checked staging bytes to the devi
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ import torch
 
 from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
 from hybridkv.cache.tiers import TierOp, TierSpec
+from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.errors import EngineError
 from hybridkv.plan.layout import MemoryLayout
 from hybridkv.storage import KVCacheStorage
@@ -130,7 +131,7 @@ class _Slots:
 class TierStore:
     """Tier entries ``(group, hash) -> packed block bytes`` over one engine's storage: host
     entries in a buffer of ``host_bytes`` (0: a tensor per entry), disk entries in ``disk``.
-    ``async_reads``: read and check disk copies on a worker thread (False: inline)."""
+    ``readers``: threads that read and check disk copies (0: inline)."""
 
     def __init__(
         self,
@@ -138,29 +139,24 @@ class TierStore:
         host_bytes: int = 0,
         disk: DiskSlots | None = None,
         *,
-        async_reads: bool = True,
+        readers: int = 2,
     ) -> None:
         self.storage = storage
         self.entries: dict[str, dict[tuple[int, int], torch.Tensor]] = {"host": {}}
-        self.disk = disk
         self._pin = storage.device.type == "cuda"
+        self.disk = None if disk is None else DiskTier(disk, readers=readers, pin=self._pin)
         self._slots = _Slots(host_bytes, self._pin) if host_bytes else None
         #: Buffer offset of each entry held in the slots.
         self._offsets: dict[tuple[int, int], int] = {}
         #: One-block transfer descriptors, built once per ``(group, block)``.
         self._descs: dict[tuple[int, int], TransferDescriptor] = {}
-        #: Disk copies read and checked, waiting for their load.
-        self._staged: dict[tuple[int, int], torch.Tensor] = {}
-        #: Disk reads in flight: the entry's write generation when it was asked for.
-        self._reads: dict[tuple[int, int], tuple[int, cf.Future[torch.Tensor | None]]] = {}
-        self._gen: dict[tuple[int, int], int] = {}
-        self._pool = (
-            cf.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-disk")
-            if disk is not None and async_reads
-            else None
-        )
-        #: Blocks copied device -> tier and tier -> device so far; disk copies found unusable.
-        self.stored = self.loaded = self.bad_reads = 0
+        #: Blocks copied device -> tier and tier -> device so far.
+        self.stored = self.loaded = 0
+
+    @property
+    def bad_reads(self) -> int:
+        """Disk copies found missing, torn or corrupt (each one discarded: a miss)."""
+        return 0 if self.disk is None else self.disk.bad_reads
 
     # -- checking a hit before its admission ---------------------------------------------------
     def check_hit(
@@ -169,68 +165,34 @@ class TierStore:
         """The hit to admit ``request`` with: every disk block it loads read and checked
         (discarding bad copies from ``manager`` and looking up again), or None while reads
         are in flight."""
-        if self.disk is None:
+        disk = self.disk
+        if disk is None:
             return hit
         while True:
-            keys = [(g, h) for g, h, t in manager.tier_blocks(request, hit) if t == "disk"]
             bad: list[tuple[int, int]] = []
             waiting = False
-            for key in keys:
-                if key in self._staged:
+            for g, h, tier in manager.tier_blocks(request, hit):
+                if tier != "disk":
                     continue
-                state = self._read_state(key)
+                state = disk.read_state((g, h))
                 if state is None:
                     waiting = True
                 elif state is False:
-                    bad.append(key)
+                    bad.append((g, h))
             if not bad:
                 return None if waiting else hit
             for g, h in bad:
-                self.bad_reads += 1
                 manager.discard_tier_block(g, h)
             hit = manager.get_computed_blocks(request)
 
-    def _read_state(self, key: tuple[int, int]) -> bool | None:
-        """True: ``key`` is staged; False: its copy is bad; None: its read is in flight."""
-        gen = self._gen.get(key, 0)
-        job = self._reads.get(key)
-        if job is not None and job[0] != gen:  # rewritten since: read again
-            job = None
-        if job is None:
-            if self._pool is None:
-                data = self._read(key)
-                return self._staged_or_bad(key, data)
-            self._reads[key] = (gen, self._pool.submit(self._read, key))
-            return None
-        if not job[1].done():
-            return None
-        del self._reads[key]
-        return self._staged_or_bad(key, job[1].result())
-
-    def _staged_or_bad(self, key: tuple[int, int], data: torch.Tensor | None) -> bool:
-        if data is None:
-            return False
-        self._staged[key] = data
-        return True
-
-    def _read(self, key: tuple[int, int]) -> torch.Tensor | None:
-        disk = self.disk
-        assert disk is not None
-        entry = disk.entries.get(key)
-        if entry is None:
-            return None
-        out = torch.empty(entry.size, dtype=torch.uint8, pin_memory=self._pin)
-        return out if disk.read(key, out.numpy().data) else None
-
     def reading(self) -> bool:
         """Whether disk reads are in flight."""
-        return any(not f.done() for _, f in self._reads.values())
+        return self.disk is not None and self.disk.reading()
 
     def wait(self) -> None:
         """Block until at least one in-flight disk read is done."""
-        pending = [f for _, f in self._reads.values() if not f.done()]
-        if pending:
-            cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+        if self.disk is not None:
+            self.disk.wait()
 
     # -- the manager's operations ---------------------------------------------------------------
     def apply(self, ops: Iterable[TierOp]) -> None:
@@ -262,35 +224,30 @@ class TierStore:
         if disk is None:
             raise EngineError(f"tier store: the engine stores no disk tier ({op.op} asked)")
         key = (op.group_id, op.block_hash)
-        if op.op in ("store", "move"):
-            if op.op == "store":
-                data = torch.empty(self._desc_of(op).total_bytes, dtype=torch.uint8)
-                self._gather(op, data)
-            else:
-                host = self._tier(op.tier)
-                data = self._entry(host, op)
-                del host[key]
-            self._gen[key] = self._gen.get(key, 0) + 1
-            self._staged.pop(key, None)
-            # A failed write stores nothing: the entry reads as bad, and check_hit discards it.
-            disk.write(key, op.tag, data.cpu().numpy().data)
-            if op.op == "move":
-                self._release(key, data)
+        if op.op == "store":
+            data = torch.empty(
+                self._desc_of(op).total_bytes, dtype=torch.uint8, pin_memory=self._pin
+            )
+            self._gather(op, data)
+            disk.write(key, op.tag, data)
             self.stored += 1
+        elif op.op == "move":
+            host = self._tier(op.tier)
+            held = self._entry(host, op)
+            del host[key]
+            # a slot of the host buffer is reused at once: the writer gets its own copy
+            disk.write(key, op.tag, held.clone() if key in self._offsets else held)
+            self._release(key, held)
         elif op.op == "load":
-            staged = self._staged.pop(key, None)
-            if staged is None:  # admitted without check_hit (no hit check installed)
-                staged = self._read(key)
-                if staged is None:
-                    raise EngineError(
-                        f"tier store: the disk copy of group {op.group_id} block "
-                        f"{op.block_hash:#x} failed its check after the request was admitted"
-                    )
+            staged = disk.take(key)
+            if staged is None:
+                raise EngineError(
+                    f"tier store: the disk copy of group {op.group_id} block "
+                    f"{op.block_hash:#x} failed its check after the request was admitted"
+                )
             self._scatter(op, staged)
             self.loaded += 1
         elif op.op == "drop":
-            self._gen[key] = self._gen.get(key, 0) + 1
-            self._staged.pop(key, None)
             disk.drop(key)  # a copy whose write failed is not there: nothing to drop
         else:
             raise EngineError(f"tier store: unknown operation {op.op!r} on the disk tier")
@@ -303,9 +260,6 @@ class TierStore:
             self._slots.reset()
         if self.disk is not None:
             self.disk.clear()
-        self._staged.clear()
-        self._reads.clear()
-        self._gen.clear()
 
     def _desc_of(self, op: TierOp) -> TransferDescriptor:
         return self._desc(op.group_id, op.block)
@@ -371,12 +325,12 @@ class TierStore:
     def num_bytes(self) -> int:
         """Bytes the host entries hold (staged disk copies included)."""
         held = sum(t.numel() for entries in self.entries.values() for t in entries.values())
-        return held + sum(t.numel() for t in self._staged.values())
+        return held + (
+            0 if self.disk is None else sum(t.numel() for t in self.disk.staged.values())
+        )
 
     def close(self) -> None:
-        """Finish in-flight reads and close the disk directory (releasing its lock)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Finish queued disk writes and in-flight reads and close the disk directory
+        (releasing its lock)."""
         if self.disk is not None:
             self.disk.close()

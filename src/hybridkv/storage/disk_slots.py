@@ -20,10 +20,10 @@ header after it; a slot is reused only after its drop marked it empty.  A proces
 the middle of a write so leaves an empty or never-written header (no entry), or a torn one
 (its CRC fails), or, in a slot whose empty mark itself failed, an old header over a new
 payload (the payload CRC fails).  Entries are content-addressed (a hash names the same
-bytes for the same fingerprint), so any slot whose CRCs hold is a correct entry.  Every read checks the header (name, size,
-state, header CRC) and the payload CRC before the bytes are used: a write that failed, a
-truncated file, a flipped byte, a torn write all read as *missing*, never as data.  Dropping
-an entry marks its slot empty.
+bytes for the same fingerprint), so any slot whose CRCs hold is a correct entry.  Every read
+checks the header (name, size, state, header CRC) and the payload CRC before the bytes are
+used: a write that failed, a truncated file, a flipped byte, a torn write all read as
+*missing*, never as data.
 
 Positioned reads and writes (``pread``/``pwrite``), not ``mmap``: an I/O error, a full disk
 or a file truncated by someone else then surfaces as an :class:`OSError` that becomes a
