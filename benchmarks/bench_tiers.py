@@ -1,4 +1,4 @@
-"""The engine's host tier: evicted blocks out to host memory and back, vs one contiguous copy.
+"""The engine's host and disk tiers: evicted blocks out and back, vs plain contiguous copies.
 
 Runs :class:`hybridkv.engine.tier_store.TierStore` on the operation stream the manager emits
 (one ``store`` per evicted block, one ``load`` per block a hit reads back) for ``--blocks``
@@ -8,18 +8,28 @@ Reports GB/s, the ratio to the contiguous copies (target >= 0.8) and whether the
 is byte-identical.  Blocks are copied one at a time, as evictions and hits arrive, into the
 store's host buffer; the per-layer layout is measured too (one range per layer and block).
 
-The disk tier's storage is not built yet, so its half of the issue's benchmark (disk
-write/read vs a plain sequential file) is not measured here.
+The disk half runs the same blocks through the disk tier (:mod:`hybridkv.engine.disk_tier`:
+``store`` operations written, checksummed, by its writer thread into a
+:class:`~hybridkv.storage.disk_slots.DiskSlots` directory; then every block read and checked
+by its reader threads, as before an admission, and loaded to the device) against one plain
+sequential ``pwrite`` / ``preadv`` of the same bytes to a preallocated file in the same
+directory (target >= 0.7 each way).  By default both sides stay in the page cache; with
+``--cold`` both ``fsync`` after writing and drop the file's cached pages before reading
+(``posix_fadvise``), so the reads come from the device under the directory.
 
     python benchmarks/bench_tiers.py
-    python benchmarks/bench_tiers.py --device cuda --blocks 512
+    python benchmarks/bench_tiers.py --device cuda --blocks 512 --disk-dir /nvme/tmp --cold
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +39,7 @@ from bench_transfer import _layout, _paired, add_block_arguments
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather
+from hybridkv.storage.disk_slots import DiskSlots
 
 
 def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -88,6 +99,108 @@ def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> 
     }
 
 
+def _bench_disk(
+    kind: LayoutKind, args: argparse.Namespace, device: torch.device, directory: Path
+) -> dict[str, Any]:
+    layout = _layout(args)
+    storage = KVCacheStorage(layout, kind=kind, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    for buf in storage.buffers:
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8, device=device))
+    rng = random.Random(args.seed)
+    ids = list(range(1, 2 * args.blocks + 1))
+    rng.shuffle(ids)
+    evicted, reused = ids[: args.blocks], ids[args.blocks :]
+    block_bytes = layout.groups[0].block_bytes
+    ours = directory / f"tier-{kind.value}"
+    slots = DiskSlots(ours, 2 * args.blocks * block_bytes, {"bench": kind.value}, [block_bytes])
+    store = TierStore(storage, 0, slots, readers=args.readers)
+    disk = store.disk
+    assert disk is not None
+    keys = [(0, 1000 + i) for i in range(args.blocks)]
+    stores = [TierOp("store", "disk", 0, h, b) for (_, h), b in zip(keys, evicted, strict=True)]
+    loads = [TierOp("load", "disk", 0, h, b) for (_, h), b in zip(keys, reused, strict=True)]
+    total = storage.descriptor(0, evicted).total_bytes
+    staging = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    flat = storage.buffers[0][:total]
+    plain = directory / f"plain-{kind.value}.bin"
+    fd = os.open(plain, os.O_RDWR | os.O_CREAT, 0o644)
+    os.posix_fallocate(fd, 0, total)
+
+    def cold(descriptor: int) -> None:
+        if args.cold:
+            os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def write_ours() -> None:
+        store.apply(stores)
+        disk.flush()
+        cold(slots._fd)
+
+    def write_plain() -> None:
+        view = staging.copy_(flat).numpy().data if device.type == "cuda" else flat.numpy().data
+        assert os.pwrite(fd, view, 0) == total
+        cold(fd)
+
+    def read_ours() -> None:
+        # as check_hit before an admission: every read asked for, waited for; then the loads
+        disk.prefetch(keys)
+        while disk.reading():
+            disk.wait()
+        assert all(disk.read_state(k) for k in keys)
+        store.apply(loads)
+        _sync(device)
+
+    def read_plain() -> None:
+        assert os.preadv(fd, [staging.numpy().data], 0) == total
+        flat.copy_(staging)
+        _sync(device)
+
+    best = {"w": float("inf"), "wp": float("inf"), "r": float("inf"), "rp": float("inf")}
+    for i in range(args.repeats + 1):  # the first round warms up, its times are dropped
+        store.apply([TierOp("clear", "", 0, 0, 0)])  # untimed: the slots are reused
+        disk.flush()
+        for name, fn in (
+            ("w", write_ours),
+            ("wp", write_plain),
+            ("r", read_ours),
+            ("rp", read_plain),
+        ):
+            start = time.perf_counter()
+            fn()
+            if i:
+                best[name] = min(best[name], time.perf_counter() - start)
+    # a clean round trip: the blocks written, read back into the other blocks, are identical
+    store.apply([TierOp("clear", "", 0, 0, 0)])
+    write_ours()
+    read_ours()
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(_gathered(storage, evicted), _gathered(storage, reused), strict=True)
+    )
+    errors = slots.write_errors + disk.bad_reads
+    store.close()
+    os.close(fd)
+    return {
+        "kind": kind.value,
+        "blocks": args.blocks,
+        "bytes": total,
+        "write_gbps": total / best["w"] / 1e9,
+        "plain_write_gbps": total / best["wp"] / 1e9,
+        "read_gbps": total / best["r"] / 1e9,
+        "plain_read_gbps": total / best["rp"] / 1e9,
+        "write_ratio": best["wp"] / best["w"],
+        "read_ratio": best["rp"] / best["r"],
+        "round_trip_identical": same and not errors,
+        "cold": bool(args.cold),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _gathered(storage: KVCacheStorage, ids: list[int]) -> list[torch.Tensor]:
     return [gather(storage.descriptor(0, [b]), storage.buffers).cpu() for b in ids]
 
@@ -96,18 +209,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_block_arguments(parser)
     parser.add_argument("--out", default="results/bench_tiers.json")
+    parser.add_argument(
+        "--disk-dir", default=None, help="where the disk half writes (default: a temp dir)"
+    )
+    parser.add_argument("--readers", type=int, default=2, help="disk reader threads")
+    parser.add_argument(
+        "--cold", action="store_true", help="fsync writes and drop cached pages before reads"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    rows = [_bench(kind, args, device) for kind in (LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER)]
-    result = {"config": vars(args), "rows": rows}
+    kinds = (LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER)
+    rows = [_bench(kind, args, device) for kind in kinds]
+    root = Path(args.disk_dir) if args.disk_dir else None
+    work = Path(tempfile.mkdtemp(prefix="bench_tiers-", dir=root))
+    try:
+        disk_rows = [_bench_disk(kind, args, device, work) for kind in kinds]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = {"config": vars(args), "rows": rows, "disk_rows": disk_rows}
     for r in rows:
         print(
             f"{r['kind']:<12} {r['blocks']} blocks, {r['bytes'] / 2**20:.1f} MiB: store "
             f"{r['store_gbps']:.2f} GB/s, load {r['load_gbps']:.2f} GB/s; one contiguous copy "
             f"{r['contiguous_d2h_gbps']:.2f} / {r['contiguous_h2d_gbps']:.2f} GB/s; ratio "
             f"{r['ratio_to_contiguous']:.2f} (target >= 0.8); identical {r['round_trip_identical']}"
+        )
+    for r in disk_rows:
+        print(
+            f"{r['kind']:<12} disk{' (cold)' if r['cold'] else ''}: write {r['write_gbps']:.2f} "
+            f"GB/s vs plain {r['plain_write_gbps']:.2f} (ratio {r['write_ratio']:.2f}), read "
+            f"{r['read_gbps']:.2f} GB/s vs plain {r['plain_read_gbps']:.2f} (ratio "
+            f"{r['read_ratio']:.2f}) (target >= 0.7); identical {r['round_trip_identical']}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

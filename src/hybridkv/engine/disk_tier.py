@@ -3,11 +3,16 @@ threads, so the step neither writes nor reads the disk.
 
 * **Writes** (a block the tier above evicted, or one the device evicted straight to disk)
   are copied into a host tensor in the step, then written, checksummed, by one writer
-  thread in the order they were asked for, drops and clears in the same queue.  At most
+  thread in the order they were asked for, drops and clears in the same queue; a step's
+  operations go to the writer in jobs of ``batch_bytes`` (the writer starts while the step
+  still copies the rest) and one at the end (:meth:`DiskTier.commit`).  Checksums are
+  computed on a hasher thread while the writer writes the payloads (the header, written
+  after its payload, waits for its checksum).  At most
   ``max_pending_bytes`` wait for it; a step that would queue more first waits for the oldest
   (back-pressure, never an unbounded queue).  All changes to the slots happen on that thread.
-* **Reads** run on reader threads before a request is admitted: each disk block its hit
-  loads is read into a host staging tensor and checked (:meth:`DiskTier.read_state`); the
+* **Reads** run on reader threads before a request is admitted: the disk blocks its hit
+  loads are split over the readers (:meth:`DiskTier.prefetch`), each read into a host
+  staging tensor and checked (:meth:`DiskTier.read_state`); the
   step's ``load`` then copies the checked bytes to the device.  A key with a write still
   queued is read only after the write is done.  A result that raced a drop or a rewrite of
   its key (a newer generation) is thrown away and read again.
@@ -20,12 +25,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from hybridkv.storage.disk_slots import DiskSlots
+from hybridkv.storage.disk_slots import DiskSlots, checksum
 
 __all__ = ["DiskTier"]
 
@@ -44,11 +49,15 @@ class DiskTier:
         readers: int = 2,
         pin: bool = False,
         max_pending_bytes: int = 256 << 20,
+        batch_bytes: int = 8 << 20,
     ) -> None:
         self.slots = slots
+        #: Queued writes go to the writer in jobs of about this many bytes (or at commit).
+        self.batch_bytes = batch_bytes
         self.pin = pin
         self.max_pending_bytes = max_pending_bytes
         self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-disk-write")
+        self._hasher = cf.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-disk-sum")
         self._readers = (
             cf.ThreadPoolExecutor(readers, thread_name_prefix="hybridkv-disk-read")
             if readers
@@ -61,81 +70,171 @@ class DiskTier:
         self._writing: dict[Key, cf.Future[object]] = {}
         #: Per key, bumped by every write and drop: a read of an older generation is stale.
         self._gen: dict[Key, int] = {}
-        self._reads: dict[Key, tuple[int, cf.Future[torch.Tensor | None]]] = {}
+        #: Reads in flight: the key's generation when asked, and the job reading it.
+        self._reads: dict[Key, tuple[int, cf.Future[dict[Key, torch.Tensor | None]]]] = {}
         #: Checked bytes waiting for their load.
         self.staged: dict[Key, torch.Tensor] = {}
         #: Reads that found a copy missing, torn or corrupt.
         self.bad_reads = 0
+        self.readers = readers
+        #: Writes, drops (no data) and clears (None) not yet handed to the writer.
+        self._batch: list[tuple[Key, int, torch.Tensor | None] | None] = []
+        self._batch_bytes = 0
+        self._pending_keys: list[Key] = []
+        #: Host tensors free for reuse, by size: steady-state reads and writes allocate none.
+        self._spare: dict[int, list[torch.Tensor]] = {}
+
+    def buffer(self, size: int) -> torch.Tensor:
+        """A host uint8 tensor of ``size`` bytes to fill (hand it to :meth:`write`, or back
+        with :meth:`give`)."""
+        spare = self._spare.get(size)
+        if spare:
+            try:
+                return spare.pop()
+            except IndexError:  # another thread took the last one
+                pass
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, data: torch.Tensor) -> None:
+        """Return a tensor from :meth:`buffer` or :meth:`take` once its bytes are used."""
+        self._spare.setdefault(data.numel(), []).append(data)
 
     # -- writer queue ---------------------------------------------------------------------------
-    def _submit(
-        self, key: Key | None, nbytes: int, fn: Callable[..., object], *args: object
-    ) -> None:
+    def write(self, key: Key, tag: int, data: torch.Tensor) -> None:
+        """Queue ``data`` (a CPU uint8 tensor the tier now owns, and reuses once written) as
+        entry ``key``; it goes to the writer with the rest of the batch at :meth:`commit`.  A
+        write that fails stores nothing: the entry then reads as bad."""
+        self._batch.append((key, tag, data))
+        self._batch_bytes += data.numel()
+        self._touch(key)
+        if self._batch_bytes >= self.batch_bytes:  # let the writer start on what is ready
+            self.commit()
+
+    def drop(self, key: Key) -> None:
+        """Queue the removal of entry ``key`` (nothing when it is not stored)."""
+        self._batch.append((key, 0, None))
+        self._touch(key)
+
+    def clear(self) -> None:
+        """Queue the removal of every entry; forget staged and in-flight reads."""
+        self._batch.append(None)
+        for key, (_, job) in self._reads.items():
+            job.cancel()
+            self._gen[key] = self._gen.get(key, 0) + 1
+        for data in self.staged.values():
+            self.give(data)
+        self.staged.clear()
+        self._reads.clear()
+
+    def _touch(self, key: Key) -> None:
+        self._gen[key] = self._gen.get(key, 0) + 1
+        stale = self.staged.pop(key, None)
+        if stale is not None:
+            self.give(stale)
+        self._pending_keys.append(key)
+
+    def commit(self) -> None:
+        """Hand the queued writes, drops and clears to the writer thread as one job (first
+        waiting for older jobs while more than ``max_pending_bytes`` would be queued)."""
+        if not self._batch:
+            return
+        nbytes = self._batch_bytes
         while self._queue and self._queued_bytes + nbytes > self.max_pending_bytes:
             done, size = self._queue.popleft()
             done.result()
             self._queued_bytes -= size
-        job = self._writer.submit(fn, *args)
+        # Checksums on the hasher thread while the writer writes the payloads before them.
+        sums = [
+            None
+            if item is None or item[2] is None
+            else self._hasher.submit(checksum, item[2].numpy().data)
+            for item in self._batch
+        ]
+        job = self._writer.submit(self._run_batch, self._batch, sums)
         self._queue.append((job, nbytes))
         self._queued_bytes += nbytes
         while self._queue and self._queue[0][0].done():
             self._queued_bytes -= self._queue.popleft()[1]
-        if key is not None:
+        for key in self._pending_keys:
             self._writing[key] = job
-            self._gen[key] = self._gen.get(key, 0) + 1
-            self.staged.pop(key, None)
+        self._batch, self._batch_bytes, self._pending_keys = [], 0, []
 
-    def write(self, key: Key, tag: int, data: torch.Tensor) -> None:
-        """Queue ``data`` (a CPU uint8 tensor the tier now owns) as entry ``key``.  A write
-        that fails stores nothing: the entry then reads as bad."""
-        self._submit(key, data.numel(), self._write, key, tag, data)
-
-    def _write(self, key: Key, tag: int, data: torch.Tensor) -> None:
-        self.slots.write(key, tag, data.numpy().data)
-
-    def drop(self, key: Key) -> None:
-        """Queue the removal of entry ``key`` (nothing when it is not stored)."""
-        self._submit(key, 0, self.slots.drop, key)
-
-    def clear(self) -> None:
-        """Queue the removal of every entry; forget staged and in-flight reads."""
-        self._submit(None, 0, self.slots.clear)
-        self.staged.clear()
-        self._reads.clear()
-        for key in self._gen:
-            self._gen[key] += 1
+    def _run_batch(
+        self,
+        batch: list[tuple[Key, int, torch.Tensor | None] | None],
+        sums: list[cf.Future[int] | None],
+    ) -> object:
+        slots = self.slots
+        for item, digest in zip(batch, sums, strict=True):
+            if item is None:
+                slots.clear()
+                continue
+            key, tag, data = item
+            if data is None or digest is None:
+                slots.drop(key)
+            else:
+                slots.write(key, tag, data.numpy().data, digest.result)
+                self.give(data)
+        return None
 
     def flush(self) -> None:
         """Wait until every queued write, drop and clear is done."""
+        self.commit()
         while self._queue:
             self._queue.popleft()[0].result()
         self._queued_bytes = 0
         self._writing.clear()
 
     # -- reads ----------------------------------------------------------------------------------
+    def prefetch(self, keys: Sequence[Key]) -> None:
+        """Start reading and checking ``keys`` (those not staged, read or being written),
+        split over the reader threads."""
+        self.commit()
+        todo = [
+            k
+            for k in keys
+            if k not in self.staged and k not in self._writing_now() and self._stale(k)
+        ]
+        if not todo or self._readers is None:
+            return
+        n = self.readers
+        for part in (todo[i::n] for i in range(n)):
+            if part:
+                job = self._readers.submit(self._read_many, part)
+                for k in part:
+                    self._reads[k] = (self._gen.get(k, 0), job)
+
+    def _writing_now(self) -> set[Key]:
+        for key in [k for k, f in self._writing.items() if f.done()]:
+            del self._writing[key]
+        return set(self._writing)
+
+    def _stale(self, key: Key) -> bool:
+        """Whether ``key`` has no read in flight for its current generation."""
+        job = self._reads.get(key)
+        return job is None or job[0] != self._gen.get(key, 0)
+
     def read_state(self, key: Key) -> bool | None:
         """True: ``key``'s copy is read and checked (in :attr:`staged`); False: it is missing,
         torn or corrupt; None: its read (or the write before it) is still in flight."""
         if key in self.staged:
             return True
+        self.commit()
         writing = self._writing.get(key)
         if writing is not None:
             if not writing.done():
                 return None
             del self._writing[key]
-        gen = self._gen.get(key, 0)
-        job = self._reads.get(key)
-        if job is not None and job[0] != gen:
-            job = None  # raced a drop or a rewrite: read again
-        if job is None:
+        if self._stale(key):
             if self._readers is None:
                 return self._settle(key, self._read(key))
-            self._reads[key] = (gen, self._readers.submit(self._read, key))
+            self.prefetch([key])
             return None
-        if not job[1].done():
+        job = self._reads[key][1]
+        if not job.done():
             return None
         del self._reads[key]
-        return self._settle(key, job[1].result())
+        return self._settle(key, job.result()[key])
 
     def _settle(self, key: Key, data: torch.Tensor | None) -> bool:
         if data is None:
@@ -144,19 +243,27 @@ class DiskTier:
         self.staged[key] = data
         return True
 
+    def _read_many(self, keys: list[Key]) -> dict[Key, torch.Tensor | None]:
+        return {k: self._read(k) for k in keys}
+
     def _read(self, key: Key) -> torch.Tensor | None:
         entry = self.slots.entries.get(key)
         if entry is None:
             return None
-        out = torch.empty(entry.size, dtype=torch.uint8, pin_memory=self.pin)
-        return out if self.slots.read(key, out.numpy().data) else None
+        out = self.buffer(entry.size)
+        if self.slots.read(key, out.numpy().data):
+            return out
+        self.give(out)
+        return None
 
     def take(self, key: Key) -> torch.Tensor | None:
-        """The checked bytes of ``key`` for its load: staged ones, or (when no check ran
-        before the admission) read and checked now, after its queued write; None when bad."""
+        """The checked bytes of ``key`` for its load (:meth:`give` them back after): staged
+        ones, or (when no check ran before the admission) read and checked now, after its
+        queued write; None when bad."""
         data = self.staged.pop(key, None)
         if data is not None:
             return data
+        self.commit()
         writing = self._writing.pop(key, None)
         if writing is not None:
             writing.result()
@@ -182,6 +289,7 @@ class DiskTier:
         """Finish every queued write and in-flight read, then close the directory."""
         self.flush()
         self._writer.shutdown(wait=True)
+        self._hasher.shutdown(wait=True)
         if self._readers is not None:
             self._readers.shutdown(wait=True)
         self.slots.close()

@@ -171,14 +171,14 @@ class TierStore:
         while True:
             bad: list[tuple[int, int]] = []
             waiting = False
-            for g, h, tier in manager.tier_blocks(request, hit):
-                if tier != "disk":
-                    continue
-                state = disk.read_state((g, h))
+            keys = [(g, h) for g, h, tier in manager.tier_blocks(request, hit) if tier == "disk"]
+            disk.prefetch(keys)
+            for key in keys:
+                state = disk.read_state(key)
                 if state is None:
                     waiting = True
                 elif state is False:
-                    bad.append((g, h))
+                    bad.append(key)
             if not bad:
                 return None if waiting else hit
             for g, h in bad:
@@ -218,6 +218,8 @@ class TierStore:
                 self._release(key, entries.pop(key))
             else:
                 raise EngineError(f"tier store: unknown operation {op.op!r} on {op.tier!r}")
+        if self.disk is not None:
+            self.disk.commit()
 
     def _disk_op(self, op: TierOp) -> None:
         disk = self.disk
@@ -225,9 +227,7 @@ class TierStore:
             raise EngineError(f"tier store: the engine stores no disk tier ({op.op} asked)")
         key = (op.group_id, op.block_hash)
         if op.op == "store":
-            data = torch.empty(
-                self._desc_of(op).total_bytes, dtype=torch.uint8, pin_memory=self._pin
-            )
+            data = disk.buffer(self._desc_of(op).total_bytes)
             self._gather(op, data)
             disk.write(key, op.tag, data)
             self.stored += 1
@@ -235,9 +235,12 @@ class TierStore:
             host = self._tier(op.tier)
             held = self._entry(host, op)
             del host[key]
-            # a slot of the host buffer is reused at once: the writer gets its own copy
-            disk.write(key, op.tag, held.clone() if key in self._offsets else held)
-            self._release(key, held)
+            if key in self._offsets:  # a slot of the host buffer, reused at once: a copy
+                own = disk.buffer(held.numel())
+                own.copy_(held)
+                self._release(key, held)
+                held = own
+            disk.write(key, op.tag, held)
         elif op.op == "load":
             staged = disk.take(key)
             if staged is None:
@@ -246,6 +249,7 @@ class TierStore:
                     f"{op.block_hash:#x} failed its check after the request was admitted"
                 )
             self._scatter(op, staged)
+            disk.give(staged)
             self.loaded += 1
         elif op.op == "drop":
             disk.drop(key)  # a copy whose write failed is not there: nothing to drop
