@@ -1,0 +1,260 @@
+"""Transfer plans: a request's cache bytes from one instance's layout to another's.
+
+:func:`plan_transfer` takes two :class:`~hybridkv.storage.connector.Registration` s, the
+request's block table per group on each side (a state group's table is the request's one
+state slot) and the tokens to move, and returns a :class:`TransferPlan`: coalesced runs
+``(source buffer, source offset, destination buffer, destination offset, length)``.
+
+How: every array the destination stores (``(layer, slot, name)``) is matched with the
+source's by name; its elements are enumerated as *units*, one per index of every axis but
+the last (token, head; or a state tensor's leading axes), each unit the last axis's bytes,
+which both sides store contiguously.  A unit's offset on each side comes from that side's
+affine map, its block table (token ``t`` lives in block ``table[t // block_size]`` at row
+``t % block_size``) and its tensor-parallel slice (only the global heads, or state rows, both
+sides hold are planned: a destination rank of a wider split is filled by several source
+ranks' plans, a narrower one takes its slice of one source rank).  Units are then sorted by
+source offset and merged wherever both sides continue contiguously, so two cross-layer
+layouts of the same page become one run per block (fewer where consecutive block ids touch
+on both sides), while a cross-layer page landing in per-layer slabs becomes one run per
+layer and segment.
+
+A destination block that is the null block (a sliding window's recycled block) is skipped;
+a source block that is null where the destination needs data raises
+:class:`~hybridkv.storage.errors.TransferError`, as do arrays the source lacks and shapes
+that differ.  Runs never overlap on the destination side.
+
+Executing a plan: :meth:`TransferPlan.copy` (both sides in one process),
+:meth:`TransferPlan.pack` / :meth:`TransferPlan.unpack` (through one contiguous stream in run
+order), or :mod:`hybridkv.storage.transport` between processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridkv.storage.connector import Registration, SegmentRef
+from hybridkv.storage.errors import TransferError
+
+__all__ = ["TransferPlan", "plan_transfer"]
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Copy runs, sorted by source buffer and offset (int64 arrays of equal length)."""
+
+    src_buffer: np.ndarray
+    src_offset: np.ndarray
+    dst_buffer: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.length.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+    def runs(self) -> list[tuple[int, int, int, int, int]]:
+        """The runs as ``(src_buffer, src_offset, dst_buffer, dst_offset, length)`` tuples."""
+        return list(
+            zip(
+                self.src_buffer.tolist(),
+                self.src_offset.tolist(),
+                self.dst_buffer.tolist(),
+                self.dst_offset.tolist(),
+                self.length.tolist(),
+                strict=True,
+            )
+        )
+
+    def copy(self, src_buffers: Sequence[torch.Tensor], dst_buffers: Sequence[torch.Tensor]) -> int:
+        """Copy every run from ``src_buffers`` into ``dst_buffers`` (flat uint8 tensors);
+        returns the bytes copied."""
+        for sb, so, db, do, n in self.runs():
+            dst_buffers[db][do : do + n].copy_(src_buffers[sb][so : so + n])
+        return self.total_bytes
+
+    def pack(
+        self, src_buffers: Sequence[torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The runs' source bytes, concatenated in run order, into ``out`` (or a new tensor
+        on the first buffer's device)."""
+        total = self.total_bytes
+        if out is None:
+            out = torch.empty(total, dtype=torch.uint8, device=src_buffers[0].device)
+        pos = 0
+        for sb, so, _, _, n in self.runs():
+            out[pos : pos + n].copy_(src_buffers[sb][so : so + n])
+            pos += n
+        return out
+
+    def unpack(self, packed: torch.Tensor, dst_buffers: Sequence[torch.Tensor]) -> None:
+        """Write a stream from :meth:`pack` into the runs' destinations."""
+        if packed.numel() < self.total_bytes:
+            raise TransferError(
+                f"packed: {packed.numel()} bytes, the plan moves {self.total_bytes}"
+            )
+        pos = 0
+        for _, _, db, do, n in self.runs():
+            dst_buffers[db][do : do + n].copy_(packed[pos : pos + n])
+            pos += n
+
+
+def plan_transfer(
+    src: Registration,
+    src_tables: Mapping[int, Sequence[int]],
+    dst: Registration,
+    dst_tables: Mapping[int, Sequence[int]],
+    *,
+    tokens: tuple[int, int],
+    state: bool = True,
+) -> TransferPlan:
+    """The runs moving tokens ``[tokens[0], tokens[1])`` of every token-indexed array (and,
+    with ``state``, every state slot) from ``src`` to ``dst`` (see the module doc).
+    ``*_tables[g]``: group ``g``'s block table on that side.  Pure.
+
+    Raises :class:`TransferError` for an array the source lacks, shapes that differ, a table
+    too short for the tokens, or a null source block where the destination needs data.
+    """
+    start, end = tokens
+    if not 0 <= start <= end:
+        raise TransferError(f"tokens: need 0 <= start <= end, got {tokens}")
+    parts: list[tuple[np.ndarray, ...]] = []
+    for d in dst.segments:
+        s = src.segment(d.key)
+        if s is None:
+            raise TransferError(
+                f"layer {d.layer} slot {d.slot} {d.name!r}: the source instance "
+                f"{src.instance!r} stores no such array"
+            )
+        if d.token_axis is None and not state:
+            continue
+        part = _segment_units(s, src_tables, d, dst_tables, start, end)
+        if part is not None:
+            parts.append(part)
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return TransferPlan(empty, empty, empty, empty, empty)
+    sb, so, db, do, n = (np.concatenate(x) for x in zip(*parts, strict=True))
+    return _coalesce(sb, so, db, do, n)
+
+
+def _table(tables: Mapping[int, Sequence[int]], seg: SegmentRef, side: str) -> np.ndarray:
+    table = tables.get(seg.group_id)
+    if table is None:
+        raise TransferError(f"{side} tables: no block table for group {seg.group_id}")
+    return np.asarray(table, dtype=np.int64)
+
+
+def _segment_units(
+    s: SegmentRef,
+    s_tables: Mapping[int, Sequence[int]],
+    d: SegmentRef,
+    d_tables: Mapping[int, Sequence[int]],
+    start: int,
+    end: int,
+) -> tuple[np.ndarray, ...] | None:
+    where = f"layer {d.layer} slot {d.slot} {d.name!r}"
+    if s.itemsize != d.itemsize or len(s.shape) != len(d.shape) or s.token_axis != d.token_axis:
+        raise TransferError(
+            f"{where}: the source stores {s.shape} x {s.itemsize} B, the destination "
+            f"{d.shape} x {d.itemsize} B"
+        )
+    if s.shard_axis is not None and d.shard_axis is not None and s.shard_axis != d.shard_axis:
+        raise TransferError(f"{where}: the two sides split it over ranks along other axes")
+    ndim = len(d.shape)
+    # Per axis: the global index range both sides hold (token axis handled apart).
+    ranges: list[tuple[int, int]] = []
+    for axis in range(ndim):
+        if axis == d.token_axis:
+            ranges.append((0, 0))
+            continue
+        s_first = s.shard_first if axis == s.shard_axis else 0
+        d_first = d.shard_first if axis == d.shard_axis else 0
+        lo = max(s_first, d_first)
+        hi = min(s_first + s.shape[axis], d_first + d.shape[axis])
+        if axis not in (s.shard_axis, d.shard_axis) and s.shape[axis] != d.shape[axis]:
+            raise TransferError(
+                f"{where}: axis {axis} has {s.shape[axis]} entries on the source, "
+                f"{d.shape[axis]} on the destination"
+            )
+        if hi <= lo:
+            return None  # no slice in common (another source rank holds it)
+        ranges.append((lo, hi))
+    s_tab, d_tab = _table(s_tables, s, "source"), _table(d_tables, d, "destination")
+    src = np.array([s.offset], dtype=np.int64)
+    dst = np.array([d.offset], dtype=np.int64)
+    if d.token_axis is None:  # a state slot
+        if not len(s_tab) or not len(d_tab):
+            raise TransferError(f"{where}: a state group needs its slot in both tables")
+        src += int(s_tab[0]) * s.block_stride
+        dst += int(d_tab[0]) * d.block_stride
+    last = ndim - 1
+    for axis in range(last):
+        if axis == d.token_axis:
+            t = np.arange(start, end, dtype=np.int64)
+            need = (end + d.block_size - 1) // d.block_size if end > start else 0
+            if len(d_tab) < need:
+                raise TransferError(f"{where}: the destination table covers too few tokens")
+            d_blocks = d_tab[t // d.block_size] if len(t) else t
+            t = t[d_blocks != 0]
+            d_blocks = d_blocks[d_blocks != 0]
+            if len(t) and int(t[-1]) // s.block_size >= len(s_tab):
+                raise TransferError(f"{where}: the source table covers too few tokens")
+            s_blocks = s_tab[t // s.block_size]
+            if np.any(s_blocks == 0):
+                miss = int(t[np.flatnonzero(s_blocks == 0)[0]])
+                raise TransferError(f"{where}: the source holds no data for token {miss}")
+            cs = s_blocks * s.block_stride + (t % s.block_size) * s.strides[axis]
+            cd = d_blocks * d.block_stride + (t % d.block_size) * d.strides[axis]
+        else:
+            lo, hi = ranges[axis]
+            g = np.arange(lo, hi, dtype=np.int64)
+            s_first = s.shard_first if axis == s.shard_axis else 0
+            d_first = d.shard_first if axis == d.shard_axis else 0
+            cs = (g - s_first) * s.strides[axis]
+            cd = (g - d_first) * d.strides[axis]
+        src = (src[:, None] + cs[None, :]).ravel()
+        dst = (dst[:, None] + cd[None, :]).ravel()
+    lo, hi = ranges[last]
+    if last == d.token_axis:  # a 1-axis token array: one element per token
+        raise TransferError(f"{where}: a token array needs a feature axis")
+    s_first = s.shard_first if last == s.shard_axis else 0
+    d_first = d.shard_first if last == d.shard_axis else 0
+    if s.strides[last] == s.itemsize and d.strides[last] == d.itemsize:
+        src = src + (lo - s_first) * s.itemsize
+        dst = dst + (lo - d_first) * d.itemsize
+        n = np.full(src.shape, (hi - lo) * s.itemsize, dtype=np.int64)
+    else:  # a strided last axis: one unit per element
+        g = np.arange(lo, hi, dtype=np.int64)
+        src = (src[:, None] + ((g - s_first) * s.strides[last])[None, :]).ravel()
+        dst = (dst[:, None] + ((g - d_first) * d.strides[last])[None, :]).ravel()
+        n = np.full(src.shape, s.itemsize, dtype=np.int64)
+    sb = np.full(src.shape, s.buffer_id, dtype=np.int64)
+    db = np.full(dst.shape, d.buffer_id, dtype=np.int64)
+    return sb, src, db, dst, n
+
+
+def _coalesce(
+    sb: np.ndarray, so: np.ndarray, db: np.ndarray, do: np.ndarray, n: np.ndarray
+) -> TransferPlan:
+    order = np.lexsort((so, sb))
+    sb, so, db, do, n = sb[order], so[order], db[order], do[order], n[order]
+    if len(n) > 1:
+        joins = (
+            (sb[1:] == sb[:-1])
+            & (db[1:] == db[:-1])
+            & (so[1:] == so[:-1] + n[:-1])
+            & (do[1:] == do[:-1] + n[:-1])
+        )
+        heads = np.concatenate([[0], np.flatnonzero(~joins) + 1])
+    else:
+        heads = np.arange(len(n))
+    lengths = np.add.reduceat(n, heads) if len(n) else n
+    return TransferPlan(sb[heads], so[heads], db[heads], do[heads], lengths)
