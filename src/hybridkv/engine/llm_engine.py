@@ -332,15 +332,17 @@ class LLMEngine:
         *,
         max_tokens: int,
         eos_token_ids: Sequence[int] = (),
+        hold: bool = False,
     ) -> None:
         """Queue a request.  Raises :class:`PromptError` for a prompt :meth:`check_prompt`
         refuses or ``max_tokens < 1``, and :class:`~hybridkv.scheduler.SchedulerError` for a
-        duplicate id.  Nothing is queued when it raises."""
+        duplicate id.  Nothing is queued when it raises.  ``hold``: keep its blocks when it
+        finishes (a handover to a decode engine reads them: :mod:`hybridkv.engine.handover`)."""
         prompt = self.check_prompt(request_id, prompt_token_ids)
         if max_tokens < 1:
             raise PromptError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
         seq = self.scheduler.add_request(
-            request_id, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids
+            request_id, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids, hold=hold
         )
         self._live[request_id] = _Live(seq, prompt)
         self._counts["prompt"] += len(prompt)

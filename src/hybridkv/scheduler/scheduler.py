@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
+from hybridkv.cache import AllocationResult, ComputedBlocks, KVCacheManager, Request
 from hybridkv.scheduler.types import (
     FinishReason,
     RequestOutput,
@@ -65,6 +65,7 @@ class SequenceState:
     finish_reason: FinishReason | None = None
     first_token_step: int | None = None
     chunk_cap: int = 0  # >0: a smaller prefill chunk the cache could hold on its own
+    hold: bool = False  # keep the blocks when it finishes (a handover reads them)
 
     @property
     def request_id(self) -> str:
@@ -110,6 +111,8 @@ class Scheduler:
         self.seqs: dict[str, SequenceState] = {}
         self.step_index = 0
         self.num_preemptions = 0
+        #: Finished requests added with ``hold``: their blocks stay until :meth:`release`.
+        self.held: dict[str, SequenceState] = {}
 
     # -- queue ----------------------------------------------------------------------------
     def add_request(
@@ -122,11 +125,12 @@ class Scheduler:
         arrival: float = 0.0,
         lora_id: int | str | None = None,
         cache_salt: str | None = None,
+        hold: bool = False,
     ) -> SequenceState:
         """Queue a request.  Raises :class:`SchedulerError` (or a cache RequestError) for an
         empty prompt, a duplicate id, ``max_tokens < 1`` or a prompt of ``max_model_len`` or
-        more tokens."""
-        if request_id in self.seqs:
+        more tokens.  ``hold``: keep its blocks when it finishes, until :meth:`release`."""
+        if request_id in self.seqs or request_id in self.held:
             raise SchedulerError(f"request {request_id!r}: id already queued or running")
         if max_tokens < 1:
             raise SchedulerError(
@@ -148,8 +152,66 @@ class Scheduler:
             request_id, list(prompt_token_ids), lora_id=lora_id, cache_salt=cache_salt
         )
         seq = SequenceState(request, max_tokens, frozenset(eos_token_ids), arrival)
+        seq.hold = hold
         self.seqs[request_id] = seq
         self.waiting.append(seq)
+        return seq
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished request added with ``hold``."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            raise SchedulerError(f"release: no finished request {request_id!r} is held")
+        self.manager.free(request_id)
+
+    def import_computed(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        fill: Callable[[tuple[list[int], ...], int, AllocationResult], None],
+    ) -> SequenceState | None:
+        """Admit a request whose prompt another instance computed, straight into the running
+        set: its own prefix hit is taken, slots for the rest of the prompt are allocated and
+        ``fill(block_tables, hit_tokens, allocation)`` must write their data (the prompt's
+        tokens from ``hit_tokens`` on, and the recurrent state at the prompt's end).  The
+        next step computes the first of ``output_token_ids`` (sampled by the other
+        instance).  Returns None, changing nothing, when the cache cannot hold it now;
+        when ``fill`` raises, the request is freed (nothing it was to receive is published
+        or read) and the error propagates."""
+        if not output_token_ids:
+            raise SchedulerError(f"request {request_id!r}: an imported request needs a token")
+        seq = self.add_request(
+            request_id, prompt_token_ids, max_tokens=max_tokens, eos_token_ids=eos_token_ids
+        )
+        self.waiting.pop()
+        req = seq.request
+        req.append_token_ids(list(output_token_ids))
+        seq.num_output_tokens = len(output_token_ids)
+        n = len(prompt_token_ids)
+        mgr = self.manager
+        hit = mgr.get_computed_blocks(req)
+        cached = min(hit.num_computed_tokens, n)
+        res = mgr.allocate_slots(
+            req, n - cached, num_new_computed_tokens=cached, new_computed_blocks=hit
+        )
+        if res is None:
+            del self.seqs[request_id]
+            return None
+        req.num_computed_tokens = cached
+        try:
+            fill(mgr.get_block_ids(request_id), cached, res)
+        except BaseException:
+            mgr.free(request_id)  # publishes only the hit it had
+            del self.seqs[request_id]
+            raise
+        req.num_computed_tokens = n
+        seq.num_cached_tokens = cached
+        seq.junction = hit.junction_tokens
+        self.running.append(seq)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -450,5 +512,8 @@ class Scheduler:
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
         seq.finish_reason = reason
         self.running.remove(seq)
-        self.manager.free(seq.request_id)
+        if seq.hold:
+            self.held[seq.request_id] = seq
+        else:
+            self.manager.free(seq.request_id)
         del self.seqs[seq.request_id]

@@ -1,0 +1,132 @@
+"""Handing a request from a prefill engine to a decode engine (disaggregated serving).
+
+The prefill side adds the request with ``hold=True`` and ``max_tokens=1``: it computes the
+prompt, samples the first token, and keeps the blocks.  :func:`export_request` then
+describes it as a :class:`Handover`: prompt, sampled tokens (with their logits when kept),
+block tables and the engine's :func:`~hybridkv.storage.connector.register`\\ ation.
+
+The decode side's :func:`import_request` takes its own prefix hit, allocates slots for the
+rest of the prompt, plans the transfer of exactly those tokens (and the recurrent state at
+the prompt's end) from the prefill side's layout into its own
+(:func:`~hybridkv.storage.transfer_plan.plan_transfer`), and has ``pull`` carry the plan out:
+a local copy, or a receive over ``torch.distributed``
+(:mod:`hybridkv.storage.transport`).  State checkpoints the allocation saves at the
+prompt's end are copied from the received state, then the request joins the running set:
+the next step computes the first sampled token.  When the pull fails, the request is freed
+(the decode engine must publish blocks once computed, ``CacheConfig(publish="computed")``,
+so nothing it was receiving is ever a prefix hit) and queued again to be recomputed.
+Finally the prefill side :func:`release`\\ s its blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.cache import AllocationResult
+from hybridkv.engine.errors import EngineError
+from hybridkv.engine.llm_engine import LLMEngine, _Live
+from hybridkv.errors import HybridKVError
+from hybridkv.storage.connector import Registration, register
+from hybridkv.storage.transfer import copy_blocks
+from hybridkv.storage.transfer_plan import TransferPlan, plan_transfer
+
+__all__ = ["Handover", "export_request", "import_request", "release"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Handover:
+    """A prefilled request, as the decode side needs it (plain data: it pickles)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logits: tuple[torch.Tensor, ...]
+    tables: dict[int, list[int]]
+    registration: Registration
+
+
+def export_request(engine: LLMEngine, request_id: str) -> Handover:
+    """The :class:`Handover` of a finished request the engine holds (added with
+    ``hold=True``).  Raises :class:`EngineError` when it is not held."""
+    if request_id not in engine.scheduler.held:
+        raise EngineError(f"handover: request {request_id!r} is not a finished, held request")
+    done = engine.completions[request_id]
+    tables = engine.manager.get_block_ids(request_id)
+    return Handover(
+        request_id=request_id,
+        prompt=done.prompt_token_ids,
+        token_ids=done.token_ids,
+        logits=done.logits,
+        tables={g: list(t) for g, t in enumerate(tables)},
+        registration=register(engine.storage.placement, instance=engine.name),
+    )
+
+
+def release(engine: LLMEngine, request_id: str) -> None:
+    """Free the blocks of a handed-over request on the prefill side."""
+    engine.scheduler.release(request_id)
+
+
+def import_request(
+    engine: LLMEngine,
+    handover: Handover,
+    *,
+    max_tokens: int,
+    pull: Callable[[TransferPlan], None],
+    eos_token_ids: Sequence[int] = (),
+) -> bool:
+    """Continue ``handover`` on ``engine`` (the decode side), generating up to
+    ``max_tokens`` tokens in all (the prefill side's count).  ``pull(plan)`` must write the
+    plan's bytes into ``engine.storage.buffers`` or raise.  Returns True when the request
+    runs from the transferred data; False when it was queued to be recomputed instead (the
+    cache could not take it now, or the pull raised a :class:`HybridKVError` or ``OSError``).
+    """
+    if engine.cache_config.publish != "computed":
+        raise EngineError(
+            "handover: the decode engine must publish blocks once computed "
+            "(CacheConfig(publish='computed')), so a failed transfer is never a prefix hit"
+        )
+    rid = handover.request_id
+    prompt = handover.prompt
+    own = register(engine.storage.placement, instance=engine.name)
+    storage = engine.storage
+
+    def fill(tables: tuple[list[int], ...], hit: int, res: AllocationResult) -> None:
+        if engine._tier_store is not None:  # tier loads of the decode side's own hit
+            engine._tier_store.apply(engine.manager.take_tier_ops())
+        plan = plan_transfer(
+            handover.registration,
+            handover.tables,
+            own,
+            {g: list(t) for g, t in enumerate(tables)},
+            tokens=(hit, len(prompt)),
+        )
+        pull(plan)
+        for c in res.copies_after:  # checkpoints the allocation saves at the prompt's end
+            src = storage.descriptor(c.group_id, [c.src])
+            dst = storage.descriptor(c.group_id, [c.dst])
+            copy_blocks(src, storage.buffers, dst, storage.buffers)
+
+    try:
+        seq = engine.scheduler.import_computed(
+            rid,
+            prompt,
+            handover.token_ids,
+            max_tokens=max_tokens,
+            eos_token_ids=eos_token_ids,
+            fill=fill,
+        )
+    except (HybridKVError, OSError):
+        seq = None
+    if seq is None:  # recompute it from the prompt here
+        engine.add_request(rid, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids)
+        return False
+    live = _Live(seq, prompt, tokens=list(handover.token_ids))
+    if engine.keep_logits:
+        live.logits.extend(handover.logits)
+    engine._live[rid] = live
+    engine._counts["prompt"] += len(prompt)
+    return True
