@@ -1,0 +1,190 @@
+"""Disaggregated prefill and decode in two processes over ``torch.distributed``.
+
+:func:`run_disaggregated` spawns a prefill process (rank 0) and a decode process (rank 1)
+joined by a gloo process group (NCCL when the engines live on CUDA).  The prefill process
+sends the prompt list first, then for each prompt: computes it with ``max_tokens=1`` and
+``hold=True``, sends the :class:`~hybridkv.engine.handover.Handover`, receives the decode
+side's :class:`~hybridkv.storage.transfer_plan.TransferPlan` (made against the decode
+engine's own layout and prefix cache: only the tokens it lacks) and sends those bytes
+(:mod:`hybridkv.storage.transport`), then releases the blocks.  The decode process imports
+each request (:func:`~hybridkv.engine.handover.import_request`) and decodes it before the
+next handover (one request at a time: a demonstration of the handover, not a scheduler
+overlapping transfers with decoding), so later turns of a conversation hit what the
+decode side computed for earlier ones.  If
+the prefill process goes away or stalls past ``timeout`` seconds, the decode process stops
+pulling and recomputes every request it has not received intact from its prompt: nothing
+is decoded from partial data.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridkv.engine.handover import export_request, import_request, release
+from hybridkv.engine.llm_engine import CacheConfig, Completion, LLMEngine
+from hybridkv.errors import HybridKVError
+from hybridkv.storage.transfer_plan import TransferPlan
+from hybridkv.storage.transport import recv_object, recv_plan, send_object, send_plan
+
+__all__ = ["DisaggregatedResult", "run_disaggregated"]
+
+
+@dataclass
+class DisaggregatedResult:
+    """What the decode process produced: completions by request id, how many requests ran
+    from transferred data and how many were recomputed, and the bytes pulled."""
+
+    completions: dict[str, Completion]
+    imported: int = 0
+    recomputed: int = 0
+    bytes_pulled: int = 0
+    hit_tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prefill(engine: LLMEngine, prompts: list[list[int]], die_after: int | None) -> None:
+    send_object(prompts, 1)
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        engine.add_request(rid, prompt, max_tokens=1, hold=True)
+        engine.run()
+        send_object(export_request(engine, rid), 1)
+        plan = recv_object(1)
+        if die_after is not None and i >= die_after:
+            os._exit(0)  # a prefill instance lost in the middle of a handover
+        if plan is not None:
+            send_plan(plan, engine.storage.buffers, 1)
+        release(engine, rid)
+
+
+def _decode(engine: LLMEngine, max_tokens: int) -> DisaggregatedResult:
+    result = DisaggregatedResult(completions={})
+    prompts: list[list[int]] = recv_object(0)
+    peer = True
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        if not peer:
+            engine.add_request(rid, prompt, max_tokens=max_tokens)
+            result.recomputed += 1
+            continue
+        pulled: list[TransferPlan] = []
+
+        def pull(plan: TransferPlan, pulled: list[TransferPlan] = pulled) -> None:
+            pulled.append(plan)
+            send_object(plan, 0)
+            recv_plan(plan, engine.storage.buffers, 0)
+
+        try:
+            handover = recv_object(0)
+        except HybridKVError as exc:
+            result.errors.append(str(exc))
+            peer = False
+            engine.add_request(rid, prompt, max_tokens=max_tokens)
+            result.recomputed += 1
+            continue
+        ok = import_request(engine, handover, max_tokens=max_tokens, pull=pull)
+        engine.run()  # decoded before the next handover: later turns hit what it computed
+        if ok:
+            result.imported += 1
+            result.bytes_pulled += pulled[0].total_bytes
+        else:
+            result.recomputed += 1
+            if pulled:  # the pull failed: the peer is gone or stalled
+                result.errors.append(f"request {rid}: transfer failed, recomputed")
+                peer = False
+            else:
+                try:
+                    send_object(None, 0)  # nothing to send: the decode cache was full
+                except HybridKVError:
+                    peer = False
+    engine.run()
+    result.completions = dict(engine.completions)
+    result.hit_tokens = sum(c.num_cached_tokens for c in result.completions.values())
+    return result
+
+
+def _worker(
+    rank: int,
+    port: int,
+    models: list[str],
+    prompts: list[list[int]],
+    max_tokens: int,
+    caches: tuple[CacheConfig, CacheConfig],
+    timeout: float,
+    die_after: int | None,
+    box: Any,
+) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=timeout)
+    )
+    results: dict[str, DisaggregatedResult] = {}
+    for model in models:
+        engine = LLMEngine(model, cache=caches[rank], keep_logits=True)
+        if rank == 0:
+            _prefill(engine, prompts, die_after)
+            continue
+        results[model] = result = _decode(engine, max_tokens)
+        if result.errors:  # the peer is gone: the models after this one run nowhere
+            break
+    if rank == 0:
+        dist.destroy_process_group()
+        return
+    # Plain pickle bytes: torch's queue reduction would pass tensors (the logits) as shared
+    # memory handles, which die with this process.
+    box.put(pickle.dumps(results))
+    box.close()
+    box.join_thread()  # the result is in the pipe before the process ends
+    os._exit(0)  # the process group may be broken (a lost peer): skip its teardown
+
+
+def run_disaggregated(
+    models: list[str],
+    prompts: list[list[int]],
+    *,
+    max_tokens: int,
+    prefill_cache: CacheConfig,
+    decode_cache: CacheConfig,
+    timeout: float = 60.0,
+    die_after: int | None = None,
+) -> dict[str, DisaggregatedResult]:
+    """Serve ``prompts`` (request ids ``r0``, ``r1``, ...) on each model of ``models`` in
+    turn with a prefill process and a decode process (see the module doc); returns the
+    decode side's result per model.  ``decode_cache`` must publish blocks once computed.
+    ``die_after``: the prefill process exits after sending that request's handover (a test
+    of a lost peer)."""
+    ctx = mp.get_context("spawn")
+    box = ctx.Queue()
+    port = _free_port()
+    caches = (prefill_cache, decode_cache)
+    args = (port, list(models), prompts, max_tokens, caches, timeout, die_after, box)
+    procs = [ctx.Process(target=_worker, args=(rank, *args)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results: dict[str, DisaggregatedResult] = pickle.loads(
+            box.get(timeout=timeout + 60 * len(models))
+        )
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results
