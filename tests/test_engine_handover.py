@@ -129,3 +129,15 @@ def test_a_lost_prefill_process_leaves_requests_recomputed() -> None:
     assert res.errors == ["request r2: transfer failed, recomputed"]
     done = [res.completions[f"r{i}"] for i in range(len(PROMPTS))]
     assert verify_completions(_reference("llama"), done).ok
+
+
+def test_run_disaggregate(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridkv.cli.main import main
+
+    assert main(["run", "--model", "llama", "--disaggregate", "--verify", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "disaggregated: 8 of 8 requests decoded from the prefill process's KV and state" in out
+    assert "224 prompt tokens hit the decode side's own prefix cache" in out
+    assert "verify: all 8 requests (128 tokens) identical" in out
+    assert main(["run", "--model", "llama", "--disaggregate", "--speculate", "2"]) == 2
+    assert "--disaggregate: not with --speculate" in capsys.readouterr().err

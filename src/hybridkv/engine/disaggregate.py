@@ -127,6 +127,7 @@ def _worker(
     caches: tuple[CacheConfig, CacheConfig],
     timeout: float,
     die_after: int | None,
+    seed: int,
     box: Any,
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -137,7 +138,7 @@ def _worker(
     )
     results: dict[str, DisaggregatedResult] = {}
     for model in models:
-        engine = LLMEngine(model, cache=caches[rank], keep_logits=True)
+        engine = LLMEngine(model, cache=caches[rank], keep_logits=True, seed=seed)
         if rank == 0:
             _prefill(engine, prompts, die_after)
             continue
@@ -164,17 +165,18 @@ def run_disaggregated(
     decode_cache: CacheConfig,
     timeout: float = 60.0,
     die_after: int | None = None,
+    seed: int = 0,
 ) -> dict[str, DisaggregatedResult]:
     """Serve ``prompts`` (request ids ``r0``, ``r1``, ...) on each model of ``models`` in
     turn with a prefill process and a decode process (see the module doc); returns the
     decode side's result per model.  ``decode_cache`` must publish blocks once computed.
     ``die_after``: the prefill process exits after sending that request's handover (a test
-    of a lost peer)."""
+    of a lost peer); ``seed``: of the built-in models' random weights."""
     ctx = mp.get_context("spawn")
     box = ctx.Queue()
     port = _free_port()
     caches = (prefill_cache, decode_cache)
-    args = (port, list(models), prompts, max_tokens, caches, timeout, die_after, box)
+    args = (port, list(models), prompts, max_tokens, caches, timeout, die_after, seed, box)
     procs = [ctx.Process(target=_worker, args=(rank, *args)) for rank in range(2)]
     for p in procs:
         p.start()
