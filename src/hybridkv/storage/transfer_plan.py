@@ -112,19 +112,20 @@ def plan_transfer(
     dst: Registration,
     dst_tables: Mapping[int, Sequence[int]],
     *,
-    tokens: tuple[int, int],
+    tokens: tuple[int, int] | tuple[np.ndarray, np.ndarray],
     state: bool = True,
 ) -> TransferPlan:
     """The runs moving tokens ``[tokens[0], tokens[1])`` of every token-indexed array (and,
     with ``state``, every state slot) from ``src`` to ``dst`` (see the module doc).
-    ``*_tables[g]``: group ``g``'s block table on that side.  Pure.
+    ``*_tables[g]``: group ``g``'s block table on that side.  ``tokens`` may instead map
+    positions: ``(destination positions, source positions)``, two equal-length arrays
+    (a context-parallel rank's local tokens and their places in the whole request,
+    :mod:`hybridkv.storage.cp`).  Pure.
 
     Raises :class:`TransferError` for an array the source lacks, shapes that differ, a table
     too short for the tokens, or a null source block where the destination needs data.
     """
-    start, end = tokens
-    if not 0 <= start <= end:
-        raise TransferError(f"tokens: need 0 <= start <= end, got {tokens}")
+    pair = _token_pairs(tokens)
     parts: list[tuple[np.ndarray, ...]] = []
     for d in dst.segments:
         s = src.segment(d.key)
@@ -135,7 +136,7 @@ def plan_transfer(
             )
         if d.token_axis is None and not state:
             continue
-        part = _segment_units(s, src_tables, d, dst_tables, start, end)
+        part = _segment_units(s, src_tables, d, dst_tables, pair)
         if part is not None:
             parts.append(part)
     if not parts:
@@ -157,8 +158,7 @@ def _segment_units(
     s_tables: Mapping[int, Sequence[int]],
     d: SegmentRef,
     d_tables: Mapping[int, Sequence[int]],
-    start: int,
-    end: int,
+    pair: tuple[np.ndarray, np.ndarray],
 ) -> tuple[np.ndarray, ...] | None:
     where = f"layer {d.layer} slot {d.slot} {d.name!r}"
     if s.itemsize != d.itemsize or len(s.shape) != len(d.shape) or s.token_axis != d.token_axis:
@@ -198,21 +198,21 @@ def _segment_units(
     last = ndim - 1
     for axis in range(last):
         if axis == d.token_axis:
-            t = np.arange(start, end, dtype=np.int64)
-            need = (end + d.block_size - 1) // d.block_size if end > start else 0
+            td, ts = pair
+            need = int(td.max()) // d.block_size + 1 if len(td) else 0
             if len(d_tab) < need:
                 raise TransferError(f"{where}: the destination table covers too few tokens")
-            d_blocks = d_tab[t // d.block_size] if len(t) else t
-            t = t[d_blocks != 0]
-            d_blocks = d_blocks[d_blocks != 0]
-            if len(t) and int(t[-1]) // s.block_size >= len(s_tab):
+            d_blocks = d_tab[td // d.block_size]
+            keep = d_blocks != 0
+            td, ts, d_blocks = td[keep], ts[keep], d_blocks[keep]
+            if len(ts) and int(ts.max()) // s.block_size >= len(s_tab):
                 raise TransferError(f"{where}: the source table covers too few tokens")
-            s_blocks = s_tab[t // s.block_size]
+            s_blocks = s_tab[ts // s.block_size]
             if np.any(s_blocks == 0):
-                miss = int(t[np.flatnonzero(s_blocks == 0)[0]])
+                miss = int(ts[np.flatnonzero(s_blocks == 0)[0]])
                 raise TransferError(f"{where}: the source holds no data for token {miss}")
-            cs = s_blocks * s.block_stride + (t % s.block_size) * s.strides[axis]
-            cd = d_blocks * d.block_stride + (t % d.block_size) * d.strides[axis]
+            cs = s_blocks * s.block_stride + (ts % s.block_size) * s.strides[axis]
+            cd = d_blocks * d.block_stride + (td % d.block_size) * d.strides[axis]
         else:
             lo, hi = ranges[axis]
             g = np.arange(lo, hi, dtype=np.int64)
@@ -239,6 +239,26 @@ def _segment_units(
     sb = np.full(src.shape, s.buffer_id, dtype=np.int64)
     db = np.full(dst.shape, d.buffer_id, dtype=np.int64)
     return sb, src, db, dst, n
+
+
+def _token_pairs(
+    tokens: tuple[int, int] | tuple[np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(destination positions, source positions)`` of the tokens to move."""
+    a, b = tokens
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        td = np.asarray(a, dtype=np.int64)
+        ts = np.asarray(b, dtype=np.int64)
+        if td.shape != ts.shape or td.ndim != 1 or (td.size and min(td.min(), ts.min()) < 0):
+            raise TransferError(
+                "tokens: a token map needs two equal-length 1-D arrays of positions >= 0"
+            )
+        return td, ts
+    start, end = int(a), int(b)
+    if not 0 <= start <= end:
+        raise TransferError(f"tokens: need 0 <= start <= end, got {tokens}")
+    t = np.arange(start, end, dtype=np.int64)
+    return t, t
 
 
 def _coalesce(
