@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.cache import CHECKPOINT_ADMISSION, PUBLISH_MODES, WINDOW_RETENTION
 from hybridkv.cli.common import (
@@ -84,6 +84,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="a disk tier below the host tier (or the device): what the tier above evicts "
         "(default: none)",
+    )
+    parser.add_argument(
+        "--disaggregate",
+        action="store_true",
+        help="a prefill instance and a decode instance (each with --memory, or the prefill "
+        "one with --prefill-memory) joined by a --link-bandwidth link; prints prefill and "
+        "decode hit rates, bytes moved, TTFT and TPOT (default: one instance)",
+    )
+    parser.add_argument(
+        "--prefill-memory",
+        default=None,
+        metavar="SIZE",
+        help="with --disaggregate: the prefill instance's KV budget (default: --memory)",
+    )
+    parser.add_argument(
+        "--link-bandwidth",
+        default="50GB",
+        metavar="SIZE",
+        help="with --disaggregate: bytes per second between the instances (default: 50GB, "
+        "a 400 Gb/s RDMA link)",
     )
     add_max_model_len(parser)
     add_block_options(parser, kernel=True)
@@ -258,6 +278,12 @@ def run(args: argparse.Namespace) -> int:
         for strategy in strategies
         for host in hosts
     ]
+    if args.disaggregate:
+        if len(configs) != 1:
+            raise CliInputError(
+                "--disaggregate: one strategy and no host-size sweep (add --strategy arena)"
+            )
+        return _run_disaggregated(args, model, profile, workload, configs[0], title_of=name)
     # Plans are cheap: make them all before simulating, so a plan that cannot exist is
     # reported at once (exit 2 for one strategy, n/a among several).
     failures: list[StrategyFailure] = []
@@ -332,3 +358,56 @@ def _tier_lines(result: SimResult) -> list[str]:
             f"read, {st['dropped']} blocks dropped"
         )
     return lines
+
+
+def _run_disaggregated(
+    args: argparse.Namespace,
+    model: Any,
+    profile: Any,
+    workload: Any,
+    config: Any,
+    *,
+    title_of: str,
+) -> int:
+    """``--disaggregate``: :func:`hybridkv.sim.disagg.simulate_pd` with ``config`` for the
+    decode instance and, with ``--prefill-memory``, another budget for the prefill one."""
+    from dataclasses import replace
+
+    from hybridkv.sim.disagg import simulate_pd
+    from hybridkv.units import format_bytes, parse_bytes
+
+    if config.host_memory_bytes or config.disk_memory_bytes:
+        raise CliInputError("--disaggregate: not with --host-memory / --disk-memory")
+    prefill = config
+    if args.prefill_memory is not None:
+        prefill = replace(
+            config, memory_bytes=parse_bytes(args.prefill_memory, field="--prefill-memory")
+        )
+    link = parse_bytes(args.link_bandwidth, field="--link-bandwidth")
+    result = simulate_pd(model, profile, workload, prefill, config, link_bandwidth=float(link))
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(
+        f"{title_of} | {workload.summary()} | prefill {format_bytes(prefill.memory_bytes)}, "
+        f"decode {format_bytes(config.memory_bytes)}, link {format_bytes(link)}/s | "
+        f"{config.strategy}"
+    )
+    print(
+        f"requests {summary['requests']}, finished {summary['finished']}; prompt tokens hit: "
+        f"prefill {summary['prefill_hit_rate']:.1%}, decode {summary['decode_hit_rate']:.1%} "
+        "(the decode side pulls only what it lacks)"
+    )
+    print(
+        f"moved {format_bytes(summary['transferred_bytes'])} over the link, "
+        f"{summary['transfer_mean_s'] * 1e3:.2f} ms per request (p99 "
+        f"{summary['transfer_p99_s'] * 1e3:.2f} ms); {summary['link_waits']} waits for decode "
+        "memory"
+    )
+    print(
+        f"TTFT mean {summary['ttft_mean_s'] * 1e3:.1f} ms (p99 {summary['ttft_p99_s'] * 1e3:.1f}"
+        f" ms), TPOT mean {summary['tpot_mean_s'] * 1e3:.2f} ms; simulated "
+        f"{summary['sim_time_s']:.1f} s in {summary['wall_time_s']:.1f} s"
+    )
+    return 0

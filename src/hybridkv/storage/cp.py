@@ -47,9 +47,7 @@ class CPSlotMapper:
         self, num_tokens: int, cp_size: int, *, mode: str = "round_robin", interleave: int = 1
     ) -> None:
         if cp_size < 1 or interleave < 1:
-            raise StorageError(
-                f"cp_size / interleave: must be >= 1, got {cp_size} / {interleave}"
-            )
+            raise StorageError(f"cp_size / interleave: must be >= 1, got {cp_size} / {interleave}")
         if mode not in CP_MODES:
             raise StorageError(f"mode: unknown sharding {mode!r}; valid: {', '.join(CP_MODES)}")
         if num_tokens < 0:
@@ -78,7 +76,8 @@ class CPSlotMapper:
         t = np.arange(self.num_tokens, dtype=np.int64)
         ranks, local = self.locate(t)
         mine = t[ranks == rank]
-        return mine[np.argsort(local[ranks == rank], kind="stable")]
+        ordered: np.ndarray = mine[np.argsort(local[ranks == rank], kind="stable")]
+        return ordered
 
     def num_local(self, rank: int) -> int:
         """How many tokens rank ``rank`` holds."""
