@@ -3,14 +3,17 @@ different layout, tokens identical to transformers; in one process and in two ov
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import torch
 
 from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
 from hybridkv.engine.disaggregate import run_disaggregated
 from hybridkv.engine.errors import EngineError
-from hybridkv.engine.handover import export_request, import_request, release
+from hybridkv.engine.handover import export_request, import_request, release, shard_handover
+from hybridkv.engine.tp_shards import shard_caches
 from hybridkv.storage import TransferError
 from hybridkv.storage.transfer_plan import TransferPlan
 from test_engine_tiers import _reference, conversations
@@ -40,9 +43,10 @@ def test_a_prefilled_request_decodes_exactly_on_another_layout(name: str) -> Non
     pre, dec = _engines(name)
     pulled: list[int] = []
 
-    def pull(plan: TransferPlan) -> None:
+    def pull(plan: TransferPlan, source: int, buffers: Sequence[torch.Tensor]) -> None:
+        assert source == 0
         pulled.append(plan.total_bytes)
-        plan.copy(pre.storage.buffers, dec.storage.buffers)
+        plan.copy(pre.storage.buffers, buffers)
 
     for i, prompt in enumerate(PROMPTS):
         rid = f"r{i}"
@@ -72,7 +76,7 @@ def test_a_failed_pull_is_recomputed_never_read() -> None:
     pre.add_request("r0", PROMPTS[0], max_tokens=1, hold=True)
     pre.run()
 
-    def broken(plan: TransferPlan) -> None:
+    def broken(plan: TransferPlan, source: int, buffers: Sequence[torch.Tensor]) -> None:
         half = TransferPlan(
             plan.src_buffer[:1],
             plan.src_offset[:1],
@@ -80,7 +84,7 @@ def test_a_failed_pull_is_recomputed_never_read() -> None:
             plan.dst_offset[:1],
             plan.length[:1],
         )
-        half.copy(pre.storage.buffers, dec.storage.buffers)  # part of it arrived
+        half.copy(pre.storage.buffers, buffers)  # part of it arrived
         raise TransferError("transfer: the peer went away")
 
     assert not import_request(dec, export_request(pre, "r0"), max_tokens=6, pull=broken)
@@ -93,7 +97,7 @@ def test_a_failed_pull_is_recomputed_never_read() -> None:
     assert verify_completions(_reference("llama"), [done]).ok
     handover = _handover(dec)
     with pytest.raises(EngineError, match="publish blocks once computed"):
-        import_request(pre, handover, max_tokens=2, pull=lambda plan: None)
+        import_request(pre, handover, max_tokens=2, pull=lambda plan, source, buffers: None)
 
 
 def _handover(engine: LLMEngine) -> Any:
@@ -141,3 +145,53 @@ def test_run_disaggregate(capsys: pytest.CaptureFixture[str]) -> None:
     assert "verify: all 8 requests (128 tokens) identical" in out
     assert main(["run", "--model", "llama", "--disaggregate", "--speculate", "2"]) == 2
     assert "--disaggregate: not with --speculate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next", "deepseek_v3", "lfm2"])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_handover_between_tensor_parallel_sizes(name: str, prefill_tp: int, decode_tp: int) -> None:
+    """Sharded-cache emulation: the bytes leave per-rank caches of the prefill instance and
+    land in per-rank caches of the decode instance; the tokens stay exact."""
+    pre, dec = _engines(name)
+    shards = shard_caches(pre.layout, prefill_tp, 96) if prefill_tp > 1 else []
+    sources = [s.storage.buffers for s in shards] or [pre.storage.buffers]
+    pulls: list[tuple[int, int]] = []
+
+    def pull(plan: TransferPlan, source: int, buffers: Sequence[torch.Tensor]) -> None:
+        pulls.append((source, plan.total_bytes))
+        plan.copy(sources[source], buffers)
+
+    for i, prompt in enumerate(PROMPTS[:4]):
+        rid = f"r{i}"
+        pre.add_request(rid, prompt, max_tokens=1, hold=True)
+        pre.run()
+        handover = export_request(pre, rid)
+        if shards:
+            handover = shard_handover(pre, handover, shards)
+        assert import_request(dec, handover, max_tokens=5, pull=pull, decode_tp=decode_tp)
+        release(pre, rid)
+        dec.run()
+    done = [dec.completions[f"r{i}"] for i in range(4)]
+    assert verify_completions(_reference(name), done).ok
+    assert {s for s, _ in pulls} == set(range(max(1, prefill_tp)))
+    if prefill_tp == decode_tp == 2 and name != "deepseek_v3":
+        # rank r pulls only from rank r: per request, one pull per rank
+        assert len(pulls) == 2 * 4
+
+
+def test_processes_of_other_tensor_parallel_sizes_over_gloo() -> None:
+    """tp 2 prefill -> tp 1 decode and back, emulated caches, bytes over gloo: exact."""
+    for prefill_tp, decode_tp in ((2, 1), (1, 2)):
+        results = run_disaggregated(
+            ["llama", "qwen3_next", "deepseek_v3"],
+            PROMPTS[:3],
+            max_tokens=5,
+            prefill_cache=PREFILL,
+            decode_cache=DECODE,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
+        )
+        for name, res in results.items():
+            assert (res.imported, res.recomputed, res.errors) == (3, 0, [])
+            done = [res.completions[f"r{i}"] for i in range(3)]
+            assert verify_completions(_reference(name), done).ok, (name, prefill_tp, decode_tp)

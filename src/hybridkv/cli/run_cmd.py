@@ -271,6 +271,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "what its own prefix cache lacks (default: one engine)",
     )
     parser.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --disaggregate: the prefill instance's tensor-parallel size, emulated (its "
+        "KV and state are held and sent as N per-rank caches; the model computes whole) "
+        "(default: 1)",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --disaggregate: the decode instance's tensor-parallel size, emulated "
+        "likewise (default: 1)",
+    )
+    parser.add_argument(
         "--speculate",
         type=int,
         default=0,
@@ -545,6 +562,9 @@ def _run_disaggregated(
     ]
     if clash:
         raise RunInputError(f"--disaggregate: not with {', '.join(clash)} (CPU engines, gloo)")
+    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if tp < 1:
+            raise RunInputError(f"{flag}: must be a positive integer, got {tp}")
     if not args.quiet:
         print(f"prefill and decode processes for {args.model} ...", file=sys.stderr)
     result = run_disaggregated(
@@ -554,12 +574,19 @@ def _run_disaggregated(
         prefill_cache=cache,
         decode_cache=replace(cache, publish="computed"),
         seed=args.seed,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     )[args.model]
     done = [result.completions[f"r{i}"] for i in range(len(prompts))]
     for c in done:
         print(output_line(c, tokenizer))
+    tp = (
+        f" (tp {args.prefill_tp} -> {args.decode_tp}, emulated)"
+        if args.prefill_tp > 1 or (args.decode_tp > 1)
+        else ""
+    )
     print(
-        f"disaggregated: {result.imported} of {len(done)} requests decoded from the prefill "
+        f"disaggregated{tp}: {result.imported} of {len(done)} requests decoded from the prefill "
         f"process's KV and state ({result.bytes_pulled} bytes pulled over gloo), "
         f"{result.recomputed} recomputed; {result.hit_tokens} prompt tokens hit the decode "
         "side's own prefix cache and were not pulled"

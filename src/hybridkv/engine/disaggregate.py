@@ -22,6 +22,7 @@ import datetime
 import os
 import pickle
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybridkv.engine.handover import export_request, import_request, release
+from hybridkv.engine.handover import export_request, import_request, release, shard_handover
 from hybridkv.engine.llm_engine import CacheConfig, Completion, LLMEngine
+from hybridkv.engine.tp_shards import shard_caches
 from hybridkv.errors import HybridKVError
 from hybridkv.storage.transfer_plan import TransferPlan
 from hybridkv.storage.transport import recv_object, recv_plan, send_object, send_plan
@@ -57,22 +59,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _prefill(engine: LLMEngine, prompts: list[list[int]], die_after: int | None) -> None:
+def _prefill(engine: LLMEngine, prompts: list[list[int]], die_after: int | None, tp: int) -> None:
     send_object(prompts, 1)
+    longest = max((len(p) for p in prompts), default=0)
+    shards = shard_caches(engine.layout, tp, longest) if tp > 1 else []
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
         engine.add_request(rid, prompt, max_tokens=1, hold=True)
         engine.run()
-        send_object(export_request(engine, rid), 1)
-        plan = recv_object(1)
-        if die_after is not None and i >= die_after:
-            os._exit(0)  # a prefill instance lost in the middle of a handover
-        if plan is not None:
-            send_plan(plan, engine.storage.buffers, 1)
+        handover = export_request(engine, rid)
+        if shards:
+            handover = shard_handover(engine, handover, shards)
+        send_object(handover, 1)
+        sources = [s.storage.buffers for s in shards] or [engine.storage.buffers]
+        while True:  # ("plan", source, plan) ... then ("done",)
+            message = recv_object(1)
+            if die_after is not None and i >= die_after:
+                os._exit(0)  # a prefill instance lost in the middle of a handover
+            if message[0] == "done":
+                break
+            send_plan(message[2], sources[message[1]], 1)
         release(engine, rid)
 
 
-def _decode(engine: LLMEngine, max_tokens: int) -> DisaggregatedResult:
+def _decode(engine: LLMEngine, max_tokens: int, tp: int) -> DisaggregatedResult:
     result = DisaggregatedResult(completions={})
     prompts: list[list[int]] = recv_object(0)
     peer = True
@@ -82,12 +92,17 @@ def _decode(engine: LLMEngine, max_tokens: int) -> DisaggregatedResult:
             engine.add_request(rid, prompt, max_tokens=max_tokens)
             result.recomputed += 1
             continue
-        pulled: list[TransferPlan] = []
+        pulled: list[int] = []
 
-        def pull(plan: TransferPlan, pulled: list[TransferPlan] = pulled) -> None:
-            pulled.append(plan)
-            send_object(plan, 0)
-            recv_plan(plan, engine.storage.buffers, 0)
+        def pull(
+            plan: TransferPlan,
+            source: int,
+            buffers: Sequence[torch.Tensor],
+            pulled: list[int] = pulled,
+        ) -> None:
+            pulled.append(plan.total_bytes)
+            send_object(("plan", source, plan), 0)
+            recv_plan(plan, buffers, 0)
 
         try:
             handover = recv_object(0)
@@ -97,21 +112,21 @@ def _decode(engine: LLMEngine, max_tokens: int) -> DisaggregatedResult:
             engine.add_request(rid, prompt, max_tokens=max_tokens)
             result.recomputed += 1
             continue
-        ok = import_request(engine, handover, max_tokens=max_tokens, pull=pull)
+        ok = import_request(engine, handover, max_tokens=max_tokens, pull=pull, decode_tp=tp)
         engine.run()  # decoded before the next handover: later turns hit what it computed
         if ok:
             result.imported += 1
-            result.bytes_pulled += pulled[0].total_bytes
+            result.bytes_pulled += sum(pulled)
         else:
             result.recomputed += 1
             if pulled:  # the pull failed: the peer is gone or stalled
                 result.errors.append(f"request {rid}: transfer failed, recomputed")
                 peer = False
-            else:
-                try:
-                    send_object(None, 0)  # nothing to send: the decode cache was full
-                except HybridKVError:
-                    peer = False
+                continue
+        try:
+            send_object(("done",), 0)
+        except HybridKVError:
+            peer = False
     engine.run()
     result.completions = dict(engine.completions)
     result.hit_tokens = sum(c.num_cached_tokens for c in result.completions.values())
@@ -128,6 +143,7 @@ def _worker(
     timeout: float,
     die_after: int | None,
     seed: int,
+    tps: tuple[int, int],
     box: Any,
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -140,9 +156,9 @@ def _worker(
     for model in models:
         engine = LLMEngine(model, cache=caches[rank], keep_logits=True, seed=seed)
         if rank == 0:
-            _prefill(engine, prompts, die_after)
+            _prefill(engine, prompts, die_after, tps[0])
             continue
-        results[model] = result = _decode(engine, max_tokens)
+        results[model] = result = _decode(engine, max_tokens, tps[1])
         if result.errors:  # the peer is gone: the models after this one run nowhere
             break
     if rank == 0:
@@ -166,17 +182,23 @@ def run_disaggregated(
     timeout: float = 60.0,
     die_after: int | None = None,
     seed: int = 0,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
 ) -> dict[str, DisaggregatedResult]:
     """Serve ``prompts`` (request ids ``r0``, ``r1``, ...) on each model of ``models`` in
     turn with a prefill process and a decode process (see the module doc); returns the
     decode side's result per model.  ``decode_cache`` must publish blocks once computed.
     ``die_after``: the prefill process exits after sending that request's handover (a test
-    of a lost peer); ``seed``: of the built-in models' random weights."""
+    of a lost peer); ``seed``: of the built-in models' random weights; ``prefill_tp`` /
+    ``decode_tp``: the two instances' tensor-parallel sizes, as a sharded-cache emulation
+    (:mod:`hybridkv.engine.tp_shards`: the bytes move between per-rank caches, the model
+    computes whole)."""
     ctx = mp.get_context("spawn")
     box = ctx.Queue()
     port = _free_port()
     caches = (prefill_cache, decode_cache)
-    args = (port, list(models), prompts, max_tokens, caches, timeout, die_after, seed, box)
+    tps = (prefill_tp, decode_tp)
+    args = (port, list(models), prompts, max_tokens, caches, timeout, die_after, seed, tps, box)
     procs = [ctx.Process(target=_worker, args=(rank, *args)) for rank in range(2)]
     for p in procs:
         p.start()

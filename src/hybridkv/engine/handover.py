@@ -21,19 +21,20 @@ Finally the prefill side :func:`release`\\ s its blocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from hybridkv.cache import AllocationResult
 from hybridkv.engine.errors import EngineError
 from hybridkv.engine.llm_engine import LLMEngine, _Live
+from hybridkv.engine.tp_shards import Shard, gather_from_shards, scatter_to_shards, shard_caches
 from hybridkv.errors import HybridKVError
 from hybridkv.storage.connector import Registration, register
 from hybridkv.storage.transfer import copy_blocks
 from hybridkv.storage.transfer_plan import TransferPlan, plan_transfer
 
-__all__ = ["Handover", "export_request", "import_request", "release"]
+__all__ = ["Handover", "export_request", "import_request", "release", "shard_handover"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,14 @@ class Handover:
     logits: tuple[torch.Tensor, ...]
     tables: dict[int, list[int]]
     registration: Registration
+    #: The per-rank caches it is held in, when the prefill side is a TP-N instance
+    #: (:func:`shard_handover`): registration and block tables of each rank.
+    shards: tuple[tuple[Registration, dict[int, list[int]]], ...] = ()
+
+    @property
+    def sources(self) -> tuple[tuple[Registration, dict[int, list[int]]], ...]:
+        """Where the bytes come from: each rank's cache, or the one cache."""
+        return self.shards or ((self.registration, self.tables),)
 
 
 def export_request(engine: LLMEngine, request_id: str) -> Handover:
@@ -65,6 +74,15 @@ def export_request(engine: LLMEngine, request_id: str) -> Handover:
     )
 
 
+def shard_handover(engine: LLMEngine, handover: Handover, shards: Sequence[Shard]) -> Handover:
+    """``handover`` as a TP-``len(shards)`` prefill instance holds it: its tokens and state
+    copied into the rank caches ``shards`` (:func:`~hybridkv.engine.tp_shards.shard_caches`
+    of the engine's layout, room for the prompt), which its bytes then come from."""
+    n = len(handover.prompt)
+    scatter_to_shards(engine.storage, handover.registration, handover.tables, shards, (0, n))
+    return replace(handover, shards=tuple((s.registration, s.tables) for s in shards))
+
+
 def release(engine: LLMEngine, request_id: str) -> None:
     """Free the blocks of a handed-over request on the prefill side."""
     engine.scheduler.release(request_id)
@@ -75,14 +93,19 @@ def import_request(
     handover: Handover,
     *,
     max_tokens: int,
-    pull: Callable[[TransferPlan], None],
+    pull: Callable[[TransferPlan, int, Sequence[torch.Tensor]], None],
     eos_token_ids: Sequence[int] = (),
+    decode_tp: int = 1,
 ) -> bool:
     """Continue ``handover`` on ``engine`` (the decode side), generating up to
-    ``max_tokens`` tokens in all (the prefill side's count).  ``pull(plan)`` must write the
-    plan's bytes into ``engine.storage.buffers`` or raise.  Returns True when the request
-    runs from the transferred data; False when it was queued to be recomputed instead (the
-    cache could not take it now, or the pull raised a :class:`HybridKVError` or ``OSError``).
+    ``max_tokens`` tokens in all (the prefill side's count).  ``pull(plan, source,
+    buffers)`` must write the bytes of ``plan`` from ``handover.sources[source]`` into
+    ``buffers`` or raise.  ``decode_tp > 1``: the decode side is a TP-``decode_tp``
+    instance, emulated (:mod:`hybridkv.engine.tp_shards`): every source is pulled into each
+    rank's cache, then the ranks are assembled into the engine's.  Returns True when the
+    request runs from the transferred data; False when it was queued to be recomputed
+    instead (the cache could not take it now, or the pull raised a :class:`HybridKVError`
+    or ``OSError``).
     """
     if engine.cache_config.publish != "computed":
         raise EngineError(
@@ -97,14 +120,21 @@ def import_request(
     def fill(tables: tuple[list[int], ...], hit: int, res: AllocationResult) -> None:
         if engine._tier_store is not None:  # tier loads of the decode side's own hit
             engine._tier_store.apply(engine.manager.take_tier_ops())
-        plan = plan_transfer(
-            handover.registration,
-            handover.tables,
-            own,
-            {g: list(t) for g, t in enumerate(tables)},
-            tokens=(hit, len(prompt)),
-        )
-        pull(plan)
+        mine = {g: list(t) for g, t in enumerate(tables)}
+        span = (hit, len(prompt))
+        if decode_tp == 1:
+            for i, (reg, src_tables) in enumerate(handover.sources):
+                pull(plan_transfer(reg, src_tables, own, mine, tokens=span), i, storage.buffers)
+        else:
+            ranks = shard_caches(engine.layout, decode_tp, len(prompt))
+            for rank in ranks:
+                for i, (reg, src_tables) in enumerate(handover.sources):
+                    plan = plan_transfer(
+                        reg, src_tables, rank.registration, rank.tables, tokens=span
+                    )
+                    if plan.num_runs:
+                        pull(plan, i, rank.storage.buffers)
+            gather_from_shards(ranks, storage, own, mine, span)
         for c in res.copies_after:  # checkpoints the allocation saves at the prompt's end
             src = storage.descriptor(c.group_id, [c.src])
             dst = storage.descriptor(c.group_id, [c.dst])
