@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import random
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from hybridkv.specs import FullAttentionSpec, StateMixer, StateSpec, StateTensor
 from hybridkv.storage import KVCacheStorage, LayoutKind
 from hybridkv.storage.connector import register
 from hybridkv.storage.transfer_plan import plan_transfer
-from hybridkv.storage.transport import recv_object, recv_plan, send_object, send_plan
+from hybridkv.storage.transport import free_port, recv_object, recv_plan, send_object, send_plan
 
 
 def _layout(args: argparse.Namespace) -> MemoryLayout:
@@ -164,9 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_pd.json")
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     ctx = mp.get_context("spawn")
     box = ctx.Queue()
     mp.start_processes(_worker, args=(port, args, box), nprocs=2, start_method="spawn")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -17,14 +16,15 @@ from hybridkv.plan import MemoryLayout
 from hybridkv.storage import KVCacheStorage, LayoutKind, TransferError
 from hybridkv.storage.connector import register
 from hybridkv.storage.transfer_plan import plan_transfer
-from hybridkv.storage.transport import recv_object, recv_plan, schedule, send_object, send_plan
+from hybridkv.storage.transport import (
+    free_port,
+    recv_object,
+    recv_plan,
+    schedule,
+    send_object,
+    send_plan,
+)
 from test_storage_transfer_plan import TOKENS, filled, groups, make, specs, tables
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _init(rank: int, port: int, seconds: float = 60.0) -> None:
@@ -103,6 +103,8 @@ def _vanishing(rank: int, port: int, box: Any) -> None:
         box.put("received")
     except TransferError as exc:
         box.put(f"error: {exc}")
+    box.close()
+    box.join_thread()  # the result is in the pipe before the process ends
     os._exit(0)
 
 

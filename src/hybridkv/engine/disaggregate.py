@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +34,13 @@ from hybridkv.engine.llm_engine import CacheConfig, Completion, LLMEngine
 from hybridkv.engine.tp_shards import shard_caches
 from hybridkv.errors import HybridKVError
 from hybridkv.storage.transfer_plan import TransferPlan
-from hybridkv.storage.transport import recv_object, recv_plan, send_object, send_plan
+from hybridkv.storage.transport import (
+    free_port,
+    recv_object,
+    recv_plan,
+    send_object,
+    send_plan,
+)
 
 __all__ = ["DisaggregatedResult", "run_disaggregated"]
 
@@ -51,12 +56,6 @@ class DisaggregatedResult:
     bytes_pulled: int = 0
     hit_tokens: int = 0
     errors: list[str] = field(default_factory=list)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prefill(engine: LLMEngine, prompts: list[list[int]], die_after: int | None, tp: int) -> None:
@@ -195,7 +194,7 @@ def run_disaggregated(
     computes whole)."""
     ctx = mp.get_context("spawn")
     box = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     caches = (prefill_cache, decode_cache)
     tps = (prefill_tp, decode_tp)
     args = (port, list(models), prompts, max_tokens, caches, timeout, die_after, seed, tps, box)

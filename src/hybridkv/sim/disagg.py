@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.cache import KVCacheManager
-from hybridkv.scheduler import Scheduler, SchedulerConfig
+from hybridkv.scheduler import Scheduler
 from hybridkv.sim.cost import ACCELERATORS, ModelProfile, StepCostModel
-from hybridkv.sim.simulator import SimConfig, SimulationError, plan_for
+from hybridkv.sim.simulator import SimConfig, SimulationError, plan_for, scheduler_for
 from hybridkv.specs import CacheKind, ModelSpec
 from hybridkv.workloads import Workload, WorkloadRequest
 
@@ -95,15 +95,7 @@ def _instance(model: ModelSpec, config: SimConfig, publish: str) -> Scheduler:
         window_retention=config.window_retention,
         checkpoint_admission=config.checkpoint_admission,
     )
-    return Scheduler(
-        mgr,
-        SchedulerConfig(
-            token_budget=config.token_budget,
-            max_num_seqs=config.max_num_seqs,
-            collect_block_ids=False,
-        ),
-        max_model_len=config.max_model_len,
-    )
+    return scheduler_for(mgr, config)
 
 
 def _transfer_bytes(sched: Scheduler, hit: int, n: int) -> int:

@@ -268,6 +268,19 @@ def plan_for(model: ModelSpec, config: SimConfig) -> Plan:
     )
 
 
+def scheduler_for(mgr: KVCacheManager, config: SimConfig) -> Scheduler:
+    """The scheduler a simulated instance runs over ``mgr`` (no block tables: no model)."""
+    return Scheduler(
+        mgr,
+        SchedulerConfig(
+            token_budget=config.token_budget,
+            max_num_seqs=config.max_num_seqs,
+            collect_block_ids=False,
+        ),
+        max_model_len=config.max_model_len,
+    )
+
+
 def simulate(
     model: ModelSpec,
     profile: ModelProfile,
@@ -293,15 +306,7 @@ def simulate(
         group_hit_stats=True,  # the report's per-group hit rates
         tiers=config.tiers(),
     )
-    sched = Scheduler(
-        mgr,
-        SchedulerConfig(
-            token_budget=config.token_budget,
-            max_num_seqs=config.max_num_seqs,
-            collect_block_ids=False,
-        ),
-        max_model_len=config.max_model_len,
-    )
+    sched = scheduler_for(mgr, config)
     cost = StepCostModel(model, profile, ACCELERATORS[config.accelerator])
     total_bytes = layout.total_bytes
     need_of = _need_function(model)

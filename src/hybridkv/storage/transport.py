@@ -16,6 +16,7 @@ what the plan was to fill, never reads it.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from hybridkv.storage.errors import TransferError
 from hybridkv.storage.transfer_plan import TransferPlan
 
-__all__ = ["recv_object", "recv_plan", "schedule", "send_object", "send_plan"]
+__all__ = ["free_port", "recv_object", "recv_plan", "schedule", "send_object", "send_plan"]
 
 #: Runs at least this long travel as their own message, straight from / into the buffers.
 DIRECT_BYTES = 256 << 10
@@ -130,6 +131,14 @@ def _run(ops: list[Any], what: str, peer: int) -> None:
             work.wait()
     except RuntimeError as exc:  # gloo/NCCL: peer closed, timeout
         raise TransferError(f"transfer: could not {what} from/to rank {peer}: {exc}") from exc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a process group's rendezvous
+    (``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def send_object(obj: Any, peer: int, *, group: Any = None) -> None:
