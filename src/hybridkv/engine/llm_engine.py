@@ -377,7 +377,12 @@ class LLMEngine:
         running = {s.request_id for s in self.scheduler.running}
         out = self.scheduler.schedule(self._propose())
         store = self._tier_store
-        while out.is_empty and not out.preempted and store is not None and store.reading():
+        while (
+            out.is_empty
+            and not out.preempted
+            and store is not None
+            and (self.scheduler.num_loading)
+        ):
             store.wait()  # nothing else to run: wait for a waiting request's disk reads
             out = self.scheduler.schedule(self._propose())
         if out.is_empty:
