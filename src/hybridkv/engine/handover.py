@@ -124,13 +124,14 @@ def import_request(
         span = (hit, len(prompt))
         if decode_tp == 1:
             for i, (reg, src_tables) in enumerate(handover.sources):
-                pull(plan_transfer(reg, src_tables, own, mine, tokens=span), i, storage.buffers)
+                plan = plan_transfer(reg, src_tables, own, mine, tokens=span, unsplit=i == 0)
+                pull(plan, i, storage.buffers)
         else:
             ranks = shard_caches(engine.layout, decode_tp, len(prompt))
             for rank in ranks:
                 for i, (reg, src_tables) in enumerate(handover.sources):
                     plan = plan_transfer(
-                        reg, src_tables, rank.registration, rank.tables, tokens=span
+                        reg, src_tables, rank.registration, rank.tables, tokens=span, unsplit=i == 0
                     )
                     if plan.num_runs:
                         pull(plan, i, rank.storage.buffers)

@@ -114,13 +114,16 @@ def plan_transfer(
     *,
     tokens: tuple[int, int] | tuple[np.ndarray, np.ndarray],
     state: bool = True,
+    unsplit: bool = True,
 ) -> TransferPlan:
     """The runs moving tokens ``[tokens[0], tokens[1])`` of every token-indexed array (and,
     with ``state``, every state slot) from ``src`` to ``dst`` (see the module doc).
     ``*_tables[g]``: group ``g``'s block table on that side.  ``tokens`` may instead map
     positions: ``(destination positions, source positions)``, two equal-length arrays
     (a context-parallel rank's local tokens and their places in the whole request,
-    :mod:`hybridkv.storage.cp`).  Pure.
+    :mod:`hybridkv.storage.cp`).  ``unsplit=False`` leaves out the arrays the source holds
+    whole (MLA latents, unsplit states): every tensor-parallel rank has them, so a
+    destination filled from several source ranks takes them from the first only.  Pure.
 
     Raises :class:`TransferError` for an array the source lacks, shapes that differ, a table
     too short for the tokens, or a null source block where the destination needs data.
@@ -134,7 +137,7 @@ def plan_transfer(
                 f"layer {d.layer} slot {d.slot} {d.name!r}: the source instance "
                 f"{src.instance!r} stores no such array"
             )
-        if d.token_axis is None and not state:
+        if (d.token_axis is None and not state) or (not unsplit and s.shard_axis is None):
             continue
         part = _segment_units(s, src_tables, d, dst_tables, pair)
         if part is not None:
