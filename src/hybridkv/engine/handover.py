@@ -125,7 +125,8 @@ def import_request(
         if decode_tp == 1:
             for i, (reg, src_tables) in enumerate(handover.sources):
                 plan = plan_transfer(reg, src_tables, own, mine, tokens=span, unsplit=i == 0)
-                pull(plan, i, storage.buffers)
+                if plan.num_runs or i == 0:
+                    pull(plan, i, storage.buffers)
         else:
             ranks = shard_caches(engine.layout, decode_tp, len(prompt))
             for rank in ranks:
