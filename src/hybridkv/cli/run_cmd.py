@@ -500,7 +500,9 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.engine.models import load_model
 
     if args.disaggregate:
-        return _run_disaggregated(args, cache, prompts, tokenizer)
+        from hybridkv.cli.run_disagg import run_disaggregated
+
+        return run_disaggregated(args, cache, prompts, tokenizer)
     if not args.quiet:
         print(f"loading {args.model} ...", file=sys.stderr)
     engine = _build(args, cache, scheduler)
@@ -536,67 +538,3 @@ def run(args: argparse.Namespace) -> int:
     for line in verify_lines(result, label):
         print(line)
     return 0 if result.ok else 1
-
-
-def _run_disaggregated(
-    args: argparse.Namespace, cache: CacheConfig, prompts: list[list[int]], tokenizer: Any
-) -> int:
-    """``--disaggregate``: a prefill process and a decode process (see
-    :mod:`hybridkv.engine.disaggregate`); the same outputs, summary and ``--verify``."""
-    from dataclasses import replace
-
-    from hybridkv.engine import verify_completions
-    from hybridkv.engine.disaggregate import run_disaggregated
-    from hybridkv.engine.models import load_model
-
-    clash = [
-        flag
-        for flag, on in (
-            ("--speculate", args.speculate),
-            ("--host-memory", args.host_memory),
-            ("--disk-cache", args.disk_cache),
-            ("--attention-sinks", args.attention_sinks),
-            ("--device cuda", args.device != "cpu"),
-        )
-        if on
-    ]
-    if clash:
-        raise RunInputError(f"--disaggregate: not with {', '.join(clash)} (CPU engines, gloo)")
-    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
-        if tp < 1:
-            raise RunInputError(f"{flag}: must be a positive integer, got {tp}")
-    if not args.quiet:
-        print(f"prefill and decode processes for {args.model} ...", file=sys.stderr)
-    result = run_disaggregated(
-        [args.model],
-        [list(p) for p in prompts],
-        max_tokens=args.max_tokens,
-        prefill_cache=cache,
-        decode_cache=replace(cache, publish="computed"),
-        seed=args.seed,
-        prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp,
-    )[args.model]
-    done = [result.completions[f"r{i}"] for i in range(len(prompts))]
-    for c in done:
-        print(output_line(c, tokenizer))
-    tp = (
-        f" (tp {args.prefill_tp} -> {args.decode_tp}, emulated)"
-        if args.prefill_tp > 1 or (args.decode_tp > 1)
-        else ""
-    )
-    print(
-        f"disaggregated{tp}: {result.imported} of {len(done)} requests decoded from the prefill "
-        f"process's KV and state ({result.bytes_pulled} bytes pulled over gloo), "
-        f"{result.recomputed} recomputed; {result.hit_tokens} prompt tokens hit the decode "
-        "side's own prefix cache and were not pulled"
-    )
-    for error in result.errors:
-        print(f"  {error}")
-    if not args.verify:
-        return 0
-    reference = load_model(args.model, seed=args.seed)
-    verdict = verify_completions(reference, done)
-    for line in verify_lines(verdict, "transformers' generate"):
-        print(line)
-    return 0 if verdict.ok else 1

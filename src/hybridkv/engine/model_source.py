@@ -1,0 +1,84 @@
+"""What the engine reads about a model before loading its weights: its transformers config,
+vocabulary, default ``max_model_len``, and whether a prompt fits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridkv.engine.cache_config import DEFAULT_MAX_MODEL_LEN
+from hybridkv.engine.errors import ModelSourceError
+from hybridkv.engine.models import TINY_MODELS, tiny_config
+
+__all__ = ["config_vocab_size", "default_max_model_len", "model_config", "prompt_problem"]
+
+
+def default_max_model_len(config: Any) -> int:
+    """The engine's ``max_model_len`` for a model with transformers config ``config`` when
+    :class:`CacheConfig` names none: its ``max_position_embeddings``, at most
+    :data:`DEFAULT_MAX_MODEL_LEN` (that, when the config has no limit)."""
+    text = config.get_text_config(decoder=True)
+    limit = getattr(text, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 0:
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    return DEFAULT_MAX_MODEL_LEN
+
+
+def config_vocab_size(config: Any) -> int:
+    """The vocabulary size of a model with transformers config ``config``."""
+    return int(config.get_text_config(decoder=True).vocab_size)
+
+
+def model_config(source: str | Path) -> Any:
+    """The transformers config of tiny model or checkpoint directory ``source``, read without
+    loading any weight (what :class:`LLMEngine` checks before it loads the model).
+
+    Raises :class:`~hybridkv.engine.errors.ModelSourceError` when ``source`` is neither a tiny
+    model nor a directory with a ``config.json``, or transformers cannot read the config, and
+    :class:`~hybridkv.errors.UnsupportedModelTypeError` (or another
+    :class:`~hybridkv.errors.ConfigError`) when :mod:`hybridkv.models` cannot map it.
+    """
+    name = str(source)
+    if name in TINY_MODELS:
+        return tiny_config(name)
+    path = Path(source)
+    _check_architecture(path)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelSourceError(f"model: cannot read the config of {name!r}: {first}") from exc
+
+
+def prompt_problem(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> str | None:
+    """Why an engine with ``vocab_size`` and ``max_model_len`` cannot serve ``prompt`` (an
+    empty prompt, a token id outside ``[0, vocab_size)``, ``max_model_len`` tokens or more: one
+    output token must fit), or ``None`` when it can.  What :meth:`LLMEngine.check_prompt`
+    checks, usable before the model is loaded."""
+    if not prompt:
+        return "the prompt is empty"
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        return f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
+    if len(prompt) >= max_model_len:
+        return (
+            f"the prompt has {len(prompt)} tokens; prompts must be shorter than max_model_len "
+            f"{max_model_len}"
+        )
+    return None
+
+
+def _check_architecture(path: Path) -> None:
+    """Fail before loading weights when ``path`` has no config or an architecture
+    :mod:`hybridkv.models` cannot map (its errors propagate)."""
+    from hybridkv.models import spec_from_config
+
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(
+            f"model: {str(path)!r} is neither a tiny model ({', '.join(sorted(TINY_MODELS))}) "
+            "nor a directory holding config.json and safetensors weights"
+        )
+    spec_from_config(path)
