@@ -81,6 +81,9 @@ class DiskTier:
         self._batch: list[tuple[Key, int, torch.Tensor | None] | None] = []
         self._batch_bytes = 0
         self._pending_keys: list[Key] = []
+        #: A clear in the batch not yet handed over, and the writer job running one.
+        self._clear_queued = False
+        self._clearing: cf.Future[object] | None = None
         #: Host tensors free for reuse, by size: steady-state reads and writes allocate none.
         self._spare: dict[int, list[torch.Tensor]] = {}
 
@@ -116,8 +119,10 @@ class DiskTier:
         self._touch(key)
 
     def clear(self) -> None:
-        """Queue the removal of every entry; forget staged and in-flight reads."""
+        """Queue the removal of every entry; forget staged and in-flight reads (no read
+        starts until the removal is done)."""
         self._batch.append(None)
+        self._clear_queued = True
         for key, (_, job) in self._reads.items():
             job.cancel()
             self._gen[key] = self._gen.get(key, 0) + 1
@@ -157,7 +162,21 @@ class DiskTier:
             self._queued_bytes -= self._queue.popleft()[1]
         for key in self._pending_keys:
             self._writing[key] = job
+        if self._clear_queued:
+            self._clearing, self._clear_queued = job, False
         self._batch, self._batch_bytes, self._pending_keys = [], 0, []
+
+    def _cleared(self) -> bool:
+        """Whether no queued clear is still to run (reads wait for it)."""
+        if self._clear_queued:
+            self.commit()
+        job = self._clearing
+        if job is None:
+            return True
+        if not job.done():
+            return False
+        self._clearing = None
+        return True
 
     def _run_batch(
         self,
@@ -184,12 +203,15 @@ class DiskTier:
             self._queue.popleft()[0].result()
         self._queued_bytes = 0
         self._writing.clear()
+        self._clearing = None
 
     # -- reads ----------------------------------------------------------------------------------
     def prefetch(self, keys: Sequence[Key]) -> None:
         """Start reading and checking ``keys`` (those not staged, read or being written),
         split over the reader threads."""
         self.commit()
+        if not self._cleared():
+            return
         todo = [
             k
             for k in keys
@@ -220,6 +242,8 @@ class DiskTier:
         if key in self.staged:
             return True
         self.commit()
+        if not self._cleared():
+            return None
         writing = self._writing.get(key)
         if writing is not None:
             if not writing.done():
@@ -264,6 +288,9 @@ class DiskTier:
         if data is not None:
             return data
         self.commit()
+        if self._clearing is not None:
+            self._clearing.result()
+            self._clearing = None
         writing = self._writing.pop(key, None)
         if writing is not None:
             writing.result()
@@ -274,14 +301,18 @@ class DiskTier:
 
     def reading(self) -> bool:
         """Whether reads (or writes a read waits for) are in flight."""
-        return any(not f.done() for _, f in self._reads.values()) or any(
-            not f.done() for f in self._writing.values()
+        return (
+            any(not f.done() for _, f in self._reads.values())
+            or any(not f.done() for f in self._writing.values())
+            or (self._clearing is not None and not self._clearing.done())
         )
 
     def wait(self) -> None:
         """Block until at least one in-flight read or write is done."""
         pending: list[cf.Future[Any]] = [f for _, f in self._reads.values() if not f.done()]
         pending += [f for f in self._writing.values() if not f.done()]
+        if self._clearing is not None and not self._clearing.done():
+            pending.append(self._clearing)
         if pending:
             cf.wait(pending, return_when=cf.FIRST_COMPLETED)
 
