@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from hybridkv.plan import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import FullAttentionSpec, StateMixer, StateSpec, StateTensor
 from hybridkv.storage import KVCacheStorage, LayoutKind
-from hybridkv.storage.connector import register
+from hybridkv.storage.connector import register_storage
 from hybridkv.storage.transfer_plan import plan_transfer
 from hybridkv.storage.transport import free_port, recv_object, recv_plan, send_object, send_plan
 
@@ -99,7 +99,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
     tables = _tables(args, rank)
     tokens = (0, args.blocks * args.block_size)
     if rank == 0:
-        send_object((register(storage.placement, instance="prefill"), tables), 1)
+        send_object((register_storage(storage, instance="prefill"), tables), 1)
         plan = recv_object(1)
         flat = storage.buffers[0][: plan.total_bytes].clone()
         for _ in range(args.repeats + 1):
@@ -110,9 +110,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
         send_object([b.cpu() for b in storage.buffers], 1)
     else:
         src_reg, src_tables = recv_object(0)
-        plan = plan_transfer(
-            src_reg, src_tables, register(storage.placement), tables, tokens=tokens
-        )
+        plan = plan_transfer(src_reg, src_tables, register_storage(storage), tables, tokens=tokens)
         send_object(plan, 0)
         flat = torch.empty(plan.total_bytes, dtype=torch.uint8, device=device)
         best_plan = best_one = float("inf")

@@ -60,6 +60,15 @@ def test_a_prefilled_request_decodes_exactly_on_another_layout(name: str) -> Non
     result = verify_completions(_reference(name), done)
     assert result.ok, result.mismatches
     assert all(len(c.token_ids) == 6 for c in done)
+    # the registration names the buffers a connector would read (seed 004's tensor refs)
+    reg = export_request(pre, "r0").registration if "r0" in pre.scheduler.held else None
+    assert reg is None  # released
+    pre.add_request("x", PROMPTS[0], max_tokens=1, hold=True)
+    pre.run()
+    refs = export_request(pre, "x").registration.tensors
+    assert [(t.address, t.nbytes) for t in refs] == [
+        (b.data_ptr(), b.numel()) for b in pre.storage.buffers
+    ]
     pre.manager.check_invariants()
     dec.manager.check_invariants()
     hits = [c.num_cached_tokens for c in done]

@@ -30,7 +30,7 @@ from hybridkv.engine.errors import EngineError
 from hybridkv.engine.llm_engine import LLMEngine, _Live
 from hybridkv.engine.tp_shards import Shard, gather_from_shards, scatter_to_shards, shard_caches
 from hybridkv.errors import HybridKVError
-from hybridkv.storage.connector import Registration, register
+from hybridkv.storage.connector import Registration, register_storage
 from hybridkv.storage.transfer import copy_blocks
 from hybridkv.storage.transfer_plan import TransferPlan, plan_transfer
 
@@ -70,7 +70,7 @@ def export_request(engine: LLMEngine, request_id: str) -> Handover:
         token_ids=done.token_ids,
         logits=done.logits,
         tables={g: list(t) for g, t in enumerate(tables)},
-        registration=register(engine.storage.placement, instance=engine.name),
+        registration=register_storage(engine.storage, instance=engine.name),
     )
 
 
@@ -114,7 +114,7 @@ def import_request(
         )
     rid = handover.request_id
     prompt = handover.prompt
-    own = register(engine.storage.placement, instance=engine.name)
+    own = register_storage(engine.storage, instance=engine.name)
     storage = engine.storage
 
     def fill(tables: tuple[list[int], ...], hit: int, res: AllocationResult) -> None:

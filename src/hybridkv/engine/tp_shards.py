@@ -24,7 +24,7 @@ from hybridkv.engine.errors import EngineError
 from hybridkv.plan import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import AttentionSpec, CacheSpec, StateSpec
 from hybridkv.storage import KVCacheStorage
-from hybridkv.storage.connector import Registration, register, tp_shard
+from hybridkv.storage.connector import Registration, register_storage, tp_shard
 from hybridkv.storage.transfer_plan import plan_transfer
 
 __all__ = ["Shard", "gather_from_shards", "scatter_to_shards", "shard_caches"]
@@ -98,8 +98,8 @@ def shard_caches(layout: MemoryLayout, tp: int, capacity: int) -> list[Shard]:
         shards.append(
             Shard(
                 storage=storage,
-                registration=register(
-                    storage.placement, instance=f"tp{tp}-rank{rank}", tp_rank=rank, tp_size=tp
+                registration=register_storage(
+                    storage, instance=f"tp{tp}-rank{rank}", tp_rank=rank, tp_size=tp
                 ),
                 tables={gid: list(range(1, n + 1)) for gid, n in blocks.items()},
             )

@@ -32,13 +32,14 @@ own map).  MLA latents are not split: every rank holds all of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hybridkv.errors import StorageError
 from hybridkv.specs import CacheKind
 from hybridkv.storage.placement import StoragePlacement
 from hybridkv.storage.segments import HEADED_KINDS
 
-__all__ = ["Registration", "SegmentRef", "TensorRef", "register", "tp_shard"]
+__all__ = ["Registration", "SegmentRef", "TensorRef", "register", "register_storage", "tp_shard"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,3 +185,19 @@ def register(
         tensors=tensors,
         segments=tuple(segs),
     )
+
+
+def register_storage(storage: Any, **kwargs: Any) -> Registration:
+    """:func:`register` of a :class:`~hybridkv.storage.KVCacheStorage` (its placement), with
+    a :class:`TensorRef` for each of its buffers (data pointer, bytes, device); ``kwargs``
+    as :func:`register` takes them."""
+    tensors = tuple(
+        TensorRef(
+            buffer_id=i,
+            address=int(buf.data_ptr()),
+            nbytes=int(buf.numel()),
+            device=str(buf.device),
+        )
+        for i, buf in enumerate(storage.buffers)
+    )
+    return register(storage.placement, tensors=tensors, **kwargs)
