@@ -179,7 +179,8 @@ class Scheduler:
         ``fill(block_tables, hit_tokens, allocation)`` must write their data (the prompt's
         tokens from ``hit_tokens`` on, and the recurrent state at the prompt's end).  The
         next step computes the first of ``output_token_ids`` (sampled by the other
-        instance).  Returns None, changing nothing, when the cache cannot hold it now;
+        instance).  Returns None, changing nothing, when the cache cannot hold it now (or
+        :attr:`hit_check` is still reading its lower-tier copies);
         when ``fill`` raises, the request is freed (nothing it was to receive is published
         or read) and the error propagates."""
         if not output_token_ids:
@@ -194,6 +195,12 @@ class Scheduler:
         n = len(prompt_token_ids)
         mgr = self.manager
         hit = mgr.get_computed_blocks(req)
+        if self.hit_check is not None and hit.num_computed_tokens:
+            checked = self.hit_check(req, hit)  # lower-tier copies checked before use
+            if checked is None:  # still being read: not now
+                del self.seqs[request_id]
+                return None
+            hit = checked
         cached = min(hit.num_computed_tokens, n)
         res = mgr.allocate_slots(
             req, n - cached, num_new_computed_tokens=cached, new_computed_blocks=hit
