@@ -35,23 +35,31 @@ from typing import Any
 
 import torch
 
-from bench_transfer import _layout, _paired, add_block_arguments
+from bench_transfer import _layout, _paired, _sync, add_block_arguments
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine.tier_store import TierStore
+from hybridkv.plan import MemoryLayout
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather
 from hybridkv.storage.disk_slots import DiskSlots
 
 
-def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def _filled(
+    kind: LayoutKind, args: argparse.Namespace, device: torch.device
+) -> tuple[MemoryLayout, KVCacheStorage, list[int], list[int]]:
+    """A storage of random bytes, the block ids evicted to the tier and (as many others) the
+    ids hits read back into, shuffled with the benchmark's seed."""
     layout = _layout(args)
     storage = KVCacheStorage(layout, kind=kind, device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     for buf in storage.buffers:
         buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8, device=device))
-    rng = random.Random(args.seed)
     ids = list(range(1, 2 * args.blocks + 1))
-    rng.shuffle(ids)
-    evicted, reused = ids[: args.blocks], ids[args.blocks :]
+    random.Random(args.seed).shuffle(ids)
+    return layout, storage, ids[: args.blocks], ids[args.blocks :]
+
+
+def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    layout, storage, evicted, reused = _filled(kind, args, device)
     stores = [TierOp("store", "host", 0, 1000 + i, b) for i, b in enumerate(evicted)]
     loads = [TierOp("load", "host", 0, 1000 + i, b) for i, b in enumerate(reused)]
     store = TierStore(storage, 4 * args.blocks * layout.groups[0].block_bytes)
@@ -102,15 +110,7 @@ def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> 
 def _bench_disk(
     kind: LayoutKind, args: argparse.Namespace, device: torch.device, directory: Path
 ) -> dict[str, Any]:
-    layout = _layout(args)
-    storage = KVCacheStorage(layout, kind=kind, device=device)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    for buf in storage.buffers:
-        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8, device=device))
-    rng = random.Random(args.seed)
-    ids = list(range(1, 2 * args.blocks + 1))
-    rng.shuffle(ids)
-    evicted, reused = ids[: args.blocks], ids[args.blocks :]
+    layout, storage, evicted, reused = _filled(kind, args, device)
     block_bytes = layout.groups[0].block_bytes
     ours = directory / f"tier-{kind.value}"
     slots = DiskSlots(ours, 2 * args.blocks * block_bytes, {"bench": kind.value}, [block_bytes])
@@ -194,11 +194,6 @@ def _bench_disk(
         "round_trip_identical": same and not errors,
         "cold": bool(args.cold),
     }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _gathered(storage: KVCacheStorage, ids: list[int]) -> list[torch.Tensor]:
