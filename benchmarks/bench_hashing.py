@@ -72,7 +72,7 @@ def _measure(name: str, tokens: list[int], repeat: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1000,8000,64000,200000", help="prompt tokens")
-    parser.add_argument("--hashers", default="sha256,builtin")
+    parser.add_argument("--hashers", default="xxh3,sha256,builtin")
     parser.add_argument("--repeat", type=int, default=7, help="runs per figure (best kept)")
     parser.add_argument("--out", default="results/bench_hashing.json")
     args = parser.parse_args()

@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=6000)
     p.add_argument("--chunk-blocks", type=int, default=4, help="arena: blocks per chunk")
     p.add_argument("--budget", type=int, default=8192, help="tokens per step")
-    p.add_argument("--hasher", default="sha256", choices=["sha256", "builtin"])
+    p.add_argument("--hasher", default="sha256", choices=["xxh3", "sha256", "builtin"])
     p.add_argument("--arrival-interval", type=float, default=4.0, help="steps between arrivals")
     p.add_argument("--trace", type=Path, default=None, help="Mooncake trace (JSONL) instead")
     p.add_argument("--requests", type=int, default=300, help="trace requests to replay")

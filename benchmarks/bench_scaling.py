@@ -7,9 +7,13 @@ the machine counts less), best of ``--repeat``:
   holds it: building the request (hashing), ``get_computed_blocks`` (a full hit on a copy
   already cached), ``allocate_slots`` for the whole prompt, and ``free``; with microseconds
   per 1k tokens, which stay flat when a call grows linearly;
-* **live**: 100, 1k and 10k requests of 512 tokens resident at once, then one decode step
-  (``allocate_slots(req, 1)`` for every request, crossing a block boundary): microseconds per
-  request per step, flat when a step grows linearly.
+* **live**: 100, 1k and 10k requests resident at once, then one decode step
+  (``allocate_slots(req, 1)`` for every request) that crosses a block boundary of every group:
+  each request's prompt ends one token short of the first multiple of the plan's largest
+  block size at or past 512 tokens (511 tokens for 16-token attention blocks and 256-token
+  state checkpoints; a ``uniform`` state-hybrid plan whose unified block is ~1,000 tokens gets
+  prompts of that length, so its step opens blocks too); microseconds per request per step,
+  flat when a step grows linearly.
 
     python benchmarks/bench_scaling.py --model gpt-oss-20b
 
@@ -41,7 +45,7 @@ from hybridkv.plan import Strategy, make_plan
 from hybridkv.specs import ModelSpec
 
 SEED = 0
-LIVE_PROMPT = 511  # + 1 decoded token = 512: the decode step opens a new block
+LIVE_TOKENS = 512  # the decode step reaches the first block boundary at or past this
 
 
 def _prompt_once(mgr: KVCacheManager, tokens: list[int], name: str) -> dict[str, float] | None:
@@ -110,15 +114,23 @@ def _budget(model: ModelSpec, tokens: int) -> int:
     return 4 * model.resident_bytes(tokens) + (256 << 20)
 
 
+def _live_prompt(model: ModelSpec, strategy: str) -> int:
+    """Prompt tokens that leave the next token on a block boundary of every group."""
+    plan = make_plan(model, memory_bytes=8 << 30, max_model_len=4096, strategy=strategy)
+    step = max(g.block_size for g in plan.layout.groups)
+    return -(-LIVE_TOKENS // step) * step - 1
+
+
 def _live_row(
     model: ModelSpec, strategy: str, live: int, repeat: int, rng: random.Random
 ) -> dict[str, Any]:
+    prompt = _live_prompt(model, strategy)
     plan = make_plan(
         model,
         # per request: its tokens and its own state slots (a shared-tokens budget would count
         # one request's state only)
-        memory_bytes=3 * live * model.resident_bytes(LIVE_PROMPT + 64) + (256 << 20),
-        max_model_len=4096,
+        memory_bytes=3 * live * model.resident_bytes(prompt + 64) + (256 << 20),
+        max_model_len=max(4096, 2 * prompt),
         strategy=strategy,
     )
     best = float("inf")
@@ -127,12 +139,12 @@ def _live_row(
         reqs = []
         for i in range(live):
             req = mgr.make_request(
-                f"r{rep}-{i}", [rng.randrange(1, 150_000) for _ in range(LIVE_PROMPT)]
+                f"r{rep}-{i}", [rng.randrange(1, 150_000) for _ in range(prompt)]
             )
             hit = mgr.get_computed_blocks(req)
-            res = mgr.allocate_slots(req, LIVE_PROMPT, new_computed_blocks=hit)
+            res = mgr.allocate_slots(req, prompt, new_computed_blocks=hit)
             assert res is not None, f"{strategy}: {live} live requests do not fit"
-            req.num_computed_tokens = LIVE_PROMPT
+            req.num_computed_tokens = prompt
             req.append_token_ids([7])
             reqs.append(req)
 
@@ -144,6 +156,7 @@ def _live_row(
     return {
         "strategy": strategy,
         "live": live,
+        "prompt_tokens": prompt,
         "step_ms": best,
         "us_per_request": 1e3 * best / live,
     }
@@ -188,10 +201,13 @@ def main() -> None:
             f"{r['allocate_ms']:9.2f} {r['free_ms']:8.2f}  {1e3 * r['allocate_ms'] / k:11.1f} "
             f"{1e3 * r['free_ms'] / k:10.1f} {r['timed_hit_tokens']:8d}"
         )
-    print(f"\n{model.name}: a decode step over N live requests of 512 tokens (CPU ms)")
-    print(f"{'strategy':9} {'live':>6} {'step ms':>9} {'us/request':>11}")
+    print(f"\n{model.name}: a decode step over N live requests opening a block (CPU ms)")
+    print(f"{'strategy':9} {'live':>6} {'prompt':>7} {'step ms':>9} {'us/request':>11}")
     for r in live_rows:
-        print(f"{r['strategy']:9} {r['live']:6d} {r['step_ms']:9.2f} {r['us_per_request']:11.2f}")
+        print(
+            f"{r['strategy']:9} {r['live']:6d} {r['prompt_tokens']:7d} {r['step_ms']:9.2f} "
+            f"{r['us_per_request']:11.2f}"
+        )
     longest = max(r["tokens"] for r in prompt_rows)
     top = {r["strategy"]: r for r in prompt_rows if r["tokens"] == longest and "error" not in r}
     summary = ", ".join(

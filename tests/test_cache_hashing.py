@@ -16,11 +16,13 @@ from hybridkv.cache import (
     MultiModalItem,
     Request,
     Sha256Hasher,
+    Xxh3Hasher,
     make_hasher,
 )
 from hybridkv.cache.errors import RequestLengthError
 from hybridkv.cache.hashing import BlockHasher
 from hybridkv.cache.request import block_extra_keys
+from hybridkv.cache.types import BlockHash
 from hybridkv.errors import RequestError
 
 _SNIPPET = (
@@ -31,7 +33,7 @@ _SNIPPET = (
 )
 
 
-@pytest.mark.parametrize("name", ["sha256", "builtin"])
+@pytest.mark.parametrize("name", ["xxh3", "sha256", "builtin"])
 def test_hashes_are_identical_across_processes(name: str) -> None:
     outs = set()
     for seed in ("0", "12345"):
@@ -56,6 +58,36 @@ def test_hashes_are_identical_across_processes(name: str) -> None:
     assert outs == {f"{here.block_hashes}\n"}
 
 
+@pytest.mark.parametrize(
+    ("cls", "first", "second"),
+    [
+        (
+            Xxh3Hasher,
+            0xD808CA60737294A75265D86078BD9498,
+            0x291D5F432DA1C027E339F3032BD288B9,
+        ),
+        (
+            Sha256Hasher,
+            0x721807070428F710BD7394DD8E1CDE4A232A6C4A44289806296D50615F674D53,
+            0x9B253413BAC1605CAC566C16A5C12D211E876E72E8176BF317A778C941EC5D95,
+        ),
+    ],
+)
+def test_digest_hashers_are_pinned(cls: type[BlockHasher], first: int, second: int) -> None:
+    # The values a disk cache written by an earlier release was keyed with: any change to the
+    # encoding must change the disk fingerprint too.
+    h = cls()
+    assert h.hash_block(None, [1, 2, 3, 4], ()) == first
+    assert h.hash_block(BlockHash(first), [5, 6, 7, 8], (1, 9)) == second
+    assert h.hash_blocks(None, [1, 2, 3, 4, 5], 4) == [first]
+
+
+def test_default_hasher_is_xxh3() -> None:
+    assert make_hasher() == Xxh3Hasher(0)
+    assert isinstance(Request("d", range(8), hash_block_size=4).hasher, Xxh3Hasher)
+    assert Xxh3Hasher().hash_block(None, [1], ()).bit_length() <= 128
+
+
 def test_sha256_known_value_and_chaining() -> None:
     h = Sha256Hasher()
     first = h.hash_block(None, [1, 2, 3, 4], ())
@@ -68,7 +100,7 @@ def test_sha256_known_value_and_chaining() -> None:
 
 
 def test_make_hasher_rejects_unknown_names_and_seeds() -> None:
-    with pytest.raises(HasherError, match="valid: sha256, builtin"):
+    with pytest.raises(HasherError, match="valid: xxh3, sha256, builtin"):
         make_hasher("md5")
     with pytest.raises(HasherError, match="seed"):
         Sha256Hasher(seed=-1)
@@ -145,7 +177,7 @@ def test_request_validation() -> None:
     assert r.token_ids == [1, 2]
 
 
-@pytest.mark.parametrize("name", ["sha256", "builtin"])
+@pytest.mark.parametrize("name", ["xxh3", "sha256", "builtin"])
 @given(
     tokens=hst.lists(hst.integers(0, 2**63 - 1), max_size=120),
     block=hst.integers(1, 9),

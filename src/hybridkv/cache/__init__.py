@@ -31,6 +31,7 @@ from hybridkv.cache.hashing import (
     BuiltinHasher,
     HasherError,
     Sha256Hasher,
+    Xxh3Hasher,
     make_hasher,
 )
 from hybridkv.cache.manager import KVCacheManager
@@ -79,5 +80,6 @@ __all__ = [
     "TierLoad",
     "TierSpec",
     "UnknownRequestError",
+    "Xxh3Hasher",
     "make_hasher",
 ]

@@ -60,7 +60,7 @@ def _count(name: str, value: object) -> int:
 class KVCacheManager:
     """Block bookkeeping and prefix caching for every group of a :class:`MemoryLayout`.
 
-    ``hasher``: a :class:`BlockHasher` or a name (``"sha256"`` default, ``"builtin"``).
+    ``hasher``: a :class:`BlockHasher` or a name (``"xxh3"`` default, ``"sha256"``, ``"builtin"``).
     ``enable_kv_events``: record :mod:`hybridkv.cache.events` for :meth:`take_events`.
     ``max_model_len``: slots are never allocated past it (lookahead is clipped).
     ``arena_eviction``: ``"chunk_lru"`` (default) or ``"own_first"`` for arena layouts (see
@@ -101,7 +101,7 @@ class KVCacheManager:
         self,
         layout: MemoryLayout,
         *,
-        hasher: BlockHasher | str = "sha256",
+        hasher: BlockHasher | str = "xxh3",
         enable_kv_events: bool = False,
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
