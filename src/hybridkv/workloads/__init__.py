@@ -10,12 +10,12 @@ another interpreter can import it from ``src/``.  Modules, one concept each:
 * :mod:`~hybridkv.workloads.steps`      :class:`StepRequest`: arrives at a scheduler step, a
   follow-up only after its parent finished (the manager benchmarks' closed loop)
 * :mod:`~hybridkv.workloads.multiturn`  seeded multi-turn workloads of step requests
-* :mod:`~hybridkv.workloads.ideal`      the unbounded-cache hit bound
+* :mod:`~hybridkv.workloads.ideal`      hit bounds: unbounded, LRU and Belady replays
 """
 
 from __future__ import annotations
 
-from hybridkv.workloads.ideal import ideal_hit_tokens
+from hybridkv.workloads.ideal import REPLAY_POLICIES, ideal_hit_tokens, replay_hit_tokens
 from hybridkv.workloads.mooncake import load_mooncake_trace
 from hybridkv.workloads.multiturn import (
     BranchingConfig,
@@ -28,6 +28,7 @@ from hybridkv.workloads.synthetic import SYNTHETIC_WORKLOADS, SyntheticOptions, 
 from hybridkv.workloads.types import Workload, WorkloadError, WorkloadRequest
 
 __all__ = [
+    "REPLAY_POLICIES",
     "SYNTHETIC_WORKLOADS",
     "BranchingConfig",
     "ConversationConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "ideal_hit_tokens",
     "load_mooncake_trace",
     "load_workload",
+    "replay_hit_tokens",
     "step_requests",
     "step_summary",
     "synthetic_workload",
