@@ -35,9 +35,7 @@ DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace
 
 def prefix_bytes_per_token(model: ModelSpec) -> int:
     """Bytes per cached token of the layers whose cache every prefix token needs."""
-    return sum(
-        c.bytes_per_token for layer in model.layers for c in layer.caches if c.prefix_closed
-    )
+    return sum(c.bytes_per_token for layer in model.layers for c in layer.caches if c.prefix_closed)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:

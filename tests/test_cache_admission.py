@@ -6,6 +6,7 @@ import pytest
 
 from hybridkv.cache import KVCacheManager, Request
 from hybridkv.cache.admission import (
+    BEFORE_END,
     CHUNK,
     DECODE,
     JUNCTION,
@@ -21,7 +22,7 @@ def test_every_reason_is_admitted_until_it_has_checkpoints_on_record() -> None:
     adm = CheckpointAdmission(10_000)
     adm.published(1_000)
     adm.hit(50)
-    for reason in (JUNCTION, PROMPT_END, CHUNK, DECODE):
+    for reason in (JUNCTION, PROMPT_END, CHUNK, DECODE, BEFORE_END):
         assert adm.admits(reason, 17)
 
 
@@ -175,7 +176,8 @@ def test_reasons_of_aligned_step_ends() -> None:
     assert reason(req, 8, (4, 9)) == JUNCTION  # the junction 9, aligned down
     assert reason(req, 4, (4,)) == JUNCTION
     assert reason(req, 12, ()) == PROMPT_END  # (14 - 1) // 4 * 4
-    assert reason(req, 8, ()) == CHUNK
+    assert reason(req, 8, ()) == BEFORE_END  # the aligned boundary before it
+    assert reason(req, 4, ()) == CHUNK
     req.append_token_ids([1, 2])
     assert reason(req, 16, ()) == DECODE
 

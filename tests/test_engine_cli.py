@@ -53,9 +53,10 @@ def test_defaults_verify_against_transformers(capsys: pytest.CaptureFixture[str]
     assert [o.split(", ")[1] for o in outputs] == ["0 cached"] * 2 + ["32 cached"] * 2
     assert all(len(o.split("): ")[1].split()) == 4 for o in outputs)
     assert "prefix cache: 64 of 162 admitted prompt tokens served from the cache (39.5%)" in out
-    # r1 is admitted in the step computing r0: its attention groups alone hit r0's prefix at
-    # once (published at allocation); the state checkpoint only exists once computed
-    assert "0:state 39.5%, 1:sliding_window 59.3%, 2:full_attention 59.3%" in out
+    # r1 is admitted in the step computing r0's first chunk (which stops at 16, one alignment
+    # unit before the last aligned boundary): its full-attention group alone hits those 16
+    # tokens at once (published at allocation); the state checkpoint only exists once computed
+    assert "0:state 39.5%, 1:sliding_window 39.5%, 2:full_attention 49.4%" in out
     assert "peak blocks per group: 0:state " in out and "preemptions: 0" in out
     assert "window blocks released: 1:sliding_window " in out
     assert lines[-1].startswith("verify: all 4 requests (16 tokens) identical to transformers'")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -118,3 +119,24 @@ def test_random_plans_hold_their_invariants(
         _check(plan_with(least), m)
         return
     _check(plan, m)
+
+
+def test_too_small_error_names_a_budget_that_holds_one_request() -> None:
+    # Found by the property above: at 1 B the search saw a padded-page candidate needing
+    # 480 B, but at 480 B it keeps the exact pages (chunks of 192 B) and needs 576 B.
+    m = model([state((5,)), state((36,))])
+
+    def plan_with(budget: int) -> Plan:
+        return make_plan(
+            m,
+            memory_bytes=budget,
+            max_model_len=1,
+            strategy=Strategy.ARENA,
+            block_size=1,
+            chunk_alignment=32,
+        )
+
+    for budget in (1, 480):
+        with pytest.raises(PlanError, match=r"one request needs 576 B \(576 B\)"):
+            plan_with(budget)
+    assert plan_with(576).capacity.max_concurrent_requests == 1

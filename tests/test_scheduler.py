@@ -71,7 +71,8 @@ def test_state_layout_splits_at_alignment_and_junction() -> None:
     # retention r0 keeps only the window before its prompt's end: r1 would start from 0)
     layout = _layout([(FULL, 4), (SWA, 4), (STATE, 8)], 40)
     mgr = KVCacheManager(layout, window_retention="all")
-    sched = Scheduler(mgr, SchedulerConfig(token_budget=16), max_model_len=100)
+    config = SchedulerConfig(token_budget=16, checkpoint_before_end=False)
+    sched = Scheduler(mgr, config, max_model_len=100)
     prefix = list(range(100, 130))
     for i in range(4):
         sched.add_request(f"r{i}", [*prefix, i, i, i, i, i], max_tokens=6)
@@ -162,3 +163,39 @@ def test_whole_prefill_computes_each_prompt_in_one_step_without_hits() -> None:
         [("a", 11, 1, 0), ("b", 0, 12, 0)],  # a's prefix is cached, but b starts from 0
         [("b", 12, 1, 0)],
     ]
+
+
+def test_state_layout_also_splits_one_unit_before_the_prompt_end() -> None:
+    # alignment 8, prompt 35: the last aligned boundary is 32, the one before it 24.  With the
+    # default (on at an alignment <= 512) the prefill stops at 24 and at 32, and the state
+    # group saves a checkpoint at each (reasons before_end and prompt_end).
+    layout = _layout([(FULL, 4), (STATE, 8)], 40)
+    mgr = KVCacheManager(layout)  # "yield" admits every reason until it has 8 on record
+    sched = Scheduler(mgr, SchedulerConfig(token_budget=16), max_model_len=100)
+    assert sched.before_end
+    sched.add_request("a", list(range(100, 135)), max_tokens=2)
+    assert _run(sched) == [
+        [("a", 0, 16, 0)],
+        [("a", 16, 8, 0)],  # stops at 24 (before_end)
+        [("a", 24, 8, 0)],  # stops at 32 (prompt_end)
+        [("a", 32, 3, 0)],
+        [("a", 35, 1, 0)],
+    ]
+    report = mgr.checkpoint_admission_report()
+    assert report is not None
+    assert {r: v["checkpoints"] for r, v in report.items() if v["checkpoints"]} == {
+        "chunk": 1,
+        "before_end": 1,
+        "prompt_end": 1,
+    }
+    # a follow-up that differs from "a" after token 30 resumes from the checkpoint at 24
+    sched.add_request("b", [*range(100, 130), 7, 7, 7, 7, 7], max_tokens=1)
+    assert _run(sched)[0] == [("b", 24, 8, 24)]
+    # off: no stop at 24
+    off = Scheduler(
+        KVCacheManager(layout, checkpoint_admission="all"),
+        SchedulerConfig(token_budget=16, checkpoint_before_end=False),
+        max_model_len=100,
+    )
+    off.add_request("a", list(range(100, 135)), max_tokens=1)
+    assert _run(off)[:3] == [[("a", 0, 16, 0)], [("a", 16, 16, 0)], [("a", 32, 3, 0)]]

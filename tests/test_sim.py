@@ -194,7 +194,7 @@ def test_checkpoint_admission_reaches_the_manager() -> None:
         if policy == "all":
             assert report is None
         else:  # every reason on record, and the junctions (shared system prompts) kept
-            assert set(report) == {"junction", "prompt_end", "chunk", "decode"}
+            assert set(report) == {"junction", "prompt_end", "chunk", "decode", "before_end"}
             assert report["junction"]["admitted"] is True
     assert out["yield"] != out["all"], out
 

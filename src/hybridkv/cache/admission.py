@@ -8,6 +8,11 @@ how likely that is, so each candidate gets a *reason*:
 * ``junction``: the end of the prefix this request shares with cached ones (a branch point:
   a second request already shared it, so a third is likely to);
 * ``prompt_end``: the prompt's last aligned boundary (a resend, or the next turn of a chat);
+* ``before_end``: the aligned boundary before that one (the next turn of a chat whose prompt
+  differs from this one in its last tokens: a chat template that rewrites the generation
+  prompt or drops reasoning, or a trace that records prompts in coarser blocks than the
+  alignment); the scheduler ends a prefill chunk there when its
+  ``checkpoint_before_end`` is on;
 * ``chunk``: the end of a prefill chunk inside the prompt (a later request that diverges
   somewhere past it hits here, short of where it diverges);
 * ``decode``: an aligned boundary reached while decoding (the next turn, if it contains the
@@ -49,8 +54,8 @@ __all__ = [
 #: Admission policies for state checkpoints (see the module doc).
 CHECKPOINT_ADMISSION: Final = ("yield", "all")
 #: Reason codes, indexed by :meth:`CheckpointAdmission.admits`' ``reason`` (0: untagged).
-CHECKPOINT_REASONS: Final = ("", "junction", "prompt_end", "chunk", "decode")
-JUNCTION, PROMPT_END, CHUNK, DECODE = 1, 2, 3, 4
+CHECKPOINT_REASONS: Final = ("", "junction", "prompt_end", "chunk", "decode", "before_end")
+JUNCTION, PROMPT_END, CHUNK, DECODE, BEFORE_END = 1, 2, 3, 4, 5
 #: A rejected reason still admits the checkpoints whose hash is a multiple of this.
 EXPLORE: Final = 16
 #: Checkpoints of a reason on record before its yield decides.

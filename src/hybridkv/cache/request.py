@@ -139,9 +139,7 @@ class Request:
         checked = _checked_array(prompt_token_ids, f"Request({request_id}).prompt_token_ids")
         # A list that passed the check holds integers only: copied as it is (5x faster than
         # converting the array back).
-        tokens = (
-            prompt_token_ids.copy() if type(prompt_token_ids) is list else checked.tolist()
-        )
+        tokens = prompt_token_ids.copy() if type(prompt_token_ids) is list else checked.tolist()
         if not tokens:
             raise RequestLengthError(f"Request({request_id}).prompt_token_ids: must not be empty")
         self.request_id = request_id

@@ -238,6 +238,53 @@ def _alignments(requested: int) -> list[int]:
     return out
 
 
+def _least_holding_one(
+    base: tuple[GroupPlan, ...], need: Sequence[int], options: PlanOptions, least: int
+) -> int:
+    """The smallest budget from ``least`` up that the search really plans one request in.
+
+    A budget's search reports the least ``min_bytes`` of every candidate it evaluated, but the
+    candidates it evaluates depend on the budget (page paddings are kept only when they score
+    better there), so the budget named may pick another chunk and still hold none: step up to
+    what that budget's own search names until one holds a request."""
+    budget = least
+    for _ in range(64):
+        best, low, _ = _best_candidate(base, need, budget, options.chunk_alignment)
+        if best.capacity >= 1:
+            return budget
+        budget = low if low > budget else 2 * budget
+    return budget
+
+
+def _best_candidate(
+    base: tuple[GroupPlan, ...], need: Sequence[int], memory_bytes: int, chunk_alignment: int
+) -> tuple[_Candidate, int, _Candidate]:
+    """The best-scoring candidate for ``memory_bytes``, the least ``min_bytes`` seen, and the
+    best candidate whose chunks are a common multiple of every group's block."""
+    best: _Candidate | None = None
+    least = 0
+    for alignment in _alignments(chunk_alignment):
+        exact = _evaluate(base, need, memory_bytes, alignment)
+        found, low = exact, exact.min_bytes
+        if not exact.meets_aim(memory_bytes):
+            found, low = _search(base, need, memory_bytes, alignment, exact)
+        least = low if best is None else min(least, low)
+        if best is None or found.score(memory_bytes) > best.score(memory_bytes):
+            best = found
+        if best.meets_aim(memory_bytes):
+            break
+    assert best is not None
+    lcm_best = best
+    for alignment in _alignments(chunk_alignment):
+        if best.meets_aim(memory_bytes):
+            break
+        bounded = _bounded(base, need, memory_bytes, alignment)
+        if bounded is not None and bounded.score(memory_bytes) > best.score(memory_bytes):
+            best = bounded
+            least = min(least, bounded.min_bytes)
+    return best, least, lcm_best
+
+
 def plan_arena(
     groups: tuple[SpecGroup, ...], options: PlanOptions, memory_bytes: int, max_model_len: int
 ) -> BuiltLayout:
@@ -248,37 +295,15 @@ def plan_arena(
     """
     base = base_group_plans(groups, options)
     need = [blocks_for_request(g, max_model_len) for g in base]
-    best: _Candidate | None = None
-    least = 0
-    exact_chunk = 0
-    for alignment in _alignments(options.chunk_alignment):
-        exact = _evaluate(base, need, memory_bytes, alignment)
-        found, low = exact, exact.min_bytes
-        if not exact.meets_aim(memory_bytes):
-            found, low = _search(base, need, memory_bytes, alignment, exact)
-        least = low if best is None else min(least, low)
-        if best is None:
-            exact_chunk = exact.chunk_bytes
-        if best is None or found.score(memory_bytes) > best.score(memory_bytes):
-            best = found
-        if best.meets_aim(memory_bytes):
-            break
-    assert best is not None
-    lcm_best = best
-    for alignment in _alignments(options.chunk_alignment):
-        if best.meets_aim(memory_bytes):
-            break
-        bounded = _bounded(base, need, memory_bytes, alignment)
-        if bounded is not None and bounded.score(memory_bytes) > best.score(memory_bytes):
-            best = bounded
-            least = min(least, bounded.min_bytes)
+    best, least, lcm_best = _best_candidate(base, need, memory_bytes, options.chunk_alignment)
+    exact_chunk = lcm(options.chunk_alignment, *(g.block_bytes for g in base))
     alignment = options.chunk_alignment
     if best.capacity < 1:
         raise too_small_error(
             strategy=Strategy.ARENA.value,
             memory_bytes=memory_bytes,
             max_model_len=max_model_len,
-            min_bytes=least,
+            min_bytes=_least_holding_one(base, need, options, max(least, memory_bytes + 1)),
             data_bytes=sum(g.num_members * g.spec.resident_bytes(max_model_len) for g in base),
             unit="chunk",
         )

@@ -13,7 +13,8 @@ Chunk ends.  When the layout has a recurrent-state group (or ``split_for_state``
 prefill chunk that does not finish the prompt ends on a multiple of the schedule alignment,
 and a chunk that crosses the shared-prefix *junction* (where the request leaves the prefix the
 attention groups already cache) ends there, rounded down to the alignment; the chunk that
-reaches the end of the prompt first stops at the last aligned boundary.  A chunk with no
+reaches the end of the prompt first stops at the last aligned boundary (and, with
+``checkpoint_before_end``, at the boundary before it).  A chunk with no
 boundary in reach waits for a larger share of the budget, unless the token budget (or chunk
 cap) is smaller than the distance to the next boundary: then it ends unaligned, so the request
 still progresses (the next chunk realigns).  States are only checkpointed at chunk ends, so
@@ -41,7 +42,10 @@ from hybridkv.scheduler.types import (
 )
 from hybridkv.specs import CacheKind
 
-__all__ = ["HitCheck", "Scheduler", "SequenceState"]
+__all__ = ["BEFORE_END_MAX_ALIGNMENT", "HitCheck", "Scheduler", "SequenceState"]
+
+#: ``SchedulerConfig.checkpoint_before_end=None`` turns the split on up to this alignment.
+BEFORE_END_MAX_ALIGNMENT = 512
 
 #: ``hit_check(request, hit)``: the hit to admit a waiting request with, or None while its
 #: lower-tier copies are still being read (see :attr:`Scheduler.hit_check`).
@@ -106,6 +110,11 @@ class Scheduler:
         self.split_for_state = has_state if split is None else split
         self.has_state = has_state
         self.alignment = manager.schedule_alignment
+        before = self.config.checkpoint_before_end
+        #: Whether prefill chunks also end one alignment unit before the prompt's last
+        #: aligned boundary (``None`` in the config: when the alignment is at most
+        #: :data:`BEFORE_END_MAX_ALIGNMENT` tokens).
+        self.before_end = self.alignment <= BEFORE_END_MAX_ALIGNMENT if before is None else before
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.seqs: dict[str, SequenceState] = {}
@@ -245,6 +254,10 @@ class Scheduler:
         junction = seq.junction - seq.junction % a
         if start < junction < end:
             return junction
+        if self.before_end:
+            before = (req.num_prompt_tokens - 1) // a * a - a
+            if start < before < end:
+                return before
         last_aligned = (total - 1) // a * a
         if end < total:
             aligned = end - end % a

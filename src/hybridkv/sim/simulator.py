@@ -67,6 +67,8 @@ class SimConfig:
     window_retention: str = "tails"
     publish: str = "scheduled"
     checkpoint_admission: str = "yield"
+    #: The scheduler's ``checkpoint_before_end`` (state models; None: by the alignment).
+    checkpoint_before_end: bool | None = None
     host_memory_bytes: int | None = None
     disk_memory_bytes: int | None = None
     #: The run's name in tables and plots (default: the strategy).
@@ -276,6 +278,7 @@ def scheduler_for(mgr: KVCacheManager, config: SimConfig) -> Scheduler:
             token_budget=config.token_budget,
             max_num_seqs=config.max_num_seqs,
             collect_block_ids=False,
+            checkpoint_before_end=config.checkpoint_before_end,
         ),
         max_model_len=config.max_model_len,
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from hybridkv.cache.admission import CHUNK, DECODE, JUNCTION, PROMPT_END
+from hybridkv.cache.admission import BEFORE_END, CHUNK, DECODE, JUNCTION, PROMPT_END
 from hybridkv.cache.kinds.base import GroupState, KindManager, StepOutputs, StepPlan
 from hybridkv.cache.request import Request
 from hybridkv.cache.types import BlockId, StateCopy, StateSlot
@@ -126,7 +126,10 @@ class StateManager(KindManager):
         p = request.num_prompt_tokens
         if end >= p:
             return DECODE
-        return PROMPT_END if end == (p - 1) // a * a else CHUNK
+        last = (p - 1) // a * a
+        if end == last:
+            return PROMPT_END
+        return BEFORE_END if end == last - a else CHUNK
 
     def quiet_end(self, st: GroupState, num_computed: int) -> tuple[int, int]:
         # Nothing pending to settle, and no step may end on an aligned boundary above the
