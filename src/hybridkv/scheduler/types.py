@@ -44,8 +44,11 @@ class SchedulerConfig:
     one in the last tokens before the end hits it.  ``None``: on when the schedule alignment
     is at most 512 tokens (arena and pools layouts checkpoint every 256 by default; a
     ``uniform`` layout's unified block of ~1,000 tokens makes that checkpoint cost more than
-    it returns: measured on ``hybridkv simulate``'s agent workload, Qwen3-Next at 8 GiB,
-    arena 53.3% -> 53.8% with it, uniform 40.8% -> 37.3%).
+    it returns).  Measured with ``hybridkv simulate``, Qwen3-Next-80B-A3B, off -> on: agent
+    workload at 8 GiB, arena 53.3% -> 53.8%, uniform 40.8% -> 37.3%; chat, arena 74.1% ->
+    75.3%; Mooncake trace (2,000 requests, arena), 16 GiB + 128 GiB host 14.6% -> 15.0%,
+    1 TiB 28.8% with it (26.98% before the ``before_end`` reason existed), but 16 GiB alone
+    2.7% -> 2.4% with 73 -> 178 preemptions (the extra checkpoint competes for a full cache).
     ``num_lookahead_tokens``: speculative positions reserved after every decode token.
     ``collect_block_ids``: copy each scheduled request's block tables into the output (a model
     runner needs them; a simulator does not).
