@@ -96,7 +96,9 @@ class Request:
     ``num_computed_tokens`` is owned by the scheduler, as in vLLM: after a step that computed
     ``n`` tokens it adds ``n`` (the manager reads it, never writes it, except
     :meth:`KVCacheManager.preempt` which resets it to 0).  ``token_ids`` grows with
-    :meth:`append_token_ids`; do not mutate the list it returns.
+    :meth:`append_token_ids`; do not mutate the list it returns.  A prompt given as a list is
+    copied as it is (its elements then stay the objects passed: ints, or integer-like objects
+    such as numpy integers, which the check accepts); any other iterable becomes Python ints.
 
     Raises :class:`RequestError` for a bad id, tokens or multimodal item.
     """
