@@ -24,6 +24,7 @@ from hypothesis.stateful import (
 from hybridkv.cache import (
     CHECKPOINT_ADMISSION,
     PUBLISH_MODES,
+    TIER_ADMISSION,
     WINDOW_RETENTION,
     AllBlocksCleared,
     BlockRemoved,
@@ -88,6 +89,7 @@ class CacheMachine(RuleBasedStateMachine):
         reject=hst.sampled_from([0, 2, 3]),
         second_chance=hst.booleans(),
         tier_blocks=hst.tuples(hst.integers(1, 6), hst.integers(0, 8)),
+        tier_admission=hst.sampled_from(TIER_ADMISSION),
     )
     def setup(
         self,
@@ -102,6 +104,7 @@ class CacheMachine(RuleBasedStateMachine):
         reject: int,
         second_chance: bool,
         tier_blocks: tuple[int, int],
+        tier_admission: str,
     ) -> None:
         layout = layout_for(self.strategy, groups(*items), capacity)
         tiers: list[TierSpec] = []
@@ -121,6 +124,7 @@ class CacheMachine(RuleBasedStateMachine):
             checkpoint_admission=admission,
             second_chance=second_chance,
             tiers=tiers,
+            tier_admission=tier_admission,
         )
         adm = self.mgr._coord.admission
         if adm is not None:  # decide from the first checkpoints on, explore often

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.cache import KVCacheManager, TierLoad, TierSpec
+from hybridkv.cache.admission import EXPLORE
 from hybridkv.cache.tiers import TierStack
 from hybridkv.errors import PlanError
 from hybridkv.plan import MemoryLayout
@@ -247,3 +248,52 @@ def test_persist_moves_everything_cached_down_and_a_new_manager_adopts_it() -> N
         fresh.adopt_tier_entries("ssd", [])
     with pytest.raises(PlanError, match="no lower tiers"):
         KVCacheManager(layout).persist_to_tier()
+
+
+@pytest.mark.parametrize(
+    ("policy", "disk", "where"),
+    [
+        ("yield", False, None),
+        ("yield", True, "disk"),
+        ("all", False, "host"),
+        ("all", True, "host"),
+    ],
+)
+def test_tier_admission_keeps_checkpoints_of_rejected_reasons_out_of_the_host_tier(
+    policy: str, disk: bool, where: str | None
+) -> None:
+    layout = pools(groups((full(), 4), (state(), 8)), [7, 3])
+    size = 20 * max(g.block_bytes for g in layout.groups)
+    mgr = KVCacheManager(
+        layout,
+        hasher="builtin",
+        tiers=[TierSpec("host", size), *([TierSpec("disk", size)] if disk else [])],
+        checkpoint_admission="yield",
+        tier_admission=policy,
+    )
+    _run(mgr, "a", tokens(17, 7), first=16)  # a checkpoint at 16 (saved: nothing judged yet)
+    h = mgr.make_request("probe", tokens(17, 7)).block_hashes[16 // 4 - 1]
+    sm = mgr._coord.managers[1]
+    reason = sm.reasons[sm.map[h]]  # type: ignore[attr-defined]
+    assert reason and h % EXPLORE  # not one of the explored hashes
+    adm = mgr._coord.admission
+    assert adm is not None
+    # as after a turnover in which this reason's checkpoints served nothing
+    adm.warm = True
+    adm.checkpoints[reason] = adm.min_checkpoints
+    adm.total_hits, adm.hit_tokens[reason] = 100, 0
+    assert not adm.admits(reason, h)
+    # two requests running at once take both usable state slots: a's checkpoint is evicted
+    for rid, start in (("b", 100), ("c", 200)):
+        _, res = admit(mgr, mgr.make_request(rid, tokens(17, start)), 4)
+        assert res is not None
+    tiers = mgr._coord.tiers
+    assert tiers is not None and h not in sm.map  # type: ignore[attr-defined]
+    assert tiers.where(1, h) == where
+    mgr.check_invariants()
+
+
+def test_tier_admission_rejects_unknown_policies() -> None:
+    layout = pools(groups((full(), 4), (state(), 8)), [7, 3])
+    with pytest.raises(PlanError, match="tier_admission: unknown policy 'some'; valid: yield, all"):
+        KVCacheManager(layout, tier_admission="some")

@@ -15,7 +15,7 @@ Entry point: :class:`KVCacheManager` (``hybridkv.cache.manager``).  Layers, bott
 
 from __future__ import annotations
 
-from hybridkv.cache.admission import CHECKPOINT_ADMISSION, CHECKPOINT_REASONS
+from hybridkv.cache.admission import CHECKPOINT_ADMISSION, CHECKPOINT_REASONS, TIER_ADMISSION
 from hybridkv.cache.coordinator import PUBLISH_MODES, WINDOW_RETENTION
 from hybridkv.cache.errors import (
     DuplicateRequestError,
@@ -52,6 +52,7 @@ __all__ = [
     "CHECKPOINT_ADMISSION",
     "CHECKPOINT_REASONS",
     "PUBLISH_MODES",
+    "TIER_ADMISSION",
     "TIER_NAMES",
     "WINDOW_RETENTION",
     "AllBlocksCleared",

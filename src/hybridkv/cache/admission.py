@@ -48,11 +48,17 @@ __all__ = [
     "CHECKPOINT_REASONS",
     "EXPLORE",
     "MIN_CHECKPOINTS",
+    "TIER_ADMISSION",
     "CheckpointAdmission",
 ]
 
 #: Admission policies for state checkpoints (see the module doc).
 CHECKPOINT_ADMISSION: Final = ("yield", "all")
+#: Where state checkpoints the device evicts go: ``"yield"``, a checkpoint whose reason the
+#: checkpoint admission would not save now (the same rule, explored hashes included) skips the
+#: host tier, to the disk tier if there is one, else it is dropped; ``"all"``: every one goes
+#: to the top tier, as any block.
+TIER_ADMISSION: Final = ("yield", "all")
 #: Reason codes, indexed by :meth:`CheckpointAdmission.admits`' ``reason`` (0: untagged).
 CHECKPOINT_REASONS: Final = ("", "junction", "prompt_end", "chunk", "decode", "before_end")
 JUNCTION, PROMPT_END, CHUNK, DECODE, BEFORE_END = 1, 2, 3, 4, 5

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from hybridkv.cache.admission import CHECKPOINT_ADMISSION, CheckpointAdmission
+from hybridkv.cache.admission import CHECKPOINT_ADMISSION, TIER_ADMISSION, CheckpointAdmission
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan, manager_class
 from hybridkv.cache.pools import make_block_pool
@@ -108,7 +108,14 @@ class HybridCoordinator:
         checkpoint_admission: str = "yield",
         tiers: Sequence[TierSpec] = (),
         tier_ops: bool = False,
+        tier_admission: str = "yield",
     ) -> None:
+        if tier_admission not in TIER_ADMISSION:
+            raise PlanError(
+                f"tier_admission: unknown policy {tier_admission!r}; valid: "
+                f"{', '.join(TIER_ADMISSION)}"
+            )
+        self.tier_admission = tier_admission
         if checkpoint_admission not in CHECKPOINT_ADMISSION:
             raise PlanError(
                 f"checkpoint_admission: unknown policy {checkpoint_admission!r}; valid: "
@@ -176,12 +183,37 @@ class HybridCoordinator:
                 m.hit_map = self.tiers.view(m.group_id, m.map)
 
     def _evicted(self, group_id: int, hashes: Sequence[int], blocks: Sequence[int]) -> None:
-        """Device evictions go down a tier; a state checkpoint keeps its admission reason."""
+        """Device evictions go down a tier; a state checkpoint keeps its admission reason.
+        With ``tier_admission="yield"`` a checkpoint whose reason the admission would not save
+        now skips the host tier (it competes there with blocks that pay as on the device): it
+        goes to the disk tier when there is one, else nowhere.  A disk tier alone takes
+        everything."""
         tiers = self.tiers
         assert tiers is not None
         m = self.managers[group_id]
         reasons = getattr(m, "reasons", None)
-        tags = None if reasons is None else [reasons[b] for b in blocks]
+        if reasons is None:
+            tiers.evicted(group_id, hashes, blocks)
+            return
+        tags = [reasons[b] for b in blocks]
+        adm = self.admission
+        if adm is not None and self.tier_admission == "yield" and tiers.tiers[0].name == "host":
+            pairs = enumerate(zip(hashes, tags, strict=True))
+            low = [i for i, (h, t) in pairs if t and not adm.admits(t, h)]
+            if low:
+                if len(tiers.tiers) > 1:
+                    tiers.evicted(
+                        group_id,
+                        [hashes[i] for i in low],
+                        [blocks[i] for i in low],
+                        [tags[i] for i in low],
+                        level=1,
+                    )
+                skip = set(low)
+                keep = [i for i in range(len(tags)) if i not in skip]
+                hashes = [hashes[i] for i in keep]
+                blocks = [blocks[i] for i in keep]
+                tags = [tags[i] for i in keep]
         tiers.evicted(group_id, hashes, blocks, tags)
 
     def persist(self, tier: str) -> None:

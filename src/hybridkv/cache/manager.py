@@ -90,6 +90,10 @@ class KVCacheManager:
     device blocks and returns :attr:`AllocationResult.loads` (see :mod:`hybridkv.cache.tiers`
     and :meth:`tier_stats`).  ``tier_ops``: also record the storage operations the tiers
     need (stores of evicted blocks, loads, moves, drops) for :meth:`take_tier_ops`.
+    ``tier_admission``: ``"yield"`` (default): a state checkpoint the device evicts whose
+    reason the checkpoint admission would not save now skips the host tier (to the disk tier,
+    if any, else dropped); ``"all"``: it goes to the top tier as any block (see
+    :data:`hybridkv.cache.admission.TIER_ADMISSION`).
     """
 
     #: Skip planning an allocation that provably changes nothing (see
@@ -112,6 +116,7 @@ class KVCacheManager:
         checkpoint_admission: str = "yield",
         tiers: Sequence[TierSpec] = (),
         tier_ops: bool = False,
+        tier_admission: str = "yield",
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -132,6 +137,7 @@ class KVCacheManager:
             checkpoint_admission=checkpoint_admission,
             tiers=tuple(tiers),
             tier_ops=tier_ops,
+            tier_admission=tier_admission,
         )
         self.group_hit_stats = bool(group_hit_stats)
         self._stats = StatsCollector(len(layout.groups) if group_hit_stats else 0)

@@ -211,12 +211,13 @@ class TierStack:
         hashes: Sequence[int],
         blocks: Sequence[int],
         tags: Sequence[int] | None = None,
+        level: int = 0,
     ) -> None:
         """The device evicted these blocks of ``group_id`` (``blocks[i]`` still holds
         ``hashes[i]``; ``tags[i]``: what to remember of it, e.g. a checkpoint's admission
-        reason): write them back to the top tier."""
+        reason): write them back to the top tier (or to tier ``level``)."""
         for i, (h, b) in enumerate(zip(hashes, blocks, strict=True)):
-            self._put(0, group_id, h, b, None, tags[i] if tags is not None else 0)
+            self._put(level, group_id, h, b, None, tags[i] if tags is not None else 0)
 
     def tag(self, group_id: int, h: int) -> int:
         """The tag stored with hash ``h`` of ``group_id`` (0 when no tier holds it)."""

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.cache import CHECKPOINT_ADMISSION, PUBLISH_MODES, WINDOW_RETENTION
+from hybridkv.cache import CHECKPOINT_ADMISSION, PUBLISH_MODES, TIER_ADMISSION, WINDOW_RETENTION
 from hybridkv.cli.common import (
     CliInputError,
     add_block_options,
@@ -148,6 +148,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "chunk end, decode) has served at least the cache's average hit tokens per byte, or "
         "at every aligned step end",
     )
+    parser.add_argument(
+        "--tier-admission",
+        default="yield",
+        choices=list(TIER_ADMISSION),
+        help="with --host-memory: a state checkpoint the device evicts whose reason the "
+        "checkpoint admission does not save now skips the host tier (to --disk-memory if "
+        "given), or every checkpoint goes to the host tier",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads")
     parser.add_argument(
         "--report",
@@ -271,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
             window_retention=args.window_retention,
             publish=args.publish,
             checkpoint_admission=args.checkpoint_admission,
+            tier_admission=args.tier_admission,
             host_memory_bytes=host,
             disk_memory_bytes=disk,
             label=f"{strategy} host {format_bytes(host) if host else 'none'}" if sweep else None,

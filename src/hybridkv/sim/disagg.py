@@ -94,6 +94,7 @@ def _instance(model: ModelSpec, config: SimConfig, publish: str) -> Scheduler:
         publish=publish,
         window_retention=config.window_retention,
         checkpoint_admission=config.checkpoint_admission,
+        tier_admission=config.tier_admission,
     )
     return scheduler_for(mgr, config)
 

@@ -67,6 +67,8 @@ class SimConfig:
     window_retention: str = "tails"
     publish: str = "scheduled"
     checkpoint_admission: str = "yield"
+    #: Where evicted state checkpoints go (``KVCacheManager(tier_admission=)``).
+    tier_admission: str = "yield"
     #: The scheduler's ``checkpoint_before_end`` (state models; None: by the alignment).
     checkpoint_before_end: bool | None = None
     host_memory_bytes: int | None = None
@@ -306,6 +308,7 @@ def simulate(
         publish=config.publish,
         window_retention=config.window_retention,
         checkpoint_admission=config.checkpoint_admission,
+        tier_admission=config.tier_admission,
         group_hit_stats=True,  # the report's per-group hit rates
         tiers=config.tiers(),
     )
