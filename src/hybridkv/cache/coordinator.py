@@ -197,24 +197,19 @@ class HybridCoordinator:
             return
         tags = [reasons[b] for b in blocks]
         adm = self.admission
-        if adm is not None and self.tier_admission == "yield" and tiers.tiers[0].name == "host":
-            pairs = enumerate(zip(hashes, tags, strict=True))
-            low = [i for i, (h, t) in pairs if t and not adm.admits(t, h)]
-            if low:
-                if len(tiers.tiers) > 1:
-                    tiers.evicted(
-                        group_id,
-                        [hashes[i] for i in low],
-                        [blocks[i] for i in low],
-                        [tags[i] for i in low],
-                        level=1,
-                    )
-                skip = set(low)
-                keep = [i for i in range(len(tags)) if i not in skip]
-                hashes = [hashes[i] for i in keep]
-                blocks = [blocks[i] for i in keep]
-                tags = [tags[i] for i in keep]
-        tiers.evicted(group_id, hashes, blocks, tags)
+        if adm is None or self.tier_admission != "yield" or tiers.tiers[0].name != "host":
+            tiers.evicted(group_id, hashes, blocks, tags)
+            return
+        host: tuple[list[int], list[int], list[int]] = ([], [], [])
+        below: tuple[list[int], list[int], list[int]] = ([], [], [])
+        for h, b, t in zip(hashes, blocks, tags, strict=True):
+            dest = below if t and not adm.admits(t, h) else host
+            dest[0].append(h)
+            dest[1].append(b)
+            dest[2].append(t)
+        if below[0] and len(tiers.tiers) > 1:
+            tiers.evicted(group_id, *below, level=1)
+        tiers.evicted(group_id, *host)
 
     def persist(self, tier: str) -> None:
         """Copy every cached device block and upper-tier entry into ``tier`` (see

@@ -69,6 +69,10 @@ def block_extra_keys(
     return tuple(out)
 
 
+#: Where an int64's sign bit lies in its native encoding.
+_SIGN_BYTE = 7 if sys.byteorder == "little" else 0
+
+
 def _checked_array(ids: Iterable[int], field: str) -> array[int]:
     """``ids`` as an int64 array; raises :class:`RequestError` for a non-integer or negative."""
     try:
@@ -80,10 +84,6 @@ def _checked_array(ids: Iterable[int], field: str) -> array[int]:
     if not arr.tobytes()[_SIGN_BYTE::8].isascii():
         raise RequestError(f"{field}: token ids must be >= 0, got {min(arr)}")
     return arr
-
-
-#: Where an int64's sign bit lies in its native encoding.
-_SIGN_BYTE = 7 if sys.byteorder == "little" else 0
 
 
 def _checked_tokens(ids: Iterable[int], field: str) -> list[int]:
