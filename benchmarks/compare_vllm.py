@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hybridkv.cache import ComputedBlocks, KVCacheManager, Request  # noqa: E402
+from hybridkv.cache.pool_base import DEFAULT_CHANCES  # noqa: E402
 from hybridkv.models import resolve_model  # noqa: E402
 from hybridkv.plan import make_plan  # noqa: E402
 from hybridkv.specs import (  # noqa: E402
@@ -259,6 +260,7 @@ def compare(
     block_size: int,
     state_block_size: int | None,
     chunk_alignment: int | None = None,
+    second_chance: int = DEFAULT_CHANCES,
 ) -> dict[str, Any]:
     model = resolve_model(name)
     setup = vd.build_vllm_manager(
@@ -278,7 +280,10 @@ def compare(
         state_block_size=state_block_size,
         **({} if chunk_alignment is None else {"chunk_alignment": chunk_alignment}),
     )
-    ours = HybridkvAdapter(KVCacheManager(plan.layout, hasher="sha256"), token_budget=token_budget)
+    ours = HybridkvAdapter(
+        KVCacheManager(plan.layout, hasher="sha256", second_chance=second_chance),
+        token_budget=token_budget,
+    )
     h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
     vs, hs = _summary(v, vllm_adapter.timings), _summary(h, ours.timings)
     return {
@@ -288,6 +293,7 @@ def compare(
         "hybridkv": {
             **hs,
             "strategy": strategy,
+            "second_chance": second_chance,
             "schedule_alignment": plan.layout.schedule_alignment,
             "groups": [
                 {"kind": g.spec.kind.value, "layers": g.num_members, "block_size": g.block_size}
@@ -336,6 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--state-block-size", type=int, default=None)
     p.add_argument("--chunk-alignment", default=None, help="arena chunk alignment (e.g. 2MiB)")
+    p.add_argument(
+        "--second-chance",
+        type=int,
+        default=DEFAULT_CHANCES,
+        help="chances a cached block that served hits holds at most (0 off; hybridkv side)",
+    )
     p.add_argument("--out", default="results/compare_vllm.json")
     args = p.parse_args(argv)
     if not vd.vllm_available():
@@ -377,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.chunk_alignment is None
                 else parse_bytes(args.chunk_alignment, field="--chunk-alignment")
             ),
+            second_chance=args.second_chance,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)

@@ -44,7 +44,7 @@ def _general_pool_manager(layout: MemoryLayout, **kw: Any) -> KVCacheManager:
         events: Any,
         *,
         arena_eviction: str = "chunk_lru",
-        second_chance: bool = True,
+        second_chance: int = 1,
     ) -> Any:
         arena = layout.arena
         if arena is not None and all(g.block_bytes == arena.chunk_bytes for g in layout.groups):
@@ -113,7 +113,7 @@ class TwinMachine(RuleBasedStateMachine):
         capacity=hst.integers(3, 10),
         publish=hst.sampled_from(PUBLISH_MODES),
         retention=hst.sampled_from(WINDOW_RETENTION),
-        second_chance=hst.booleans(),
+        second_chance=hst.integers(0, 3),
     )
     def setup(
         self,
@@ -123,7 +123,7 @@ class TwinMachine(RuleBasedStateMachine):
         capacity: int,
         publish: str,
         retention: str,
-        second_chance: bool,
+        second_chance: int,
     ) -> None:
         if equal_pages:  # block size 4: every tiny spec has 128-byte blocks
             items = [(spec, 4) for spec, _ in items]

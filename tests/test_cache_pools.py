@@ -76,6 +76,71 @@ def test_a_block_that_served_a_hit_gets_one_second_chance() -> None:
         assert pool.reset_cache() is False and pool.snapshot() == before
 
 
+def test_each_hit_gives_a_block_a_chance_up_to_the_pool_s_count() -> None:
+    # second_chance=2: a block that served two hits survives two sweeps, one that served one
+    # survives one; a third hit adds nothing.
+    pool = make_block_pool(uniform(groups(full()), 6), EventLog(enabled=True), second_chance=2)
+    assert pool.allocate(0, 5) == [1, 2, 3, 4, 5]
+    for b in (1, 2, 3, 4, 5):
+        pool.cache(0, b, 100 + b)
+    pool.release(0, [1, 2, 3, 4, 5])  # LRU: 1 2 3 4 5
+    for _ in range(3):  # three hits on 1: two chances held, the third adds none
+        pool.touch(0, [1])
+        pool.release(0, [1])  # LRU: 2 3 4 5 1
+    pool.touch(0, [2])  # one hit on 2
+    pool.release(0, [2])  # LRU: 3 4 5 1 2
+    pool.check_invariants()
+    # 3, 4, 5 go; 1 spends a chance (LRU: 2 1), 2 spends its only one (LRU: 1 2), 1 spends
+    # its last (LRU: 2 1), then 2 goes and 1 stays.
+    assert pool.allocate(0, 4) == [3, 4, 5, 2]
+    evicted = [e.block_hashes[0] for e in pool.events.take()]  # type: ignore[attr-defined]
+    assert evicted == [103, 104, 105, 102]
+    assert pool.maps[0] == {101: 1}
+    pool.check_invariants()
+
+
+def test_arena_idle_chunk_spends_one_chance_of_each_block_per_sparing() -> None:
+    # Two hits on a block of idle chunk 1: it is spared twice, so two younger idle chunks go
+    # first; fits replays both sparings without changing anything.
+    layout = arena(groups(full(), (full(), 8)), 5)  # 512-byte chunks: 4 or 2 blocks
+    pool = make_block_pool(layout, EventLog(enabled=True), second_chance=2)
+    assert isinstance(pool, ArenaPool)
+    assert _hold_null_chunk(pool) == [2, 3]
+    for c, first in ((1, 4), (2, 8), (3, 12)):
+        assert pool.allocate(0, 4) == [first, first + 1, first + 2, first + 3]
+        for b in range(first, first + 4):
+            pool.cache(0, b, 100 + b)
+        pool.release(0, list(range(first, first + 4)))  # chunk c idle
+        if c == 1:
+            for _ in range(2):  # two hits on block 4: chunk 1 idle again, 2 chances
+                pool.touch(0, [4])
+                pool.release(0, [4])
+    assert pool.allocate(1, 2) == [8, 9]  # chunk 4 was free
+    pool.events.take()
+    before = pool.snapshot()
+    assert pool.fits([None, None], [None, None], [None, None], [0, 4])
+    assert not pool.fits([None, None], [None, None], [None, None], [0, 7])
+    assert pool.snapshot() == before
+    # chunk 1 (oldest, holding chances) spends one and moves behind chunk 3: 2 and 3 go
+    assert pool.allocate(1, 4) == [4, 5, 6, 7]
+    evicted = [e.block_hashes for e in pool.events.take()]  # type: ignore[attr-defined]
+    assert evicted == [(108, 109, 110, 111), (112, 113, 114, 115)]
+    assert pool.chunk_owner(1) == 0 and pool.hit[0][4] == 1
+    pool.check_invariants()
+    # the last idle chunk spends its last chance, then goes all the same
+    assert pool.allocate(1, 2) == [2, 3]
+    evicted = [e.block_hashes for e in pool.events.take()]  # type: ignore[attr-defined]
+    assert evicted == [(104, 105, 106, 107)] and pool.chunk_owner(1) == 1
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [-1, 256, 1.5, "2"])
+def test_a_chance_count_out_of_range_is_refused(bad: object) -> None:
+    for layout in (uniform(groups(full()), 4), arena(groups(full(), (full(), 8)), 4)):
+        with pytest.raises(PlanError, match=r"second_chance: .* valid: an integer in \[0, 255\]"):
+            make_block_pool(layout, EventLog(enabled=False), second_chance=bad)  # type: ignore[arg-type]
+
+
 def test_pools_evict_only_within_their_group() -> None:
     pool = make_block_pool(pools(groups(full(), full()), 3), EventLog(enabled=False))
     assert pool.allocate(0, 2) == [1, 2] and pool.allocate(1, 2) == [1, 2]

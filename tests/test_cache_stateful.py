@@ -87,7 +87,7 @@ class CacheMachine(RuleBasedStateMachine):
         min_checkpoints=hst.integers(0, 2),
         explore=hst.integers(1, 3),
         reject=hst.sampled_from([0, 2, 3]),
-        second_chance=hst.booleans(),
+        second_chance=hst.integers(0, 3),
         tier_blocks=hst.tuples(hst.integers(1, 6), hst.integers(0, 8)),
         tier_admission=hst.sampled_from(TIER_ADMISSION),
     )
@@ -102,7 +102,7 @@ class CacheMachine(RuleBasedStateMachine):
         min_checkpoints: int,
         explore: int,
         reject: int,
-        second_chance: bool,
+        second_chance: int,
         tier_blocks: tuple[int, int],
         tier_admission: str,
     ) -> None:

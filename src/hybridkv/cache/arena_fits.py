@@ -50,10 +50,13 @@ class ArenaFits:
     chunk_refd: list[int]
     chunk_cached_free: list[int]
     free_chunks: list[int]
-    second_chance: bool
+    second_chance: int
     hit: list[bytearray]
 
     def chunk_hit(self, c: int) -> bool:
+        raise NotImplementedError
+
+    def chunk_chances(self, c: int) -> int:
         raise NotImplementedError
 
     def _fits_without_eviction(self, releases: GroupLists, needs: Sequence[int]) -> bool:
@@ -207,7 +210,7 @@ class ArenaFits:
                 new_idle.items(),
             )
         )
-        spared: set[tuple[int, int]] = set()  # (group, block) or (-1, chunk) given a chance
+        spared: dict[tuple[int, int], int] = {}  # (group, block) or (-1, chunk): chances spent
         clock_box = [clock]
         for g, n in rest[:-1]:
             k = self._walk(g, n, idle_seq, clock_box, spared, gone.get(g), added.get(g))
@@ -223,16 +226,17 @@ class ArenaFits:
         n: int,
         idle_seq: _Seq,
         clock: list[int],
-        spared: set[tuple[int, int]],
+        spared: dict[tuple[int, int], int],
         gone: set[int] | None,
         added: dict[int, int] | None,
     ) -> int:
         """Idle chunks ``g`` takes to evict ``n`` blocks in LRU order (-1: it cannot): its own
         cached blocks (the kept LRU, then ``added``) against idle chunks (``idle_seq``, shared by
         the groups of one :meth:`fits`: a chunk one group takes is gone for the next).  With
-        the second chance, a marked head (block or idle chunk) not yet ``spared`` moves to the
-        young end with the next stamp (``clock[0]``), as :meth:`ArenaPool.allocate` does: own
-        head first, then the idle head, before each decision."""
+        the second chance, a head (block or idle chunk) holding more chances than it spent in
+        ``spared`` spends one and moves to the young end with the next stamp (``clock[0]``), as
+        :meth:`ArenaPool.allocate` does: own head first, then the idle head, before each
+        decision."""
         fc = self.free_cached[g]
         items: Iterator[tuple[int, int]] = iter(fc.items())
         if gone:
@@ -244,18 +248,16 @@ class ArenaFits:
         taken = 0
         while n > 0:
             if chance:
-                while (a := own.head()) is not None and hit[a[0]] and (g, a[0]) not in spared:
+                while (a := own.head()) is not None and hit[a[0]] > spared.get((g, a[0]), 0):
                     own.pop()
-                    spared.add((g, a[0]))
+                    spared[g, a[0]] = spared.get((g, a[0]), 0) + 1
                     clock[0] += 1
                     own.push(a[0], clock[0])
-                while (
-                    (h := idle_seq.head()) is not None
-                    and (-1, h[0]) not in spared
-                    and self.chunk_hit(h[0])
+                while (h := idle_seq.head()) is not None and self.chunk_chances(h[0]) > (
+                    spent := spared.get((-1, h[0]), 0)
                 ):
                     idle_seq.pop()
-                    spared.add((-1, h[0]))
+                    spared[-1, h[0]] = spent + 1
                     clock[0] += 1
                     idle_seq.push(h[0], clock[0])
             a = own.head()

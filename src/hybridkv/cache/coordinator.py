@@ -22,6 +22,7 @@ from typing import Any, cast
 from hybridkv.cache.admission import CHECKPOINT_ADMISSION, TIER_ADMISSION, CheckpointAdmission
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan, manager_class
+from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
 from hybridkv.cache.tiers import TierSpec, TierStack
@@ -102,7 +103,7 @@ class HybridCoordinator:
         events: EventLog,
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
-        second_chance: bool = True,
+        second_chance: int = DEFAULT_CHANCES,
         publish: str = "scheduled",
         window_retention: str = "tails",
         checkpoint_admission: str = "yield",

@@ -40,7 +40,7 @@ from hybridkv.cache.errors import (
 )
 from hybridkv.cache.events import EventLog, KVEvent
 from hybridkv.cache.hashing import BlockHasher, make_hasher
-from hybridkv.cache.pool_base import BlockPool
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats, StatsCollector
 from hybridkv.cache.tiers import TierOp, TierSpec
@@ -65,10 +65,11 @@ class KVCacheManager:
     ``max_model_len``: slots are never allocated past it (lookahead is clipped).
     ``arena_eviction``: ``"chunk_lru"`` (default) or ``"own_first"`` for arena layouts (see
     :mod:`hybridkv.cache.pool_arena`).
-    ``second_chance``: (default on) a cached block that served a hit, or an idle arena chunk
-    holding one, is spared once when it comes up for eviction: its mark is cleared and it
-    moves to the young end (see :class:`~hybridkv.cache.pool_base.FreeListPool` and
-    :mod:`hybridkv.cache.pool_arena`).
+    ``second_chance``: the chances a cached block holds at most (default 1, ``True`` / ``False``
+    = 1 / 0): each hit it serves gives it one, and a block (or an idle arena chunk holding
+    one) that has one when it comes up for eviction spends it and moves to the young end
+    instead (CLOCK's second chance; above 1, generalized CLOCK's hit counter; see
+    :class:`~hybridkv.cache.pool_base.FreeListPool` and :mod:`hybridkv.cache.pool_arena`).
     ``publish``: ``"scheduled"`` (default): attention blocks join the prefix cache at the
     allocation of the step that fills them, so requests admitted later in the same step hit
     them; the runner must write a step's new tokens before reading them (hybridkv's engine
@@ -109,7 +110,7 @@ class KVCacheManager:
         enable_kv_events: bool = False,
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
-        second_chance: bool = True,
+        second_chance: int = DEFAULT_CHANCES,
         publish: str = "scheduled",
         window_retention: str = "tails",
         group_hit_stats: bool = False,

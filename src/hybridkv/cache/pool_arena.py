@@ -34,9 +34,11 @@ order:
    blocks evicted lowest first before anything else); another group's is emptied (cached
    blocks evicted) and carved.
 
-With ``second_chance`` (the default), a block that served a hit (a touch) is marked; before
-step 3 compares, a marked head of g's LRU, then a marked head of the idle LRU (an idle chunk
-holding a marked block), has its marks cleared and a new stamp: spared once, as CLOCK does.
+With ``second_chance`` = ``k`` >= 1 (the default 1; :class:`~hybridkv.cache.pool_base.
+FreeListPool`), each hit a block serves (a touch) gives it a chance, up to ``k``; before step
+3 compares, a head of g's LRU holding a chance spends one and gets a new stamp, then so does
+a head of the idle LRU (an idle chunk holding a block with a chance: every such block of the
+chunk spends one): spared, as CLOCK does (once each for ``k`` = 1).
 
 Stamps are unique, so "older" is a strict order.  Every group loses the oldest cached data it
 can reach: a whole idle chunk of any group, or one of its own blocks, but never another
@@ -62,7 +64,7 @@ from typing import Any, ClassVar
 from hybridkv.cache.arena_fits import ArenaFits
 from hybridkv.cache.arena_invariants import check_arena
 from hybridkv.cache.events import EventLog
-from hybridkv.cache.pool_base import BlockPool
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, check_chances
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
@@ -72,6 +74,8 @@ __all__ = ["ARENA_EVICTION_POLICIES", "ArenaPool"]
 #: ``own_first``: a group evicts its own cached blocks (active chunks, then its idle chunks)
 #: before emptying another group's chunk.
 ARENA_EVICTION_POLICIES = ("chunk_lru", "own_first")
+#: ``bytes.translate`` table spending one chance of every block that holds one.
+_SPEND = bytes([0, *range(255)])
 
 
 class ArenaPool(ArenaFits, BlockPool):
@@ -86,7 +90,7 @@ class ArenaPool(ArenaFits, BlockPool):
         events: EventLog,
         *,
         eviction: str = "chunk_lru",
-        second_chance: bool = True,
+        second_chance: int = DEFAULT_CHANCES,
     ) -> None:
         super().__init__(layout, events)
         if eviction not in ARENA_EVICTION_POLICIES:
@@ -111,10 +115,11 @@ class ArenaPool(ArenaFits, BlockPool):
         #: ``first[g][c]``: the first block id chunk ``c`` lends group ``g``.
         self.first = [[layout.chunk_first_block(g, c) for c in range(nc)] for g in groups]
         self.refs = [[0] * layout.num_block_ids(g) for g in groups]
-        #: Second chance: ``hit[g][b]`` is set when block ``b`` serves a hit; a cached block
-        #: (or an idle chunk holding one) with the mark is spared once when it comes up for
-        #: eviction: the mark is cleared and it gets a new stamp (the young end).
-        self.second_chance = second_chance
+        #: Second chance: ``hit[g][b]`` counts the chances block ``b`` holds (one per hit it
+        #: served, at most ``second_chance``); a cached block (or an idle chunk holding one)
+        #: with a chance is spared when it comes up for eviction: it spends one (every block
+        #: of the chunk with one) and gets a new stamp (the young end).
+        self.second_chance = check_chances(second_chance)
         self.hit = [bytearray(layout.num_block_ids(g)) for g in groups]
         self.hashes = [[None] * layout.num_block_ids(g) for g in groups]
         self.maps = [{} for _ in groups]
@@ -150,10 +155,16 @@ class ArenaPool(ArenaFits, BlockPool):
 
     # -- second chance ------------------------------------------------------------------------
     def chunk_hit(self, c: int) -> bool:
-        """Whether idle chunk ``c`` holds a block marked as having served a hit."""
+        """Whether idle chunk ``c`` holds a block with a chance left."""
         h = self.owner[c]
         f = self.first[h][c]
         return any(self.hit[h][f : f + self.bpc[h]])
+
+    def chunk_chances(self, c: int) -> int:
+        """The times idle chunk ``c`` can still be spared: its blocks' most chances."""
+        h = self.owner[c]
+        f = self.first[h][c]
+        return max(self.hit[h][f : f + self.bpc[h]])
 
     def _spare_own(self, g: int) -> None:
         """Give ``g``'s marked LRU heads their second chance: mark cleared, a new stamp."""
@@ -162,7 +173,7 @@ class ArenaPool(ArenaFits, BlockPool):
             b = next(iter(fc))
             if not hit[b]:
                 return
-            hit[b] = 0
+            hit[b] -= 1
             self.clock += 1
             fc[b] = self.clock
             fc.move_to_end(b)
@@ -177,7 +188,7 @@ class ArenaPool(ArenaFits, BlockPool):
             h = self.owner[c]
             f = self.first[h][c]
             bpc = self.bpc[h]
-            self.hit[h][f : f + bpc] = bytes(bpc)
+            self.hit[h][f : f + bpc] = self.hit[h][f : f + bpc].translate(_SPEND)
             self.clock += 1
             self.idle_all[c] = self.clock
             self.idle_all.move_to_end(c)
@@ -347,8 +358,8 @@ class ArenaPool(ArenaFits, BlockPool):
         bb, cb = self.block_bytes[g], self.chunk_bytes
         hitg, chance = self.hit[g], self.second_chance
         for b in blocks:
-            if chance:
-                hitg[b] = 1
+            if hitg[b] < chance:
+                hitg[b] += 1
             r = refs[b]
             if not r:
                 c = b * bb // cb

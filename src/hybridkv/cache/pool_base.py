@@ -24,10 +24,31 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
-from hybridkv.errors import InvariantError
+from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import NULL_BLOCK_ID, MemoryLayout, Strategy
 
-__all__ = ["BlockPool", "FreeListPool"]
+__all__ = ["DEFAULT_CHANCES", "MAX_CHANCES", "BlockPool", "FreeListPool", "check_chances"]
+
+#: Chances a block that served hits holds at most, by default (see :class:`FreeListPool`).
+#: Measured with ``benchmarks/compare_vllm.py`` on the Mooncake trace (docs/vllm.md): 2 keeps
+#: gemma-3-27b's system prompt through more of the prefill bursts that sweep the LRU (64 GiB:
+#: 3.684% -> 3.702% of prompt tokens in the arena) but costs Nemotron-H-8B (64 GiB: 6.49% ->
+#: 5.89%) and gpt-oss-20b (9.86% -> 9.51%), so the default stays at CLOCK's one.
+DEFAULT_CHANCES = 1
+#: The most a pool accepts (one byte per block).
+MAX_CHANCES = 255
+
+
+def check_chances(value: int) -> int:
+    """``value`` as a chance count (``True`` / ``False`` are 1 / 0); raises PlanError unless
+    it is an integer in ``[0, MAX_CHANCES]``."""
+    if not isinstance(value, int) or not 0 <= value <= MAX_CHANCES:
+        raise PlanError(
+            f"second_chance: {value!r} is not a chance count; valid: an integer in "
+            f"[0, {MAX_CHANCES}] (0 off, 1 CLOCK's second chance, True / False = 1 / 0)"
+        )
+    return int(value)
+
 
 #: Per-group optional lists handed to :meth:`BlockPool.fits` (``None`` = nothing).
 GroupLists = Sequence[Sequence[int] | None]
@@ -140,15 +161,18 @@ class FreeListPool:
     ``pools`` strategy (one instance per group).  ``owner[b]`` is the group whose table or
     prefix cache holds block ``b`` (-1 for an uncached free block).
 
-    Eviction takes the least recently used cached free block; with ``second_chance`` a block
-    that served a hit (a touch) since it last reached the evict-first end is moved to the
-    most-recently-used end instead, once, its mark cleared (CLOCK's second chance).  A block
-    every request shares, such as a system prompt's, then survives one allocation that sweeps
-    the whole LRU.  Feasibility is unchanged (the count of evictable blocks is the same).
+    Eviction takes the least recently used cached free block; with ``second_chance`` = ``k``
+    >= 1, each hit a block serves (a touch) gives it a chance, up to ``k`` held at once, and a
+    block holding one when it reaches the evict-first end is moved to the most-recently-used
+    end instead, one chance spent (CLOCK's second chance for ``k`` = 1, generalized CLOCK's
+    hit counter above it).  A block every request shares, such as a system prompt's, then
+    survives up to ``k`` allocations that each sweep the whole LRU.  Feasibility is unchanged
+    (the count of evictable blocks is the same).  0 turns it off.
     :class:`~hybridkv.cache.pool_arena.ArenaPool` does the same per block and idle chunk.
     """
 
     __slots__ = (
+        "chances",
         "events",
         "first",
         "free_cached",
@@ -170,7 +194,7 @@ class FreeListPool:
         events: EventLog,
         *,
         first: int = 1,
-        second_chance: bool = True,
+        second_chance: int = DEFAULT_CHANCES,
     ) -> None:
         #: Ids ``[1, first)`` are reserved: never handed out (an arena's null chunk).
         self.first = first
@@ -185,8 +209,10 @@ class FreeListPool:
         self.free_uncached: dict[int, None] = dict.fromkeys(range(num_blocks - 1, first - 1, -1))
         self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.num_used = 0
-        #: ``hit[b]``: block ``b`` served a hit since it last had a second chance (None: off).
-        self.hit: bytearray | None = bytearray(num_blocks) if second_chance else None
+        #: ``hit[b]``: the chances block ``b`` holds (hits served, not yet spent; at most
+        #: ``chances``); None when the second chance is off.
+        self.chances = check_chances(second_chance)
+        self.hit: bytearray | None = bytearray(num_blocks) if self.chances else None
 
     @property
     def num_free(self) -> int:
@@ -224,8 +250,8 @@ class FreeListPool:
         hit = self.hit
         for _ in range(n):
             b = fc.popitem(last=False)[0]
-            while hit is not None and hit[b]:  # once each: n <= len(fc) ends the loop
-                hit[b] = 0
+            while hit is not None and hit[b]:  # each spends one: n <= len(fc) ends the loop
+                hit[b] -= 1
                 fc[b] = None
                 b = fc.popitem(last=False)[0]
             h = hashes[b]
@@ -242,15 +268,15 @@ class FreeListPool:
                 self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]
 
     def touch(self, blocks: Sequence[int]) -> None:
-        refs, fc, hit = self.refs, self.free_cached, self.hit
+        refs, fc, hit, most = self.refs, self.free_cached, self.hit, self.chances
         for b in blocks:
             r = refs[b]
             if not r:
                 del fc[b]
                 self.num_used += 1
             refs[b] = r + 1
-            if hit is not None:
-                hit[b] = 1
+            if hit is not None and hit[b] < most:
+                hit[b] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
         refs, hashes, owner = self.refs, self.hashes, self.owner
@@ -317,8 +343,8 @@ class FreeListPool:
         hit = self.hit
         if hit is not None and (len(hit) != self.num_blocks or any(hit[: self.first])):
             raise InvariantError("second-chance marks on reserved blocks, or a wrong count")
-        if hit is not None and any(v > 1 for v in hit):
-            raise InvariantError("a second-chance mark other than 0 or 1")
+        if hit is not None and max(hit) > self.chances:
+            raise InvariantError(f"a block holds more than {self.chances} second chances")
         used = 0
         for b in range(self.first, self.num_blocks):
             r = refs[b]

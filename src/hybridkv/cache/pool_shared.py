@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
-from hybridkv.cache.pool_base import BlockPool, FreeListPool, GroupLists
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, FreeListPool, GroupLists
 from hybridkv.errors import InvariantError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
@@ -26,7 +26,7 @@ class UniformPool(BlockPool):
     strategy: ClassVar[Strategy] = Strategy.UNIFORM
 
     def __init__(
-        self, layout: MemoryLayout, events: EventLog, *, second_chance: bool = True
+        self, layout: MemoryLayout, events: EventLog, *, second_chance: int = DEFAULT_CHANCES
     ) -> None:
         super().__init__(layout, events)
         if len(layout.pools) != 1:
@@ -35,7 +35,12 @@ class UniformPool(BlockPool):
         self._init_core(pool.num_blocks, pool.block_bytes, second_chance=second_chance)
 
     def _init_core(
-        self, num_blocks: int, block_bytes: int, first: int = 1, *, second_chance: bool = True
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        first: int = 1,
+        *,
+        second_chance: int = DEFAULT_CHANCES,
     ) -> None:
         self.core = FreeListPool(
             num_blocks,
@@ -128,7 +133,7 @@ class FlatArenaPool(UniformPool):
         return all(g.block_bytes == chunk for g in layout.groups)
 
     def __init__(
-        self, layout: MemoryLayout, events: EventLog, *, second_chance: bool = True
+        self, layout: MemoryLayout, events: EventLog, *, second_chance: int = DEFAULT_CHANCES
     ) -> None:
         BlockPool.__init__(self, layout, events)
         arena = layout.arena
@@ -165,7 +170,7 @@ class PerGroupPools(BlockPool):
     strategy: ClassVar[Strategy] = Strategy.POOLS
 
     def __init__(
-        self, layout: MemoryLayout, events: EventLog, *, second_chance: bool = True
+        self, layout: MemoryLayout, events: EventLog, *, second_chance: int = DEFAULT_CHANCES
     ) -> None:
         super().__init__(layout, events)
         self.cores: list[FreeListPool] = []

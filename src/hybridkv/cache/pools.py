@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_arena import ArenaPool
-from hybridkv.cache.pool_base import BlockPool
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool
 from hybridkv.cache.pool_shared import FlatArenaPool, PerGroupPools, UniformPool
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
@@ -23,7 +23,7 @@ def make_block_pool(
     events: EventLog,
     *,
     arena_eviction: str = "chunk_lru",
-    second_chance: bool = True,
+    second_chance: int = DEFAULT_CHANCES,
 ) -> BlockPool:
     """The pool for ``layout.strategy``, with every block free and nothing cached.
 
