@@ -48,6 +48,8 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["simulate", "--max-num-seqs", "-1"], "--max-num-seqs: must be a positive integer"),
     (["simulate", "--state-block-size", "0"], "--state-block-size: must be a positive"),
     (["simulate", "--tp", "0"], "--tp: must be a positive integer, got 0"),
+    (["simulate", "--second-chance", "256"], "--second-chance: must be an integer in [0, 255]"),
+    (["simulate", "--second-chance", "-1"], "--second-chance: must be an integer in [0, 255]"),
     (["simulate", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
     (["simulate", "--model", "no-such-model"], "'no-such-model' is neither a catalog name"),
     (["simulate", "--pool-ratios", "x"], "cannot parse --pool-ratios"),
@@ -71,6 +73,7 @@ ARGPARSE_ERRORS: list[list[str]] = [
     ["simulate", "--window-retention", "some"],
     ["simulate", "--publish", "later"],
     ["simulate", "--requests", "ten"],
+    ["simulate", "--second-chance", "two"],
     ["models", "--tp", "two"],
     ["plan", "--no-such-flag"],
 ]

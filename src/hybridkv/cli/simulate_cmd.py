@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.cache import CHECKPOINT_ADMISSION, PUBLISH_MODES, TIER_ADMISSION, WINDOW_RETENTION
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, MAX_CHANCES
 from hybridkv.cli.common import (
     CliInputError,
     add_block_options,
@@ -156,6 +157,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "checkpoint admission does not save now skips the host tier (to --disk-memory if "
         "given), or every checkpoint goes to the host tier",
     )
+    parser.add_argument(
+        "--second-chance",
+        type=int,
+        default=DEFAULT_CHANCES,
+        metavar="K",
+        help="chances a cached block that served hits holds at most: each hit gives one, each "
+        f"time it comes up for eviction it spends one instead (0 off; default {DEFAULT_CHANCES})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads")
     parser.add_argument(
         "--report",
@@ -238,6 +247,10 @@ def run(args: argparse.Namespace) -> int:
             "tp",
         ),
     )
+    if not 0 <= args.second_chance <= MAX_CHANCES:
+        raise CliInputError(
+            f"--second-chance: must be an integer in [0, {MAX_CHANCES}], got {args.second_chance}"
+        )
     memory = parse_bytes(args.memory, field="--memory")
     hosts: list[int | None] = [None]
     if args.host_memory is not None:
@@ -280,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
             publish=args.publish,
             checkpoint_admission=args.checkpoint_admission,
             tier_admission=args.tier_admission,
+            second_chance=args.second_chance,
             host_memory_bytes=host,
             disk_memory_bytes=disk,
             label=f"{strategy} host {format_bytes(host) if host else 'none'}" if sweep else None,

@@ -95,6 +95,7 @@ def _instance(model: ModelSpec, config: SimConfig, publish: str) -> Scheduler:
         window_retention=config.window_retention,
         checkpoint_admission=config.checkpoint_admission,
         tier_admission=config.tier_admission,
+        second_chance=config.second_chance,
     )
     return scheduler_for(mgr, config)
 

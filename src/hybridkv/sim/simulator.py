@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.cache import KVCacheManager, TierSpec
+from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.tiers import tier_hit_tokens
 from hybridkv.errors import HybridKVError
 from hybridkv.plan import Strategy, make_plan
@@ -69,6 +70,8 @@ class SimConfig:
     checkpoint_admission: str = "yield"
     #: Where evicted state checkpoints go (``KVCacheManager(tier_admission=)``).
     tier_admission: str = "yield"
+    #: Chances a cached block that served hits holds at most (``KVCacheManager(second_chance=)``).
+    second_chance: int = DEFAULT_CHANCES
     #: The scheduler's ``checkpoint_before_end`` (state models; None: by the alignment).
     checkpoint_before_end: bool | None = None
     host_memory_bytes: int | None = None
@@ -309,6 +312,7 @@ def simulate(
         window_retention=config.window_retention,
         checkpoint_admission=config.checkpoint_admission,
         tier_admission=config.tier_admission,
+        second_chance=config.second_chance,
         group_hit_stats=True,  # the report's per-group hit rates
         tiers=config.tiers(),
     )
