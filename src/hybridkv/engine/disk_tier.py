@@ -35,6 +35,14 @@ from hybridkv.storage.disk_slots import DiskSlots, checksum
 __all__ = ["DiskTier"]
 
 Key = tuple[int, int]
+#: A queued write (key, tag, bytes, the CUDA event the bytes are ready at) or drop (no bytes).
+_Item = tuple[Key, int, torch.Tensor | None, torch.cuda.Event | None]
+
+
+def _checksum_when_ready(data: torch.Tensor, ready: torch.cuda.Event | None) -> int:
+    if ready is not None:
+        ready.synchronize()
+    return checksum(data.numpy().data)
 
 
 class DiskTier:
@@ -77,8 +85,9 @@ class DiskTier:
         #: Reads that found a copy missing, torn or corrupt.
         self.bad_reads = 0
         self.readers = readers
-        #: Writes, drops (no data) and clears (None) not yet handed to the writer.
-        self._batch: list[tuple[Key, int, torch.Tensor | None] | None] = []
+        #: Writes (with the CUDA event their bytes are ready at, if any), drops (no data) and
+        #: clears (None) not yet handed to the writer.
+        self._batch: list[_Item | None] = []
         self._batch_bytes = 0
         self._pending_keys: list[Key] = []
         #: A clear in the batch not yet handed over, and the writer job running one.
@@ -103,11 +112,15 @@ class DiskTier:
         self._spare.setdefault(data.numel(), []).append(data)
 
     # -- writer queue ---------------------------------------------------------------------------
-    def write(self, key: Key, tag: int, data: torch.Tensor) -> None:
+    def write(
+        self, key: Key, tag: int, data: torch.Tensor, ready: torch.cuda.Event | None = None
+    ) -> None:
         """Queue ``data`` (a CPU uint8 tensor the tier now owns, and reuses once written) as
-        entry ``key``; it goes to the writer with the rest of the batch at :meth:`commit`.  A
-        write that fails stores nothing: the entry then reads as bad."""
-        self._batch.append((key, tag, data))
+        entry ``key``; it goes to the writer with the rest of the batch at :meth:`commit`.
+        ``ready``: a CUDA event recorded after the (asynchronous) copy that fills ``data``; the
+        threads wait for it before they read the bytes.  A write that fails stores nothing:
+        the entry then reads as bad."""
+        self._batch.append((key, tag, data, ready))
         self._batch_bytes += data.numel()
         self._touch(key)
         if self._batch_bytes >= self.batch_bytes:  # let the writer start on what is ready
@@ -115,7 +128,7 @@ class DiskTier:
 
     def drop(self, key: Key) -> None:
         """Queue the removal of entry ``key`` (nothing when it is not stored)."""
-        self._batch.append((key, 0, None))
+        self._batch.append((key, 0, None, None))
         self._touch(key)
 
     def clear(self) -> None:
@@ -152,7 +165,7 @@ class DiskTier:
         sums = [
             None
             if item is None or item[2] is None
-            else self._hasher.submit(checksum, item[2].numpy().data)
+            else self._hasher.submit(_checksum_when_ready, item[2], item[3])
             for item in self._batch
         ]
         job = self._writer.submit(self._run_batch, self._batch, sums)
@@ -180,7 +193,7 @@ class DiskTier:
 
     def _run_batch(
         self,
-        batch: list[tuple[Key, int, torch.Tensor | None] | None],
+        batch: list[_Item | None],
         sums: list[cf.Future[int] | None],
     ) -> object:
         slots = self.slots
@@ -188,10 +201,12 @@ class DiskTier:
             if item is None:
                 slots.clear()
                 continue
-            key, tag, data = item
+            key, tag, data, ready = item
             if data is None or digest is None:
                 slots.drop(key)
             else:
+                if ready is not None:
+                    ready.synchronize()
                 slots.write(key, tag, data.numpy().data, digest.result)
                 self.give(data)
         return None

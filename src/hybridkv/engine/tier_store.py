@@ -144,6 +144,15 @@ class TierStore:
         self.storage = storage
         self.entries: dict[str, dict[tuple[int, int], torch.Tensor]] = {"host": {}}
         self._pin = storage.device.type == "cuda"
+        #: On CUDA the copies are queued on the current stream (the step's kernels follow
+        #: them in order) and the host does not wait; it synchronizes only before reading
+        #: host bytes itself (a move to disk) and before reusing a disk staging tensor.
+        self._async = self._pin
+        #: Device-to-host copies queued since the host last waited for the stream.
+        self._unsynced = False
+        #: Disk staging tensors whose host-to-device copies are queued, with the event
+        #: recorded after them: given back to the disk tier once it completed.
+        self._held: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
         self.disk = None if disk is None else DiskTier(disk, readers=readers, pin=self._pin)
         self._slots = _Slots(host_bytes, self._pin) if host_bytes else None
         #: Buffer offset of each entry held in the slots.
@@ -198,11 +207,13 @@ class TierStore:
     def apply(self, ops: Iterable[TierOp]) -> None:
         """Run ``ops`` in order.  Raises :class:`EngineError` for a tier the engine does not
         store or an entry it does not hold (a bookkeeping bug: nothing is read)."""
+        self._give_back_staging()
+        loaded_from_disk: list[torch.Tensor] = []
         for op in ops:
             if op.op == "clear":
                 self._clear()
             elif op.tier == "disk" or op.dest == "disk":
-                self._disk_op(op)
+                self._disk_op(op, loaded_from_disk)
             elif op.op == "store":
                 out = self._room((op.group_id, op.block_hash), self._desc_of(op).total_bytes)
                 self._gather(op, out)
@@ -218,10 +229,46 @@ class TierStore:
                 self._release(key, entries.pop(key))
             else:
                 raise EngineError(f"tier store: unknown operation {op.op!r} on {op.tier!r}")
+        if loaded_from_disk:
+            if self._async:
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(torch.cuda.current_stream(self.storage.device))
+                self._held.append((done, loaded_from_disk))
+            else:
+                self._give_back(loaded_from_disk)
         if self.disk is not None:
             self.disk.commit()
 
-    def _disk_op(self, op: TierOp) -> None:
+    def _give_back_staging(self, wait: bool = False) -> None:
+        """Give the disk tier back the staging tensors whose loads completed (all: ``wait``)."""
+        while self._held:
+            done, tensors = self._held[0]
+            if not wait and not done.query():  # type: ignore[no-untyped-call]
+                return
+            done.synchronize()
+            self._held.pop(0)
+            self._give_back(tensors)
+
+    def _give_back(self, tensors: list[torch.Tensor]) -> None:
+        if self.disk is not None:
+            for t in tensors:
+                self.disk.give(t)
+
+    def _host_ready(self) -> None:
+        """Wait for the queued device-to-host copies before the host reads their bytes."""
+        if self._unsynced:
+            torch.cuda.current_stream(self.storage.device).synchronize()
+            self._unsynced = False
+
+    def _ready_event(self) -> torch.cuda.Event | None:
+        """An event after the copies queued so far (None where copies are synchronous)."""
+        if not self._async:
+            return None
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(self.storage.device))
+        return ready
+
+    def _disk_op(self, op: TierOp, loaded: list[torch.Tensor]) -> None:
         disk = self.disk
         if disk is None:
             raise EngineError(f"tier store: the engine stores no disk tier ({op.op} asked)")
@@ -229,12 +276,13 @@ class TierStore:
         if op.op == "store":
             data = disk.buffer(self._desc_of(op).total_bytes)
             self._gather(op, data)
-            disk.write(key, op.tag, data)
+            disk.write(key, op.tag, data, self._ready_event())
             self.stored += 1
         elif op.op == "move":
             host = self._tier(op.tier)
             held = self._entry(host, op)
             del host[key]
+            self._host_ready()  # the host copies the slot, or the threads read the tensor
             if key in self._offsets:  # a slot of the host buffer, reused at once: a copy
                 own = disk.buffer(held.numel())
                 own.copy_(held)
@@ -249,7 +297,7 @@ class TierStore:
                     f"{op.block_hash:#x} failed its check after the request was admitted"
                 )
             self._scatter(op, staged)
-            disk.give(staged)
+            loaded.append(staged)  # given back once the copy ran
             self.loaded += 1
         elif op.op == "drop":
             disk.drop(key)  # a copy whose write failed is not there: nothing to drop
@@ -257,6 +305,7 @@ class TierStore:
             raise EngineError(f"tier store: unknown operation {op.op!r} on the disk tier")
 
     def _clear(self) -> None:
+        self._host_ready()  # no queued copy still writes a slot the clear frees
         for entries in self.entries.values():
             entries.clear()
         self._offsets.clear()
@@ -274,9 +323,12 @@ class TierStore:
         buffers = self.storage.buffers
         if len(desc.ranges) == 1:  # a cross-layer page-size block: one copy
             r = desc.ranges[0]
-            out.copy_(buffers[r.buffer_id][r.offset : r.offset + r.length])
+            out.copy_(
+                buffers[r.buffer_id][r.offset : r.offset + r.length], non_blocking=self._async
+            )
         else:
-            gather(desc, buffers, out)
+            gather(desc, buffers, out, non_blocking=self._async)
+        self._unsynced = self._async
 
     def _scatter(self, op: TierOp, packed: torch.Tensor) -> None:
         """Copy ``packed`` into device block ``op.block``."""
@@ -284,9 +336,11 @@ class TierStore:
         buffers = self.storage.buffers
         if len(desc.ranges) == 1:
             r = desc.ranges[0]
-            buffers[r.buffer_id][r.offset : r.offset + r.length].copy_(packed)
+            buffers[r.buffer_id][r.offset : r.offset + r.length].copy_(
+                packed, non_blocking=self._async
+            )
         else:
-            scatter(desc, buffers, packed.to(self.storage.device))
+            scatter(desc, buffers, packed, non_blocking=self._async)
 
     def _desc(self, group_id: int, block: int) -> TransferDescriptor:
         desc = self._descs.get((group_id, block))
@@ -336,5 +390,7 @@ class TierStore:
     def close(self) -> None:
         """Finish queued disk writes and in-flight reads and close the disk directory
         (releasing its lock)."""
+        self._host_ready()
+        self._give_back_staging(wait=True)
         if self.disk is not None:
             self.disk.close()

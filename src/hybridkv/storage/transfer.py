@@ -24,6 +24,7 @@ bytes per block) and blocks ``[3, 4, 9]`` -> ranges ``(0, 384, 96), (0, 512, 96)
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -173,7 +174,10 @@ def gather(
 
     ``out`` (flat ``uint8`` of at least ``desc.total_bytes``, any device, e.g. pinned host) is
     written from its start; by default a new tensor on the first buffer's device.  Mutates only
-    ``out``.  One copy call per range.  Raises :class:`TransferError` on mismatched buffers.
+    ``out``.  One copy call per range; on CUDA, several ranges are packed by one batched kernel
+    on the device, then copied once.  With ``non_blocking`` a copy to pinned host memory is
+    only queued: synchronize the stream before the host reads ``out``.  Raises
+    :class:`TransferError` on mismatched buffers.
     """
     flats = _flat(buffers, desc)
     total = desc.total_bytes
@@ -181,6 +185,15 @@ def gather(
         device = flats[0].device if flats else torch.device("cpu")
         out = torch.empty(total, dtype=torch.uint8, device=device)
     _check_packed(out, total)
+    if len(desc.ranges) > 1 and flats[0].is_cuda:
+        # One batched kernel packs the ranges on the device; then one copy (not one
+        # synchronous device-to-host copy per range).
+        slices = [flats[r.buffer_id][r.offset : r.offset + r.length] for r in desc.ranges]
+        if out.device == flats[0].device:
+            torch.cat(slices, out=out[:total])
+        else:
+            out[:total].copy_(torch.cat(slices), non_blocking=non_blocking)
+        return out
     pos = 0
     for r in desc.ranges:
         out[pos : pos + r.length].copy_(
@@ -199,11 +212,22 @@ def scatter(
 ) -> None:
     """Unpack ``packed`` (a stream matching ``desc``) into the ranges of ``desc``.
 
-    Mutates only the bytes of ``buffers`` inside ``desc.ranges``.  Raises
+    Mutates only the bytes of ``buffers`` inside ``desc.ranges``.  On CUDA, several ranges
+    are one copy to the device and a multi-tensor copy kernel.  With ``non_blocking`` the
+    copies are queued on the current stream: keep ``packed`` unchanged until they ran.  Raises
     :class:`TransferError` when ``packed`` is shorter than ``desc.total_bytes`` or not flat.
     """
     flats = _flat(buffers, desc)
     _check_packed(packed, desc.total_bytes)
+    if len(desc.ranges) > 1 and flats[0].is_cuda:
+        # One copy to the device, then the ranges in batched kernels (a multi-tensor copy).
+        total = desc.total_bytes
+        staged = packed[:total].to(flats[0].device, non_blocking=non_blocking)
+        ends = itertools.accumulate(r.length for r in desc.ranges)
+        parts = [staged[a:b] for a, b in itertools.pairwise([0, *ends])]
+        dsts = [flats[r.buffer_id][r.offset : r.offset + r.length] for r in desc.ranges]
+        torch._foreach_copy_(dsts, parts)
+        return
     pos = 0
     for r in desc.ranges:
         flats[r.buffer_id][r.offset : r.offset + r.length].copy_(
