@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cache import KVCacheManager, Request
+from hybridkv.cache import KVCacheManager, Request, compiled
 from hybridkv.plan.layout import ArenaPlan, GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import (
     CacheKind,
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         source = "synthetic"
     info = step_summary(workload)
-    print(f"workload {source}: {json.dumps(info)}")
+    print(f"workload {source}: {json.dumps(info)}; build: {'compiled' if compiled() else 'pure'}")
     results = []
     header = (
         f"{'layout':<16}{'strategy':<9}{'gcb mean/p50/p99 us':>22}{'alloc mean/p50/p99 us':>24}"
@@ -413,7 +413,13 @@ def main(argv: list[str] | None = None) -> int:
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    payload = {"source": source, "workload": info, "config": config, "results": results}
+    payload = {
+        "source": source,
+        "workload": info,
+        "config": config,
+        "compiled": compiled(),
+        "results": results,
+    }
     args.out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# HYBRIDKV_SRC: another build of this checkout (e.g. the compiled one, setup.py) to measure.
+sys.path.insert(0, os.environ.get("HYBRIDKV_SRC", str(ROOT / "src")))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from hybridkv.cache import ComputedBlocks, KVCacheManager, Request  # noqa: E402
+from hybridkv.cache import ComputedBlocks, KVCacheManager, Request, compiled  # noqa: E402
 from hybridkv.cache.pool_base import DEFAULT_CHANCES  # noqa: E402
 from hybridkv.models import resolve_model  # noqa: E402
 from hybridkv.plan import make_plan  # noqa: E402
@@ -370,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = step_requests(workload, ms_per_step=args.ms_per_step)
     print(
         f"{len(requests)} requests from {trace.name} ({workload.skipped} skipped: prompt "
-        "longer than max_model_len - 1)"
+        f"longer than max_model_len - 1); hybridkv build: {'compiled' if compiled() else 'pure'}"
     )
     results = []
     for name in args.models.split(","):
@@ -396,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    payload = {"args": vars(args), "compiled": compiled(), "results": results}
+    out.write_text(json.dumps(payload, indent=1))
     print(f"\nwrote {out}")
     return 0
 

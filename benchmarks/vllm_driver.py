@@ -37,7 +37,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, os.environ.get("HYBRIDKV_SRC", str(Path(__file__).resolve().parents[1] / "src")))
 
 from hybridkv.workloads import (
     BranchingConfig,

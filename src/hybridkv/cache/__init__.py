@@ -11,6 +11,10 @@ Entry point: :class:`KVCacheManager` (``hybridkv.cache.manager``).  Layers, bott
   local, recurrent state);
 * :mod:`~hybridkv.cache.coordinator`: fixed-point hits and atomic allocation across groups;
 * :mod:`~hybridkv.cache.manager`: the facade, with validation, statistics and KV events.
+
+The manager, pools, coordinator and hashing can be compiled with mypyc
+(``HYBRIDKV_COMPILE=1 pip install --no-build-isolation .``; :func:`compiled` says whether
+they were).
 """
 
 from __future__ import annotations
@@ -82,5 +86,13 @@ __all__ = [
     "TierSpec",
     "UnknownRequestError",
     "Xxh3Hasher",
+    "compiled",
     "make_hasher",
 ]
+
+
+def compiled() -> bool:
+    """Whether the bookkeeping runs the optional compiled build (mypyc, see setup.py)."""
+    from hybridkv.cache import coordinator
+
+    return not str(coordinator.__file__).endswith(".py")

@@ -10,7 +10,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from itertools import chain
 
-from hybridkv.cache.pool_base import GroupLists
+from hybridkv.cache.pool_base import BlockPool, GroupLists
 
 __all__ = ["ArenaFits"]
 
@@ -32,8 +32,10 @@ def _bounded(
     return True
 
 
-class ArenaFits:
-    """:meth:`fits` over the structures an :class:`ArenaPool` keeps (declared here)."""
+class ArenaFits(BlockPool):
+    """:meth:`fits` over the structures an :class:`ArenaPool` keeps (declared here).  A base
+    class of the pool rather than a mixin, so the chain stays single inheritance (what the
+    optional compiled build, mypyc, supports)."""
 
     num_groups: int
     own_first: bool

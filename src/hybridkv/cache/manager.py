@@ -40,7 +40,7 @@ from hybridkv.cache.errors import (
 )
 from hybridkv.cache.events import EventLog, KVEvent
 from hybridkv.cache.hashing import BlockHasher, make_hasher
-from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, check_chances
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats, StatsCollector
 from hybridkv.cache.tiers import TierOp, TierSpec
@@ -123,6 +123,7 @@ class KVCacheManager:
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
         if max_model_len is not None:
             _count("max_model_len", max_model_len)
+        second_chance = check_chances(second_chance)  # here too: before any typed (compiled) call
         self.layout = layout
         self.hasher = make_hasher(hasher) if isinstance(hasher, str) else hasher
         self.max_model_len = max_model_len

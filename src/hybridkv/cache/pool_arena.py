@@ -64,7 +64,7 @@ from typing import Any, ClassVar
 from hybridkv.cache.arena_fits import ArenaFits
 from hybridkv.cache.arena_invariants import check_arena
 from hybridkv.cache.events import EventLog
-from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, check_chances
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, check_chances
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
@@ -78,7 +78,7 @@ ARENA_EVICTION_POLICIES = ("chunk_lru", "own_first")
 _SPEND = bytes([0, *range(255)])
 
 
-class ArenaPool(ArenaFits, BlockPool):
+class ArenaPool(ArenaFits):
     """Chunks shared by every group of an ``arena`` layout."""
 
     strategy: ClassVar[Strategy] = Strategy.ARENA

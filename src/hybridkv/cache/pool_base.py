@@ -39,7 +39,7 @@ DEFAULT_CHANCES = 1
 MAX_CHANCES = 255
 
 
-def check_chances(value: int) -> int:
+def check_chances(value: object) -> int:
     """``value`` as a chance count (``True`` / ``False`` are 1 / 0); raises PlanError unless
     it is an integer in ``[0, MAX_CHANCES]``."""
     if not isinstance(value, int) or not 0 <= value <= MAX_CHANCES:
