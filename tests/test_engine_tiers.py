@@ -9,9 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
+from hybridkv.cache.tiers import TierOp
+from hybridkv.engine import CacheConfig, LLMEngine, tier_store, verify_completions
 from hybridkv.engine.models import load_model
+from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import PlanError
+from hybridkv.storage import KVCacheStorage, LayoutKind, gather
+from test_storage_factories import SPECS, group, pools_layout
 
 MODELS = [
     "llama",
@@ -107,3 +111,49 @@ def test_a_small_host_tier_drops_entries_and_stays_exact(name: str) -> None:
 def test_host_memory_must_be_positive() -> None:
     with pytest.raises(PlanError, match=r"CacheConfig\.host_memory_bytes"):
         CacheConfig(host_memory_bytes=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kind", [LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER])
+@pytest.mark.parametrize("alone", [False, True])
+def test_host_tier_runs_round_trip_through_fragmented_slots(
+    kind: LayoutKind, device: str, alone: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of host stores and loads, copied per contiguous range of host slots (on CUDA
+    by default: one kernel and one copy each; forced on the CPU here), put every block's
+    bytes back, also once drops left holes in the host buffer that later stores fill out of
+    order."""
+    g = group(0, SPECS["full"], (0, 1, 2))
+    storage = KVCacheStorage(pools_layout((g,), num_blocks=64), kind=kind, device=device)
+    gen = torch.Generator().manual_seed(5)
+    for buf in storage.buffers:
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
+    size = g.block_bytes
+    monkeypatch.setattr(tier_store, "RUN_BYTES", 3 * size)  # runs end at 3 blocks too
+    if alone:  # blocks this large are copied one by one
+        monkeypatch.setattr(tier_store, "ALONE_BYTES", size)
+    store = TierStore(storage, 40 * size)
+    assert store._coalesce == (device == "cuda")
+    store._coalesce = True
+
+    def block(b: int) -> torch.Tensor:
+        return gather(storage.descriptor(0, [b]), storage.buffers).cpu()
+
+    want = {}
+    ops = [TierOp("store", "host", 0, 100 + b, b) for b in range(1, 21)]
+    store.apply(ops)
+    want.update({100 + b: block(b) for b in range(1, 21)})
+    dropped = [100 + b for b in range(1, 21) if b % 3 == 0]
+    store.apply([TierOp("drop", "host", 0, h, 0) for h in dropped])
+    for h in dropped:
+        del want[h]
+    store.apply([TierOp("store", "host", 0, 200 + b, b) for b in (30, 22, 27, 21, 25, 29)])
+    want.update({200 + b: block(b) for b in (30, 22, 27, 21, 25, 29)})
+    targets = dict(zip(sorted(want), range(33, 64), strict=False))
+    store.apply([TierOp("load", "host", 0, h, b) for h, b in targets.items()])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for h, b in targets.items():
+        assert torch.equal(block(b), want[h]), (h, b)
+    assert store.stored == 26 and store.loaded == len(targets) == 20
+    assert store._slots is not None and store._slots.top <= 20 * size  # the holes were reused

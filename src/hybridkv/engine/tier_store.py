@@ -30,7 +30,9 @@ the others run.  The ``load`` later copies the checked staging bytes to the devi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,54 @@ def fingerprint(
     }
 
 
+def _same_kind(op: TierOp, first: TierOp) -> bool:
+    return op.op == first.op and op.tier == "host" and not op.dest
+
+
+#: Bytes one coalesced host copy carries at most: later pieces start a new copy, so the first
+#: copies run while the host still walks the operations.
+RUN_BYTES = 4 << 20
+#: Blocks of at least this many bytes are copied one by one: one copy each already moves
+#: them at the link's rate, and packing them would only add a pass over device memory
+#: (H100, ``benchmarks/bench_tiers.py``: 1 MiB blocks 0.88 of one contiguous copy alone,
+#: 0.79 packed in 4 MiB runs; 256 KiB blocks 0.58 alone, 0.72 packed).
+ALONE_BYTES = 1 << 20
+
+
+class _Coalescer:
+    """Pieces ``(host offset, device bytes)`` arriving one by one, merged while each extends
+    the current host range at either end and it stays under :data:`RUN_BYTES`; every finished
+    range goes to ``emit(first offset, tensors in host order)``."""
+
+    def __init__(self, emit: Callable[[int, list[torch.Tensor]], None]) -> None:
+        self.emit = emit
+        self.parts: deque[torch.Tensor] = deque()
+        self.lo = self.hi = 0
+
+    def add(self, offset: int, t: torch.Tensor) -> None:
+        n = t.numel()
+        if n >= ALONE_BYTES:
+            self.emit(offset, [t])
+            return
+        if self.parts and self.hi - self.lo + n <= RUN_BYTES:
+            if offset == self.hi:
+                self.parts.append(t)
+                self.hi += n
+                return
+            if offset + n == self.lo:
+                self.parts.appendleft(t)
+                self.lo = offset
+                return
+        self.flush()
+        self.parts.append(t)
+        self.lo, self.hi = offset, offset + n
+
+    def flush(self) -> None:
+        if self.parts:
+            self.emit(self.lo, list(self.parts))
+            self.parts.clear()
+
+
 class _Slots:
     """Byte slots of one buffer: bump allocation plus a free list per slot size."""
 
@@ -148,6 +198,9 @@ class TierStore:
         #: them in order) and the host does not wait; it synchronizes only before reading
         #: host bytes itself (a move to disk) and before reusing a disk staging tensor.
         self._async = self._pin
+        #: Runs of host stores / loads copied per contiguous host range (on CUDA: one call
+        #: each instead of one per block; on the CPU a packing copy would only add work).
+        self._coalesce = self._async
         #: Device-to-host copies queued since the host last waited for the stream.
         self._unsynced = False
         #: Disk staging tensors whose host-to-device copies are queued, with the event
@@ -159,6 +212,8 @@ class TierStore:
         self._offsets: dict[tuple[int, int], int] = {}
         #: One-block transfer descriptors, built once per ``(group, block)``.
         self._descs: dict[tuple[int, int], TransferDescriptor] = {}
+        #: Device views of one-range blocks, built once per ``(group, block)``.
+        self._views: dict[tuple[int, int], torch.Tensor | None] = {}
         #: Blocks copied device -> tier and tier -> device so far.
         self.stored = self.loaded = 0
 
@@ -209,7 +264,24 @@ class TierStore:
         store or an entry it does not hold (a bookkeeping bug: nothing is read)."""
         self._give_back_staging()
         loaded_from_disk: list[torch.Tensor] = []
-        for op in ops:
+        todo = list(ops)
+        i = 0
+        while i < len(todo):
+            op = todo[i]
+            i += 1
+            if self._coalesce and op.op in ("store", "load") and op.tier == "host" and not op.dest:
+                # A run of host stores (or loads) on CUDA: copied per contiguous host range.
+                j = i
+                while j < len(todo) and _same_kind(todo[j], op):
+                    j += 1
+                if j > i:
+                    run = todo[i - 1 : j]
+                    i = j
+                    if op.op == "store":
+                        self._store_run(run)
+                    else:
+                        self._load_run(run)
+                    continue
             if op.op == "clear":
                 self._clear()
             elif op.tier == "disk" or op.dest == "disk":
@@ -238,6 +310,62 @@ class TierStore:
                 self._give_back(loaded_from_disk)
         if self.disk is not None:
             self.disk.commit()
+
+    def _store_run(self, run: list[TierOp]) -> None:
+        """Host stores of one-range blocks: blocks bound for adjacent host slots are packed on
+        the device by one kernel and copied out by one device-to-host copy."""
+        entries = self.entries["host"]
+        slots = self._slots
+
+        def emit(start: int, parts: list[torch.Tensor]) -> None:
+            assert slots is not None
+            src = parts[0] if len(parts) == 1 else torch.cat(parts)
+            slots.buffer[start : start + src.numel()].copy_(src, non_blocking=self._async)
+
+        runs = _Coalescer(emit)
+        for op in run:
+            key = (op.group_id, op.block_hash)
+            out = self._room(key, self._desc_of(op).total_bytes)
+            entries[key] = out
+            self.stored += 1
+            offset = self._offsets.get(key)
+            view = self._one_range(op)
+            if offset is None or view is None:
+                self._gather(op, out)
+            else:
+                runs.add(offset, view)
+        runs.flush()
+        self._unsynced = self._async
+
+    def _load_run(self, run: list[TierOp]) -> None:
+        """Host loads into one-range blocks: adjacent host slots are copied to the device once
+        and spread over their blocks by one multi-tensor copy kernel."""
+        entries = self._tier("host")
+        slots = self._slots
+        device = self.storage.device
+
+        def emit(start: int, dsts: list[torch.Tensor]) -> None:
+            assert slots is not None
+            size = sum(d.numel() for d in dsts)
+            src = slots.buffer[start : start + size]
+            if len(dsts) == 1:
+                dsts[0].copy_(src, non_blocking=self._async)
+                return
+            staged = src.to(device, non_blocking=self._async)
+            ends = itertools.accumulate(d.numel() for d in dsts)
+            torch._foreach_copy_(dsts, [staged[a:b] for a, b in itertools.pairwise([0, *ends])])
+
+        runs = _Coalescer(emit)
+        for op in run:
+            held = self._entry(entries, op)
+            self.loaded += 1
+            offset = self._offsets.get((op.group_id, op.block_hash))
+            view = self._one_range(op)
+            if offset is None or view is None:
+                self._scatter(op, held)
+            else:
+                runs.add(offset, view)
+        runs.flush()
 
     def _give_back_staging(self, wait: bool = False) -> None:
         """Give the disk tier back the staging tensors whose loads completed (all: ``wait``)."""
@@ -319,28 +447,34 @@ class TierStore:
 
     def _gather(self, op: TierOp, out: torch.Tensor) -> None:
         """Copy device block ``op.block`` into ``out`` (packed)."""
-        desc = self._desc_of(op)
-        buffers = self.storage.buffers
-        if len(desc.ranges) == 1:  # a cross-layer page-size block: one copy
-            r = desc.ranges[0]
-            out.copy_(
-                buffers[r.buffer_id][r.offset : r.offset + r.length], non_blocking=self._async
-            )
+        view = self._one_range(op)
+        if view is not None:  # a cross-layer page-size block: one copy
+            out.copy_(view, non_blocking=self._async)
         else:
-            gather(desc, buffers, out, non_blocking=self._async)
+            gather(self._desc_of(op), self.storage.buffers, out, non_blocking=self._async)
         self._unsynced = self._async
 
     def _scatter(self, op: TierOp, packed: torch.Tensor) -> None:
         """Copy ``packed`` into device block ``op.block``."""
-        desc = self._desc_of(op)
-        buffers = self.storage.buffers
+        view = self._one_range(op)
+        if view is not None:
+            view.copy_(packed, non_blocking=self._async)
+        else:
+            scatter(self._desc_of(op), self.storage.buffers, packed, non_blocking=self._async)
+
+    def _one_range(self, op: TierOp) -> torch.Tensor | None:
+        """The device bytes of ``op.block`` when they are one range (a cross-layer page-size
+        block), as a view built once per block; None for a block of several ranges."""
+        key = (op.group_id, op.block)
+        if key in self._views:
+            return self._views[key]
+        desc = self._desc(op.group_id, op.block)
+        view = None
         if len(desc.ranges) == 1:
             r = desc.ranges[0]
-            buffers[r.buffer_id][r.offset : r.offset + r.length].copy_(
-                packed, non_blocking=self._async
-            )
-        else:
-            scatter(desc, buffers, packed, non_blocking=self._async)
+            view = self.storage.buffers[r.buffer_id][r.offset : r.offset + r.length]
+        self._views[key] = view
+        return view
 
     def _desc(self, group_id: int, block: int) -> TransferDescriptor:
         desc = self._descs.get((group_id, block))
