@@ -25,7 +25,13 @@ INTERPRETED = {"__init__.py", "tiers.py", "admission.py", "errors.py"}
 def _ext_modules() -> list[object]:
     if os.environ.get("HYBRIDKV_COMPILE", "0") != "1":
         return []
-    from mypyc.build import mypycify
+    try:
+        from mypyc.build import mypycify
+    except ImportError as exc:
+        raise SystemExit(
+            "HYBRIDKV_COMPILE=1: mypyc is not importable in the build environment; install "
+            "mypy (e.g. the test extra) and build with pip's --no-build-isolation"
+        ) from exc
 
     root = Path("src/hybridkv/cache")
     files = sorted(
