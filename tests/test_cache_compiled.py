@@ -29,3 +29,13 @@ def test_the_build_under_test_is_the_one_expected() -> None:
     assert [_is_extension(m) for m in COMPILED] == [want == "1"] * len(COMPILED)
     # Tier and admission policies and the exception types are interpreted in both builds.
     assert not any(_is_extension(m) for m in INTERPRETED)
+
+
+def test_version_names_the_build(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridkv.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    build = "compiled bookkeeping" if compiled() else "pure Python"
+    assert capsys.readouterr().out == f"hybridkv 0.1.0 ({build})\n"

@@ -42,7 +42,12 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     )
     from hybridkv import __version__
 
-    parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
+    version = f"hybridkv {__version__}"
+    if "--version" in argv:  # which build of the bookkeeping (imported only when asked)
+        from hybridkv.cache import compiled
+
+        version += " (compiled bookkeeping)" if compiled() else " (pure Python)"
+    parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Only the chosen subcommand's module is imported, so `hybridkv --help` stays instant.
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
