@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import test_engine_disk
 from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
 from hybridkv.engine.models import load_model
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather, scatter
@@ -28,19 +29,8 @@ def _reference(name: str) -> Any:
 
 
 def _engine(name: str, host: int | None, disk: Path | None = None) -> LLMEngine:
-    # As in test_engine_tiers: 24 blocks of 4 tokens per group hold one 96-token request, so
-    # each conversation is evicted by the four others between its turns.
-    cache = CacheConfig(
-        strategy="pools",
-        block_size=4,
-        state_block_size=8,
-        num_blocks=24,
-        max_model_len=96,
-        host_memory_bytes=host,
-        disk_cache_dir=disk,
-        disk_memory_bytes=None if disk is None else 64 << 20,
-    )
-    return LLMEngine(name, cache=cache, keep_logits=True, device="cuda")
+    # As in test_engine_disk: each conversation is evicted by the four others between turns.
+    return test_engine_disk._engine(name, disk, host, device="cuda")
 
 
 def _serve(engine: LLMEngine) -> list[Any]:

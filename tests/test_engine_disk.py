@@ -26,7 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TURNS = conversations(1, n_conv=5, turns=4, first=32, step=10)
 
 
-def _engine(name: str, disk: Path, host: int | None = None) -> LLMEngine:
+def _engine(
+    name: str, disk: Path | None, host: int | None = None, device: str = "cpu"
+) -> LLMEngine:
     # 24 blocks of 4 tokens per group: one 96-token request; five conversations do not fit.
     cache = CacheConfig(
         strategy="pools",
@@ -36,9 +38,9 @@ def _engine(name: str, disk: Path, host: int | None = None) -> LLMEngine:
         max_model_len=96,
         host_memory_bytes=host,
         disk_cache_dir=disk,
-        disk_memory_bytes=64 << 20,
+        disk_memory_bytes=None if disk is None else 64 << 20,
     )
-    return LLMEngine(name, cache=cache, keep_logits=True)
+    return LLMEngine(name, cache=cache, keep_logits=True, device=device)
 
 
 def _serve(engine: LLMEngine, turns: list[list[int]] = TURNS) -> list[Any]:

@@ -30,7 +30,6 @@ the others run.  The ``load`` later copies the checked staging bytes to the devi
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -45,7 +44,7 @@ from hybridkv.engine.errors import EngineError
 from hybridkv.plan.layout import MemoryLayout
 from hybridkv.storage import KVCacheStorage
 from hybridkv.storage.disk_slots import FORMAT_VERSION, DiskSlots
-from hybridkv.storage.transfer import TransferDescriptor, gather, scatter
+from hybridkv.storage.transfer import TransferDescriptor, gather, scatter, spread
 
 __all__ = ["TierStore", "fingerprint", "open_tiers", "tier_specs"]
 
@@ -322,19 +321,11 @@ class TierStore:
             src = parts[0] if len(parts) == 1 else torch.cat(parts)
             slots.buffer[start : start + src.numel()].copy_(src, non_blocking=self._async)
 
-        runs = _Coalescer(emit)
         for op in run:
             key = (op.group_id, op.block_hash)
-            out = self._room(key, self._desc_of(op).total_bytes)
-            entries[key] = out
-            self.stored += 1
-            offset = self._offsets.get(key)
-            view = self._one_range(op)
-            if offset is None or view is None:
-                self._gather(op, out)
-            else:
-                runs.add(offset, view)
-        runs.flush()
+            entries[key] = self._room(key, self._desc_of(op).total_bytes)
+        self.stored += len(run)
+        self._walk(run, emit, lambda op: self._gather(op, entries[op.group_id, op.block_hash]))
         self._unsynced = self._async
 
     def _load_run(self, run: list[TierOp]) -> None:
@@ -351,18 +342,27 @@ class TierStore:
             if len(dsts) == 1:
                 dsts[0].copy_(src, non_blocking=self._async)
                 return
-            staged = src.to(device, non_blocking=self._async)
-            ends = itertools.accumulate(d.numel() for d in dsts)
-            torch._foreach_copy_(dsts, [staged[a:b] for a, b in itertools.pairwise([0, *ends])])
+            spread(src.to(device, non_blocking=self._async), dsts)
 
+        for op in run:  # every entry present before any copy
+            self._entry(entries, op)
+        self.loaded += len(run)
+        self._walk(run, emit, lambda op: self._scatter(op, entries[op.group_id, op.block_hash]))
+
+    def _walk(
+        self,
+        run: list[TierOp],
+        emit: Callable[[int, list[torch.Tensor]], None],
+        alone: Callable[[TierOp], None],
+    ) -> None:
+        """Feed each op's (host slot, one-range device view) to a coalescer over ``emit``;
+        an entry outside the slots or a block of several ranges goes to ``alone``."""
         runs = _Coalescer(emit)
         for op in run:
-            held = self._entry(entries, op)
-            self.loaded += 1
             offset = self._offsets.get((op.group_id, op.block_hash))
             view = self._one_range(op)
             if offset is None or view is None:
-                self._scatter(op, held)
+                alone(op)
             else:
                 runs.add(offset, view)
         runs.flush()

@@ -44,6 +44,7 @@ __all__ = [
     "copy_blocks",
     "gather",
     "scatter",
+    "spread",
 ]
 
 
@@ -221,12 +222,8 @@ def scatter(
     _check_packed(packed, desc.total_bytes)
     if len(desc.ranges) > 1 and flats[0].is_cuda:
         # One copy to the device, then the ranges in batched kernels (a multi-tensor copy).
-        total = desc.total_bytes
-        staged = packed[:total].to(flats[0].device, non_blocking=non_blocking)
-        ends = itertools.accumulate(r.length for r in desc.ranges)
-        parts = [staged[a:b] for a, b in itertools.pairwise([0, *ends])]
-        dsts = [flats[r.buffer_id][r.offset : r.offset + r.length] for r in desc.ranges]
-        torch._foreach_copy_(dsts, parts)
+        staged = packed[: desc.total_bytes].to(flats[0].device, non_blocking=non_blocking)
+        spread(staged, [flats[r.buffer_id][r.offset : r.offset + r.length] for r in desc.ranges])
         return
     pos = 0
     for r in desc.ranges:
@@ -234,6 +231,13 @@ def scatter(
             packed[pos : pos + r.length], non_blocking=non_blocking
         )
         pos += r.length
+
+
+def spread(packed: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of flat ``packed`` (on the destinations' device) into ``dsts``,
+    in order, with one multi-tensor copy (a few kernels on CUDA, not one copy per range)."""
+    ends = itertools.accumulate(d.numel() for d in dsts)
+    torch._foreach_copy_(list(dsts), [packed[a:b] for a, b in itertools.pairwise([0, *ends])])
 
 
 def copy_blocks(
