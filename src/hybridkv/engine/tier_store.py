@@ -114,7 +114,7 @@ RUN_BYTES = 4 << 20
 #: Blocks of at least this many bytes are copied one by one: one copy each already moves
 #: them at the link's rate, and packing them would only add a pass over device memory
 #: (H100, ``benchmarks/bench_tiers.py``: 1 MiB blocks 0.88 of one contiguous copy alone,
-#: 0.79 packed in 4 MiB runs; 256 KiB blocks 0.58 alone, 0.72 packed).
+#: 0.79 packed in 4 MiB runs; 256 KiB blocks 0.58 alone, 0.60-0.72 packed).
 ALONE_BYTES = 1 << 20
 
 
