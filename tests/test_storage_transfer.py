@@ -26,6 +26,7 @@ from hybridkv.storage import (
     copy_blocks,
     gather,
     scatter,
+    transfer,
 )
 from test_storage_factories import SPECS, build, group, mixed_groups, pools_layout
 
@@ -232,3 +233,38 @@ def test_descriptor_matches_layout_json_round_trip() -> None:
     layout = build("uniform", mixed_groups())
     again = MemoryLayout.from_dict(json.loads(json.dumps(layout.to_dict())))
     assert KVCacheStorage(again).descriptor(1, [2]) == KVCacheStorage(layout).descriptor(1, [2])
+
+
+@pytest.mark.parametrize("extra", [0, 32])
+@pytest.mark.parametrize("kind", [LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER])
+def test_row_copies_equal_the_copy_per_range(
+    kind: LayoutKind, extra: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row path (indexed copies per buffer, CUDA's for descriptors of many ranges) packs
+    and unpacks exactly the bytes the copy per range does, in the same order; forced on the
+    CPU here with every threshold lowered.  Padded pools (``extra``) make rows that do not
+    divide a buffer: those descriptors fall back to the copy per range."""
+    layout = pools_layout(mixed_groups(), num_blocks=8, extra=extra)
+    a = KVCacheStorage(layout, kind=kind)
+    b = KVCacheStorage(layout, kind=kind)
+    gen = torch.Generator().manual_seed(11)
+    for x, y in zip(a.buffers, b.buffers, strict=True):
+        x.copy_(torch.randint(0, 256, x.shape, generator=gen, dtype=torch.uint8))
+        y.copy_(x)
+    planned = 0
+    for gid in range(len(layout.groups)):
+        ids, other = [5, 1, 2], [7, 3, 4]  # out of order: the stream follows the descriptor
+        desc = a.descriptor(gid, ids)
+        want = gather(desc, a.buffers)
+        scatter(a.descriptor(gid, other), a.buffers, want)
+        with monkeypatch.context() as m:
+            m.setattr(transfer, "ROW_COPY_DEVICES", ("cpu", "cuda"))
+            m.setattr(transfer, "ROW_COPY_MIN_RANGES", 1)
+            m.setattr(transfer, "ROW_COPY_MIN_BYTES", 1)
+            planned += transfer._row_plan(desc, b.buffers) is not None
+            got = gather(desc, b.buffers)
+            assert torch.equal(got, want)
+            scatter(b.descriptor(gid, other), b.buffers, got)
+        for x, y in zip(a.buffers, b.buffers, strict=True):
+            assert torch.equal(x, y)
+    assert planned >= (len(layout.groups) if extra == 0 else 1)
