@@ -104,8 +104,9 @@ def fingerprint(
     }
 
 
-def _same_kind(op: TierOp, first: TierOp) -> bool:
-    return op.op == first.op and op.tier == "host" and not op.dest
+def _host_copy(op: TierOp) -> bool:
+    """Whether ``op`` copies a block between the device and the host tier."""
+    return op.tier == "host" and op.op in ("store", "load") and not op.dest
 
 
 #: Bytes one coalesced host copy carries at most: later pieces start a new copy, so the first
@@ -120,17 +121,19 @@ ALONE_BYTES = 1 << 20
 
 class _Coalescer:
     """Pieces ``(host offset, device bytes)`` arriving one by one, merged while each extends
-    the current host range at either end and it stays under :data:`RUN_BYTES`; every finished
-    range goes to ``emit(first offset, tensors in host order)``."""
+    the current host range at either end and it stays under :data:`RUN_BYTES` (with
+    ``merge``; else each piece alone); every finished range goes to ``emit(first offset,
+    tensors in host order)``."""
 
-    def __init__(self, emit: Callable[[int, list[torch.Tensor]], None]) -> None:
+    def __init__(self, emit: Callable[[int, list[torch.Tensor]], None], merge: bool) -> None:
         self.emit = emit
+        self.merge = merge
         self.parts: deque[torch.Tensor] = deque()
         self.lo = self.hi = 0
 
     def add(self, offset: int, t: torch.Tensor) -> None:
         n = t.numel()
-        if n >= ALONE_BYTES:
+        if not self.merge or n >= ALONE_BYTES:
             self.emit(offset, [t])
             return
         if self.parts and self.hi - self.lo + n <= RUN_BYTES:
@@ -197,8 +200,8 @@ class TierStore:
         #: them in order) and the host does not wait; it synchronizes only before reading
         #: host bytes itself (a move to disk) and before reusing a disk staging tensor.
         self._async = self._pin
-        #: Runs of host stores / loads copied per contiguous host range (on CUDA: one call
-        #: each instead of one per block; on the CPU a packing copy would only add work).
+        #: Host stores / loads of adjacent slots merged into one copy (on CUDA: one call
+        #: instead of one per block; on the CPU a packing copy would only add work).
         self._coalesce = self._async
         #: Device-to-host copies queued since the host last waited for the stream.
         self._unsynced = False
@@ -268,31 +271,21 @@ class TierStore:
         while i < len(todo):
             op = todo[i]
             i += 1
-            if self._coalesce and op.op in ("store", "load") and op.tier == "host" and not op.dest:
-                # A run of host stores (or loads) on CUDA: copied per contiguous host range.
+            if _host_copy(op):  # with the host copies of the same kind right after it
                 j = i
-                while j < len(todo) and _same_kind(todo[j], op):
+                while j < len(todo) and todo[j].op == op.op and _host_copy(todo[j]):
                     j += 1
-                if j > i:
-                    run = todo[i - 1 : j]
-                    i = j
-                    if op.op == "store":
-                        self._store_run(run)
-                    else:
-                        self._load_run(run)
-                    continue
-            if op.op == "clear":
+                run, i = todo[i - 1 : j], j
+                if op.op == "store":
+                    self._store_run(run)
+                else:
+                    self._load_run(run)
+            elif op.op == "clear":
                 self._clear()
             elif op.tier == "disk" or op.dest == "disk":
                 self._disk_op(op, loaded_from_disk)
-            elif op.op == "store":
-                out = self._room((op.group_id, op.block_hash), self._desc_of(op).total_bytes)
-                self._gather(op, out)
-                self.entries["host"][op.group_id, op.block_hash] = out
-                self.stored += 1
             elif op.op == "load":
-                self._scatter(op, self._entry(self._tier(op.tier), op))
-                self.loaded += 1
+                self._tier(op.tier)  # not a tier this store keeps: raises
             elif op.op == "drop":
                 entries = self._tier(op.tier)
                 self._entry(entries, op)
@@ -357,7 +350,7 @@ class TierStore:
     ) -> None:
         """Feed each op's (host slot, one-range device view) to a coalescer over ``emit``;
         an entry outside the slots or a block of several ranges goes to ``alone``."""
-        runs = _Coalescer(emit)
+        runs = _Coalescer(emit, self._coalesce)
         for op in run:
             offset = self._offsets.get((op.group_id, op.block_hash))
             view = self._one_range(op)

@@ -221,10 +221,10 @@ def gather(
 
     ``out`` (flat ``uint8`` of at least ``desc.total_bytes``, any device, e.g. pinned host) is
     written from its start; by default a new tensor on the first buffer's device.  Mutates only
-    ``out``.  One copy call per range; on CUDA, several ranges are packed by one batched kernel
-    on the device, then copied once.  With ``non_blocking`` a copy to pinned host memory is
-    only queued: synchronize the stream before the host reads ``out``.  Raises
-    :class:`TransferError` on mismatched buffers.
+    ``out``.  One copy call per range; on CUDA, several ranges are packed on the device (one
+    concatenation, or indexed row copies for many small ranges), then copied once.  With
+    ``non_blocking`` a copy to pinned host memory is only queued: synchronize the stream
+    before the host reads ``out``.  Raises :class:`TransferError` on mismatched buffers.
     """
     flats = _flat(buffers, desc)
     total = desc.total_bytes
@@ -275,24 +275,26 @@ def scatter(
     """Unpack ``packed`` (a stream matching ``desc``) into the ranges of ``desc``.
 
     Mutates only the bytes of ``buffers`` inside ``desc.ranges``.  On CUDA, several ranges
-    are one copy to the device and a multi-tensor copy kernel.  With ``non_blocking`` the
-    copies are queued on the current stream: keep ``packed`` unchanged until they ran.  Raises
-    :class:`TransferError` when ``packed`` is shorter than ``desc.total_bytes`` or not flat.
+    are one copy to the device, then a multi-tensor copy (or indexed row copies).  With
+    ``non_blocking`` the copies are queued on the current stream: keep ``packed`` unchanged
+    until they ran.  Raises :class:`TransferError` when ``packed`` is shorter than
+    ``desc.total_bytes`` or not flat.
     """
     flats = _flat(buffers, desc)
     _check_packed(packed, desc.total_bytes)
     plan = _row_plan(desc, flats)
-    if plan is not None:
-        row, segments = plan
+    if plan is not None or (len(desc.ranges) > 1 and flats[0].is_cuda):
+        # One copy to the device, then the ranges in batched kernels: indexed row copies, or
+        # a multi-tensor copy.
         staged = packed[: desc.total_bytes].to(flats[0].device, non_blocking=non_blocking)
+        if plan is None:
+            dsts = [flats[r.buffer_id][r.offset : r.offset + r.length] for r in desc.ranges]
+            spread(staged, dsts)
+            return
+        row, segments = plan
         rows = staged.view(-1, row)
         for b, src, dst in segments:
             flats[b].view(-1, row).index_copy_(0, src, rows.index_select(0, dst))
-        return
-    if len(desc.ranges) > 1 and flats[0].is_cuda:
-        # One copy to the device, then the ranges in batched kernels (a multi-tensor copy).
-        staged = packed[: desc.total_bytes].to(flats[0].device, non_blocking=non_blocking)
-        spread(staged, [flats[r.buffer_id][r.offset : r.offset + r.length] for r in desc.ranges])
         return
     pos = 0
     for r in desc.ranges:
