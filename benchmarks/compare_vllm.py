@@ -263,6 +263,7 @@ def compare(
     state_block_size: int | None,
     chunk_alignment: int | None = None,
     second_chance: int = DEFAULT_CHANCES,
+    window_chances: int | None = None,
 ) -> dict[str, Any]:
     model = resolve_model(name)
     setup = vd.build_vllm_manager(
@@ -283,7 +284,12 @@ def compare(
         **({} if chunk_alignment is None else {"chunk_alignment": chunk_alignment}),
     )
     ours = HybridkvAdapter(
-        KVCacheManager(plan.layout, hasher="sha256", second_chance=second_chance),
+        KVCacheManager(
+            plan.layout,
+            hasher="sha256",
+            second_chance=second_chance,
+            window_chances=window_chances,
+        ),
         token_budget=token_budget,
     )
     h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
@@ -296,6 +302,7 @@ def compare(
             **hs,
             "strategy": strategy,
             "second_chance": second_chance,
+            "window_chances": window_chances,
             "schedule_alignment": plan.layout.schedule_alignment,
             "groups": [
                 {"kind": g.spec.kind.value, "layers": g.num_members, "block_size": g.block_size}
@@ -350,6 +357,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_CHANCES,
         help="chances a cached block that served hits holds at most (0 off; hybridkv side)",
     )
+    p.add_argument(
+        "--window-chances",
+        type=int,
+        default=None,
+        help="the same for sliding-window / local-chunk blocks (default: hybridkv's)",
+    )
     p.add_argument("--out", default="results/compare_vllm.json")
     args = p.parse_args(argv)
     if not vd.vllm_available():
@@ -392,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else parse_bytes(args.chunk_alignment, field="--chunk-alignment")
             ),
             second_chance=args.second_chance,
+            window_chances=args.window_chances,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)

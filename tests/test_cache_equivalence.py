@@ -30,6 +30,7 @@ from hybridkv.cache import (
     compiled,
 )
 from hybridkv.cache.pool_arena import ArenaPool
+from hybridkv.cache.pool_base import group_chances
 from hybridkv.cache.pool_shared import FlatArenaPool
 from hybridkv.plan.layout import MemoryLayout
 from test_cache_factories import groups, layout_for, spec_items, tokens
@@ -47,11 +48,19 @@ def _general_pool_manager(layout: MemoryLayout, **kw: Any) -> KVCacheManager:
         *,
         arena_eviction: str = "chunk_lru",
         second_chance: int = 1,
+        window_chances: int | None = None,
     ) -> Any:
         arena = layout.arena
         if arena is not None and all(g.block_bytes == arena.chunk_bytes for g in layout.groups):
-            return ArenaPool(layout, events, eviction=arena_eviction, second_chance=second_chance)
-        return original(layout, events, arena_eviction=arena_eviction, second_chance=second_chance)
+            caps = group_chances(layout, second_chance, window_chances)
+            return ArenaPool(layout, events, eviction=arena_eviction, chances=caps)
+        return original(
+            layout,
+            events,
+            arena_eviction=arena_eviction,
+            second_chance=second_chance,
+            window_chances=window_chances,
+        )
 
     coordinator_module.make_block_pool = general  # type: ignore[assignment]
     try:
@@ -116,6 +125,7 @@ class TwinMachine(RuleBasedStateMachine):
         publish=hst.sampled_from(PUBLISH_MODES),
         retention=hst.sampled_from(WINDOW_RETENTION),
         second_chance=hst.integers(0, 3),
+        window_chances=hst.sampled_from([None, 0, 1, 3]),
     )
     def setup(
         self,
@@ -126,6 +136,7 @@ class TwinMachine(RuleBasedStateMachine):
         publish: str,
         retention: str,
         second_chance: int,
+        window_chances: int | None,
     ) -> None:
         if equal_pages:  # block size 4: every tiny spec has 128-byte blocks
             items = [(spec, 4) for spec, _ in items]
@@ -136,6 +147,7 @@ class TwinMachine(RuleBasedStateMachine):
             "publish": publish,
             "window_retention": retention,
             "second_chance": second_chance,
+            "window_chances": window_chances,
         }
         self.a = KVCacheManager(layout, **kw)
         self.b = _general_pool_manager(layout, **kw)

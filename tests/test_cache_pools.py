@@ -11,13 +11,14 @@ from hypothesis import strategies as hst
 from hybridkv.cache import KVCacheManager, compiled
 from hybridkv.cache.events import BlockRemoved, EventLog
 from hybridkv.cache.pool_arena import ArenaPool
-from hybridkv.cache.pool_base import BlockPool
+from hybridkv.cache.pool_base import DEFAULT_WINDOW_CHANCES, BlockPool, group_chances
 from hybridkv.cache.pool_shared import FlatArenaPool
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.errors import InvariantError, PlanError
 from test_cache_factories import (
     STRATEGIES,
     arena,
+    chunked,
     eviction_for,
     full,
     groups,
@@ -25,6 +26,7 @@ from test_cache_factories import (
     pools,
     spec_items,
     state,
+    swa,
     uniform,
 )
 
@@ -133,6 +135,77 @@ def test_arena_idle_chunk_spends_one_chance_of_each_block_per_sparing() -> None:
     evicted = [e.block_hashes for e in pool.events.take()]  # type: ignore[attr-defined]
     assert evicted == [(104, 105, 106, 107)] and pool.chunk_owner(1) == 1
     pool.check_invariants()
+
+
+def test_windowed_groups_hold_more_chances_than_the_others() -> None:
+    # Groups full, sliding window, local chunks, state: windows take max(second_chance, 2).
+    layout = uniform(groups(full(), swa(8), chunked(8), state()), 4)
+    assert DEFAULT_WINDOW_CHANCES == 2
+    assert group_chances(layout, 1) == [1, 2, 2, 1]
+    assert group_chances(layout, 3) == [3, 3, 3, 3]
+    assert group_chances(layout, 0) == [0, 0, 0, 0]
+    assert group_chances(layout, 1, 5) == [1, 5, 5, 1]
+    assert group_chances(layout, 0, 2) == [0, 2, 2, 0]
+    with pytest.raises(PlanError, match=r"window_chances: 256 is not a chance count"):
+        group_chances(layout, 1, 256)
+
+
+@pytest.mark.parametrize("window", [None, 1, 0])
+def test_a_window_block_with_two_hits_outlives_a_full_block_with_two(window: int | None) -> None:
+    # Block 1 (full attention) and block 3 (sliding window) each serve two hits; 3 is older.
+    pool = make_block_pool(
+        uniform(groups(full(), swa(8)), 6),
+        EventLog(enabled=True),
+        window_chances=window,
+    )
+    assert pool.allocate(0, 2) == [1, 2] and pool.allocate(1, 3) == [3, 4, 5]
+    for g, b in ((0, 1), (0, 2), (1, 3), (1, 4), (1, 5)):
+        pool.cache(g, b, 100 + b)
+    pool.release(0, [1, 2])
+    pool.release(1, [3, 4, 5])  # LRU: 1 2 3 4 5
+    for g, b in ((1, 3), (1, 3), (0, 1), (0, 1)):
+        pool.touch(g, [b])
+        pool.release(g, [b])  # LRU: 2 4 5 3 1
+    pool.check_invariants()
+    assert pool.allocate(0, 4)[:3] == [2, 4, 5]
+    evicted = [e.block_hashes[0] for e in pool.events.take()]  # type: ignore[attr-defined]
+    if window is None:
+        # 3 holds two chances, 1 one: 3 spends (LRU 1 3), 1 spends (3 1), 3 spends, 1 goes
+        assert evicted == [102, 104, 105, 101] and pool.maps[1] == {103: 3}
+    elif window == 1:
+        # one chance each: 3 spends (1 3), 1 spends (3 1), then 3 goes
+        assert evicted == [102, 104, 105, 103] and pool.maps[0] == {101: 1}
+    else:
+        # no chance for the window block: it is the oldest once 2, 4, 5 are gone
+        assert evicted == [102, 104, 105, 103] and pool.maps[0] == {101: 1}
+    pool.check_invariants()
+
+
+def test_every_pool_takes_the_per_group_caps() -> None:
+    gs = groups(full(), (swa(8), 8))
+    for layout in (uniform(groups(full(), swa(8)), 4), arena(gs, 5), pools(gs, 4)):
+        pool = make_block_pool(layout, EventLog(enabled=False), second_chance=1)
+        caps = [c.chances for c in pool.cores] if hasattr(pool, "cores") else pool.caps
+        assert caps == [1, 2], type(pool).__name__
+    pool = make_block_pool(uniform(groups(full(), swa(8)), 4), EventLog(enabled=False))
+    b = pool.allocate(0, 1)[0]
+    pool.core.hit[b] = 2  # a full-attention block holding a window's count
+    with pytest.raises(InvariantError, match="more than 1"):
+        pool.check_invariants()
+    pool = make_block_pool(arena(gs, 5), EventLog(enabled=False))
+    assert isinstance(pool, ArenaPool)
+    pool.hit[0][2] = 2
+    with pytest.raises(InvariantError, match="group 0: a block holds more than 1 chances"):
+        pool.check_invariants()
+
+
+def test_window_chances_out_of_range_is_refused() -> None:
+    layout = uniform(groups(full(), swa(8)), 4)
+    wrong = TypeError if compiled() else PlanError
+    with pytest.raises(PlanError, match=r"window_chances: -1 is not a chance count"):
+        KVCacheManager(layout, window_chances=-1)
+    with pytest.raises(wrong):
+        KVCacheManager(layout, window_chances="2")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [-1, 256, 1.5, "2"])

@@ -88,6 +88,7 @@ class CacheMachine(RuleBasedStateMachine):
         explore=hst.integers(1, 3),
         reject=hst.sampled_from([0, 2, 3]),
         second_chance=hst.integers(0, 3),
+        window_chances=hst.sampled_from([None, 0, 1, 3]),
         tier_blocks=hst.tuples(hst.integers(1, 6), hst.integers(0, 8)),
         tier_admission=hst.sampled_from(TIER_ADMISSION),
     )
@@ -103,6 +104,7 @@ class CacheMachine(RuleBasedStateMachine):
         explore: int,
         reject: int,
         second_chance: int,
+        window_chances: int | None,
         tier_blocks: tuple[int, int],
         tier_admission: str,
     ) -> None:
@@ -123,6 +125,7 @@ class CacheMachine(RuleBasedStateMachine):
             window_retention=retention,
             checkpoint_admission=admission,
             second_chance=second_chance,
+            window_chances=window_chances,
             tiers=tiers,
             tier_admission=tier_admission,
         )

@@ -50,6 +50,7 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["simulate", "--tp", "0"], "--tp: must be a positive integer, got 0"),
     (["simulate", "--second-chance", "256"], "--second-chance: must be an integer in [0, 255]"),
     (["simulate", "--second-chance", "-1"], "--second-chance: must be an integer in [0, 255]"),
+    (["simulate", "--window-chances", "300"], "--window-chances: must be an integer in [0, 255]"),
     (["simulate", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
     (["simulate", "--model", "no-such-model"], "'no-such-model' is neither a catalog name"),
     (["simulate", "--pool-ratios", "x"], "cannot parse --pool-ratios"),

@@ -37,6 +37,8 @@ def check_arena(pool: ArenaPool) -> None:
             raise InvariantError(f"group {g}: idle chunks out of the global LRU's order")
         _check_stamps(f"group {g} LRU", list(pool.free_cached[g].values()), 0, pool.clock)
     for g in range(pool.num_groups):
+        if pool.caps[g] < max(pool.hit[g], default=0):
+            raise InvariantError(f"group {g}: a block holds more than {pool.caps[g]} chances")
         refs, hashes = pool.refs[g], pool.hashes[g]
         if refs[NULL_BLOCK_ID] or hashes[NULL_BLOCK_ID] is not None:
             raise InvariantError(f"group {g}: null block has a reference or a hash")

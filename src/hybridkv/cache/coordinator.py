@@ -104,6 +104,7 @@ class HybridCoordinator:
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
         second_chance: int = DEFAULT_CHANCES,
+        window_chances: int | None = None,
         publish: str = "scheduled",
         window_retention: str = "tails",
         checkpoint_admission: str = "yield",
@@ -132,7 +133,11 @@ class HybridCoordinator:
         self.layout = layout
         self.events = events
         self.pool = make_block_pool(
-            layout, events, arena_eviction=arena_eviction, second_chance=second_chance
+            layout,
+            events,
+            arena_eviction=arena_eviction,
+            second_chance=second_chance,
+            window_chances=window_chances,
         )
         self.hash_block_size = layout.hash_block_size
         self.alignment = layout.schedule_alignment

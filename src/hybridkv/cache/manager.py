@@ -70,6 +70,9 @@ class KVCacheManager:
     one) that has one when it comes up for eviction spends it and moves to the young end
     instead (CLOCK's second chance; above 1, generalized CLOCK's hit counter; see
     :class:`~hybridkv.cache.pool_base.FreeListPool` and :mod:`hybridkv.cache.pool_arena`).
+    ``window_chances``: the same cap for the blocks of windowed groups (sliding window, local
+    chunks); None (default): ``max(second_chance, 2)``, or 0 when ``second_chance`` is 0 (see
+    :data:`~hybridkv.cache.pool_base.DEFAULT_WINDOW_CHANCES` for why and what it measured).
     ``publish``: ``"scheduled"`` (default): attention blocks join the prefix cache at the
     allocation of the step that fills them, so requests admitted later in the same step hit
     them; the runner must write a step's new tokens before reading them (hybridkv's engine
@@ -111,6 +114,7 @@ class KVCacheManager:
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
         second_chance: int = DEFAULT_CHANCES,
+        window_chances: int | None = None,
         publish: str = "scheduled",
         window_retention: str = "tails",
         group_hit_stats: bool = False,
@@ -124,6 +128,8 @@ class KVCacheManager:
         if max_model_len is not None:
             _count("max_model_len", max_model_len)
         second_chance = check_chances(second_chance)  # here too: before any typed (compiled) call
+        if window_chances is not None:
+            window_chances = check_chances(window_chances, "window_chances")
         self.layout = layout
         self.hasher = make_hasher(hasher) if isinstance(hasher, str) else hasher
         self.max_model_len = max_model_len
@@ -134,6 +140,7 @@ class KVCacheManager:
             max_model_len=max_model_len,
             arena_eviction=arena_eviction,
             second_chance=second_chance,
+            window_chances=window_chances,
             publish=publish,
             window_retention=window_retention,
             checkpoint_admission=checkpoint_admission,

@@ -91,6 +91,7 @@ class ArenaPool(ArenaFits):
         *,
         eviction: str = "chunk_lru",
         second_chance: int = DEFAULT_CHANCES,
+        chances: Sequence[int] | None = None,
     ) -> None:
         super().__init__(layout, events)
         if eviction not in ARENA_EVICTION_POLICIES:
@@ -118,8 +119,15 @@ class ArenaPool(ArenaFits):
         #: Second chance: ``hit[g][b]`` counts the chances block ``b`` holds (one per hit it
         #: served, at most ``second_chance``); a cached block (or an idle chunk holding one)
         #: with a chance is spared when it comes up for eviction: it spends one (every block
-        #: of the chunk with one) and gets a new stamp (the young end).
-        self.second_chance = check_chances(second_chance)
+        #: of the chunk with one) and gets a new stamp (the young end).  ``caps[g]``: group
+        #: ``g``'s most (``chances``, or ``second_chance`` for every group).
+        if chances is None:
+            self.caps = [check_chances(second_chance)] * self.num_groups
+        else:
+            self.caps = [check_chances(c) for c in chances]
+            if len(self.caps) != self.num_groups:
+                raise PlanError(f"chances: {len(self.caps)} counts for {self.num_groups} groups")
+        self.second_chance = max(self.caps, default=0)
         self.hit = [bytearray(layout.num_block_ids(g)) for g in groups]
         self.hashes = [[None] * layout.num_block_ids(g) for g in groups]
         self.maps = [{} for _ in groups]
@@ -356,7 +364,7 @@ class ArenaPool(ArenaFits):
         refs, fc = self.refs[g], self.free_cached[g]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
         bb, cb = self.block_bytes[g], self.chunk_bytes
-        hitg, chance = self.hit[g], self.second_chance
+        hitg, chance = self.hit[g], self.caps[g]
         for b in blocks:
             if hitg[b] < chance:
                 hitg[b] += 1

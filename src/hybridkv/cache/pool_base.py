@@ -26,8 +26,17 @@ from typing import Any, ClassVar
 from hybridkv.cache.events import EventLog
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import NULL_BLOCK_ID, MemoryLayout, Strategy
+from hybridkv.specs import CacheKind
 
-__all__ = ["DEFAULT_CHANCES", "MAX_CHANCES", "BlockPool", "FreeListPool", "check_chances"]
+__all__ = [
+    "DEFAULT_CHANCES",
+    "DEFAULT_WINDOW_CHANCES",
+    "MAX_CHANCES",
+    "BlockPool",
+    "FreeListPool",
+    "check_chances",
+    "group_chances",
+]
 
 #: Chances a block that served hits holds at most, by default (see :class:`FreeListPool`).
 #: Measured with ``benchmarks/compare_vllm.py`` on the Mooncake trace (docs/vllm.md): 2 keeps
@@ -35,19 +44,46 @@ __all__ = ["DEFAULT_CHANCES", "MAX_CHANCES", "BlockPool", "FreeListPool", "check
 #: 3.684% -> 3.702% of prompt tokens in the arena) but costs Nemotron-H-8B (64 GiB: 6.49% ->
 #: 5.89%) and gpt-oss-20b (9.86% -> 9.51%), so the default stays at CLOCK's one.
 DEFAULT_CHANCES = 1
+#: Chances a block of a windowed group (sliding window, local chunks) holds at most, by
+#: default, when the second chance is on.  A window's blocks serve a hit only all together, and
+#: a shared prefix's window (a system prompt's) is released by every request that passes it
+#: while that request still runs, so it waits in the LRU far more often than the prefix's
+#: full-attention blocks, which every running request holds.  Measured with
+#: ``benchmarks/compare_vllm.py`` on the Mooncake trace (docs/vllm.md, section 6): gemma-3-27b
+#: at 64 GiB 3.684% -> 3.702% of prompt tokens (arena), 3.696% -> 3.722% (``uniform``), the
+#: whole gain of ``second_chance=2`` there, while gpt-oss-20b's sliding layers change nothing
+#: (16 GiB 3.724%, 64 GiB 9.862% either way), where 2 for every group cost it 9.86% -> 9.51%.
+DEFAULT_WINDOW_CHANCES = 2
 #: The most a pool accepts (one byte per block).
 MAX_CHANCES = 255
+#: Kinds whose groups take :data:`DEFAULT_WINDOW_CHANCES`.
+_WINDOWED = (CacheKind.SLIDING, CacheKind.CHUNKED)
 
 
-def check_chances(value: object) -> int:
-    """``value`` as a chance count (``True`` / ``False`` are 1 / 0); raises PlanError unless
-    it is an integer in ``[0, MAX_CHANCES]``."""
+def check_chances(value: object, field: str = "second_chance") -> int:
+    """``value`` as a chance count (``True`` / ``False`` are 1 / 0); raises PlanError naming
+    ``field`` unless it is an integer in ``[0, MAX_CHANCES]``."""
     if not isinstance(value, int) or not 0 <= value <= MAX_CHANCES:
         raise PlanError(
-            f"second_chance: {value!r} is not a chance count; valid: an integer in "
+            f"{field}: {value!r} is not a chance count; valid: an integer in "
             f"[0, {MAX_CHANCES}] (0 off, 1 CLOCK's second chance, True / False = 1 / 0)"
         )
     return int(value)
+
+
+def group_chances(
+    layout: MemoryLayout, second_chance: int, window_chances: int | None = None
+) -> list[int]:
+    """The chances a block of each group of ``layout`` holds at most: ``second_chance`` for
+    every group but the windowed ones (sliding window, local chunks), which take
+    ``window_chances``, or when it is None ``max(second_chance, DEFAULT_WINDOW_CHANCES)``
+    (0 when ``second_chance`` is 0).  Raises PlanError for a bad count."""
+    k = check_chances(second_chance)
+    if window_chances is None:
+        w = max(k, DEFAULT_WINDOW_CHANCES) if k else 0
+    else:
+        w = check_chances(window_chances, "window_chances")
+    return [w if g.spec.kind in _WINDOWED else k for g in layout.groups]
 
 
 #: Per-group optional lists handed to :meth:`BlockPool.fits` (``None`` = nothing).
@@ -267,8 +303,12 @@ class FreeListPool:
             for old, h, b in evicted:
                 self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]
 
-    def touch(self, blocks: Sequence[int]) -> None:
-        refs, fc, hit, most = self.refs, self.free_cached, self.hit, self.chances
+    def touch(self, blocks: Sequence[int], most: int = -1) -> None:
+        """Revive or reference ``blocks`` (hits); each gains a chance up to ``most`` (-1: the
+        pool's ``chances``; a shared pool passes the touching group's)."""
+        refs, fc, hit = self.refs, self.free_cached, self.hit
+        if most < 0:
+            most = self.chances
         for b in blocks:
             r = refs[b]
             if not r:

@@ -13,11 +13,39 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
-from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, FreeListPool, GroupLists
-from hybridkv.errors import InvariantError
+from hybridkv.cache.pool_base import (
+    DEFAULT_CHANCES,
+    BlockPool,
+    FreeListPool,
+    GroupLists,
+    check_chances,
+)
+from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
 __all__ = ["FlatArenaPool", "PerGroupPools", "UniformPool"]
+
+
+def _caps(pool: BlockPool, second_chance: int, chances: Sequence[int] | None) -> list[int]:
+    """Per-group chance caps: ``chances`` checked, or ``second_chance`` for every group."""
+    if chances is None:
+        return [check_chances(second_chance)] * pool.num_groups
+    caps = [check_chances(c) for c in chances]
+    if len(caps) != pool.num_groups:
+        raise PlanError(f"chances: {len(caps)} counts for {pool.num_groups} groups")
+    return caps
+
+
+def _check_caps(core: FreeListPool, caps: Sequence[int]) -> None:
+    """No block holds more chances than its owner group's cap."""
+    hit = core.hit
+    if hit is None:
+        return
+    for b, owner in enumerate(core.owner):
+        if owner >= 0 and hit[b] > caps[owner]:
+            raise InvariantError(
+                f"block {b} of group {owner} holds {hit[b]} chances, more than {caps[owner]}"
+            )
 
 
 class UniformPool(BlockPool):
@@ -26,28 +54,34 @@ class UniformPool(BlockPool):
     strategy: ClassVar[Strategy] = Strategy.UNIFORM
 
     def __init__(
-        self, layout: MemoryLayout, events: EventLog, *, second_chance: int = DEFAULT_CHANCES
+        self,
+        layout: MemoryLayout,
+        events: EventLog,
+        *,
+        second_chance: int = DEFAULT_CHANCES,
+        chances: Sequence[int] | None = None,
     ) -> None:
         super().__init__(layout, events)
         if len(layout.pools) != 1:
             raise InvariantError(f"uniform layout with {len(layout.pools)} pools")
         pool = layout.pools[0]
-        self._init_core(pool.num_blocks, pool.block_bytes, second_chance=second_chance)
+        self._init_core(pool.num_blocks, pool.block_bytes, _caps(self, second_chance, chances))
 
     def _init_core(
         self,
         num_blocks: int,
         block_bytes: int,
+        caps: list[int],
         first: int = 1,
-        *,
-        second_chance: int = DEFAULT_CHANCES,
     ) -> None:
+        #: ``caps[g]``: the chances a block of group ``g`` holds at most.
+        self.caps = caps
         self.core = FreeListPool(
             num_blocks,
             range(self.num_groups),
             self.events,
             first=first,
-            second_chance=second_chance,
+            second_chance=max(caps, default=0),
         )
         self.block_bytes = block_bytes
         self.refs = [self.core.refs] * self.num_groups
@@ -58,7 +92,7 @@ class UniformPool(BlockPool):
         return self.core.allocate(group_id, n)
 
     def touch(self, group_id: int, blocks: Sequence[int]) -> None:
-        self.core.touch(blocks)
+        self.core.touch(blocks, self.caps[group_id])
 
     def release(self, group_id: int, blocks: Sequence[int]) -> None:
         self.core.release(blocks)
@@ -100,6 +134,7 @@ class UniformPool(BlockPool):
 
     def check_invariants(self) -> None:
         self.core.check_invariants()
+        _check_caps(self.core, self.caps)
 
     def snapshot(self) -> Any:
         return self.core.snapshot()
@@ -133,7 +168,12 @@ class FlatArenaPool(UniformPool):
         return all(g.block_bytes == chunk for g in layout.groups)
 
     def __init__(
-        self, layout: MemoryLayout, events: EventLog, *, second_chance: int = DEFAULT_CHANCES
+        self,
+        layout: MemoryLayout,
+        events: EventLog,
+        *,
+        second_chance: int = DEFAULT_CHANCES,
+        chances: Sequence[int] | None = None,
     ) -> None:
         BlockPool.__init__(self, layout, events)
         arena = layout.arena
@@ -146,7 +186,8 @@ class FlatArenaPool(UniformPool):
         first = self.bpc if host is None else host.first
         tail = layout.tail_host  # one group: the bytes past the last chunk are its ids too
         num_ids = arena.num_chunks * self.bpc if tail is None else tail.end
-        self._init_core(num_ids, layout.groups[0].block_bytes, first, second_chance=second_chance)
+        caps = _caps(self, second_chance, chances)
+        self._init_core(num_ids, layout.groups[0].block_bytes, caps, first)
         self.num_chunks = arena.num_chunks + (tail is not None)
         self._usable = num_ids - first
 
@@ -170,16 +211,20 @@ class PerGroupPools(BlockPool):
     strategy: ClassVar[Strategy] = Strategy.POOLS
 
     def __init__(
-        self, layout: MemoryLayout, events: EventLog, *, second_chance: int = DEFAULT_CHANCES
+        self,
+        layout: MemoryLayout,
+        events: EventLog,
+        *,
+        second_chance: int = DEFAULT_CHANCES,
+        chances: Sequence[int] | None = None,
     ) -> None:
         super().__init__(layout, events)
+        caps = _caps(self, second_chance, chances)
         self.cores: list[FreeListPool] = []
         self.block_bytes: list[int] = []
         for g in range(self.num_groups):
             plan = layout.pool_of(g)
-            self.cores.append(
-                FreeListPool(plan.num_blocks, (g,), events, second_chance=second_chance)
-            )
+            self.cores.append(FreeListPool(plan.num_blocks, (g,), events, second_chance=caps[g]))
             self.block_bytes.append(plan.block_bytes)
         self.refs = [c.refs for c in self.cores]
         self.hashes = [c.hashes for c in self.cores]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_arena import ArenaPool
-from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, group_chances
 from hybridkv.cache.pool_shared import FlatArenaPool, PerGroupPools, UniformPool
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
@@ -24,6 +24,7 @@ def make_block_pool(
     *,
     arena_eviction: str = "chunk_lru",
     second_chance: int = DEFAULT_CHANCES,
+    window_chances: int | None = None,
 ) -> BlockPool:
     """The pool for ``layout.strategy``, with every block free and nothing cached.
 
@@ -32,13 +33,15 @@ def make_block_pool(
     group, runs the default policy on :class:`FlatArenaPool` (uniform's free lists).
     ``second_chance``: spare a block that served a hit (or, in the chunked arena, an idle
     chunk holding one) once when it comes up for eviction (see
-    :class:`~hybridkv.cache.pool_base.FreeListPool` and :class:`ArenaPool`).  Raises
-    PlanError for an unknown policy.
+    :class:`~hybridkv.cache.pool_base.FreeListPool` and :class:`ArenaPool`); windowed groups
+    take ``window_chances`` instead (:func:`~hybridkv.cache.pool_base.group_chances`).
+    Raises PlanError for an unknown policy or a bad count.
     """
+    caps = group_chances(layout, second_chance, window_chances)
     if layout.strategy is Strategy.ARENA:
         if arena_eviction == "chunk_lru" and FlatArenaPool.applies(layout):
-            return FlatArenaPool(layout, events, second_chance=second_chance)
-        return ArenaPool(layout, events, eviction=arena_eviction, second_chance=second_chance)
+            return FlatArenaPool(layout, events, chances=caps)
+        return ArenaPool(layout, events, eviction=arena_eviction, chances=caps)
     if layout.strategy is Strategy.UNIFORM:
-        return UniformPool(layout, events, second_chance=second_chance)
-    return PerGroupPools(layout, events, second_chance=second_chance)
+        return UniformPool(layout, events, chances=caps)
+    return PerGroupPools(layout, events, chances=caps)

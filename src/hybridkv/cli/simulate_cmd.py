@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.cache import CHECKPOINT_ADMISSION, PUBLISH_MODES, TIER_ADMISSION, WINDOW_RETENTION
-from hybridkv.cache.pool_base import DEFAULT_CHANCES, MAX_CHANCES
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, DEFAULT_WINDOW_CHANCES, MAX_CHANCES
 from hybridkv.cli.common import (
     CliInputError,
     add_block_options,
@@ -165,6 +165,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="chances a cached block that served hits holds at most: each hit gives one, each "
         f"time it comes up for eviction it spends one instead (0 off; default {DEFAULT_CHANCES})",
     )
+    parser.add_argument(
+        "--window-chances",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the same for blocks of sliding-window and local-chunk groups (default: "
+        f"max(--second-chance, {DEFAULT_WINDOW_CHANCES}), 0 when --second-chance is 0)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads")
     parser.add_argument(
         "--report",
@@ -247,10 +255,12 @@ def run(args: argparse.Namespace) -> int:
             "tp",
         ),
     )
-    if not 0 <= args.second_chance <= MAX_CHANCES:
-        raise CliInputError(
-            f"--second-chance: must be an integer in [0, {MAX_CHANCES}], got {args.second_chance}"
-        )
+    for flag, value in (
+        ("--second-chance", args.second_chance),
+        ("--window-chances", args.window_chances),
+    ):
+        if value is not None and not 0 <= value <= MAX_CHANCES:
+            raise CliInputError(f"{flag}: must be an integer in [0, {MAX_CHANCES}], got {value}")
     memory = parse_bytes(args.memory, field="--memory")
     hosts: list[int | None] = [None]
     if args.host_memory is not None:
@@ -294,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_admission=args.checkpoint_admission,
             tier_admission=args.tier_admission,
             second_chance=args.second_chance,
+            window_chances=args.window_chances,
             host_memory_bytes=host,
             disk_memory_bytes=disk,
             label=f"{strategy} host {format_bytes(host) if host else 'none'}" if sweep else None,

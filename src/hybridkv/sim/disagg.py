@@ -96,6 +96,7 @@ def _instance(model: ModelSpec, config: SimConfig, publish: str) -> Scheduler:
         checkpoint_admission=config.checkpoint_admission,
         tier_admission=config.tier_admission,
         second_chance=config.second_chance,
+        window_chances=config.window_chances,
     )
     return scheduler_for(mgr, config)
 

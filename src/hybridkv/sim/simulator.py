@@ -72,6 +72,8 @@ class SimConfig:
     tier_admission: str = "yield"
     #: Chances a cached block that served hits holds at most (``KVCacheManager(second_chance=)``).
     second_chance: int = DEFAULT_CHANCES
+    #: The same for windowed groups (``KVCacheManager(window_chances=)``; None: its default).
+    window_chances: int | None = None
     #: The scheduler's ``checkpoint_before_end`` (state models; None: by the alignment).
     checkpoint_before_end: bool | None = None
     host_memory_bytes: int | None = None
@@ -313,6 +315,7 @@ def simulate(
         checkpoint_admission=config.checkpoint_admission,
         tier_admission=config.tier_admission,
         second_chance=config.second_chance,
+        window_chances=config.window_chances,
         group_hit_stats=True,  # the report's per-group hit rates
         tiers=config.tiers(),
     )
