@@ -42,7 +42,8 @@ __all__ = [
 #: Measured with ``benchmarks/compare_vllm.py`` on the Mooncake trace (docs/vllm.md): 2 keeps
 #: gemma-3-27b's system prompt through more of the prefill bursts that sweep the LRU (64 GiB:
 #: 3.684% -> 3.702% of prompt tokens in the arena) but costs Nemotron-H-8B (64 GiB: 6.49% ->
-#: 5.89%) and gpt-oss-20b (9.86% -> 9.51%), so the default stays at CLOCK's one.
+#: 5.89%) and gpt-oss-20b (9.86% -> 9.51%), so the default stays at CLOCK's one; windowed
+#: groups alone take 2 (:data:`DEFAULT_WINDOW_CHANCES`), which keeps gemma-3-27b's gain.
 DEFAULT_CHANCES = 1
 #: Chances a block of a windowed group (sliding window, local chunks) holds at most, by
 #: default, when the second chance is on.  A window's blocks serve a hit only all together, and
