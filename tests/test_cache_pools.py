@@ -221,6 +221,41 @@ def test_a_chance_count_out_of_range_is_refused(bad: object) -> None:
             make_block_pool(layout, EventLog(enabled=False), second_chance=bad)  # type: ignore[arg-type]
 
 
+def test_a_spread_allocation_takes_whole_free_chunks_before_holes() -> None:
+    # 512-byte chunks: 4 full-attention blocks or 2 sliding-window blocks; chunk 0 lends
+    # ids 2..3 to group 0 (held), so group 1's chunk c holds ids 2c, 2c + 1.
+    layout = arena(groups(full(), (swa(8), 8)), 6)
+    for spread in (False, True):
+        pool = make_block_pool(layout, EventLog(enabled=False))
+        assert isinstance(pool, ArenaPool) and pool.blocks_per_chunk(1) == 2
+        assert _hold_null_chunk(pool) == [2, 3]
+        assert pool.allocate(1, 2) == [2, 3]  # chunk 1
+        pool.release(1, [2])  # uncached: a free block (a hole) in chunk 1, still active
+        assert pool.free_chunks == [5, 4, 3, 2]
+        assert pool.spreads([0, 8]) and not pool.spreads([0, 9]) and not pool.spreads([1, 8])
+        before = pool.snapshot()
+        assert pool.spreads([4, 2]) and pool.snapshot() == before  # a query
+        if spread:
+            # whole chunks first (2, then 3), the hole and chunk 3's other block left over
+            assert pool.allocate_spread(1, 3) == [4, 5, 6]
+            assert list(pool.free_uncached[1]) == [2, 7] and pool.free_chunks == [5, 4]
+        else:
+            assert pool.allocate(1, 3) == [2, 4, 5]  # the hole first, then chunk 2
+            assert not pool.free_uncached[1] and pool.free_chunks == [5, 4, 3]
+        pool.check_invariants()
+    flat = make_block_pool(uniform(groups(full(), swa(8)), 6), EventLog(enabled=False))
+    assert flat.blocks_per_chunk(1) == 1 and not flat.spreads([0, 1])
+    assert flat.allocate_spread(1, 2) == [1, 2]  # no chunks: allocate as usual
+    flat.check_invariants()
+
+
+def test_windowed_groups_of_a_chunked_arena_spread() -> None:
+    gs = groups(full(), (swa(8), 8), (chunked(8), 8))
+    assert KVCacheManager(arena(gs, 6))._coord._spread == {1, 2}
+    assert not KVCacheManager(uniform(groups(full(), swa(8)), 6))._coord._spread
+    assert not KVCacheManager(arena(groups(full(), swa(8)), 6, 1))._coord._spread
+
+
 def test_pools_evict_only_within_their_group() -> None:
     pool = make_block_pool(pools(groups(full(), full()), 3), EventLog(enabled=False))
     assert pool.allocate(0, 2) == [1, 2] and pool.allocate(1, 2) == [1, 2]

@@ -159,6 +159,18 @@ class HybridCoordinator:
         self._open = [m for m in self.managers if not m.prefix_closed]
         self._set_window_grids()
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
+        #: Windowed groups whose blocks share chunks (arena): while whole free chunks cover a
+        #: call's needs, their new blocks take whole chunks first (``BlockPool.spreads``).
+        #: Most of what a windowed group takes for a prefill chunk leaves the window when the
+        #: step ends and is released uncached; in chunks of its own it frees whole chunks that
+        #: any group can take, where in the free slots of chunks still holding other requests'
+        #: windows it would stay stranded there (gemma-3-27b at 64 GiB, docs/vllm.md).
+        self._spread = frozenset(
+            m.group_id
+            for m in self.managers
+            if m.spec.kind in (CacheKind.SLIDING, CacheKind.CHUNKED)
+            and self.pool.blocks_per_chunk(m.group_id) > 1
+        )
         self._own_state_pools = layout.strategy is Strategy.POOLS
         #: Checkpoint admission by yield (None: every aligned checkpoint, or no state group).
         self.admission: CheckpointAdmission | None = None
@@ -434,13 +446,17 @@ class HybridCoordinator:
             spots = self._tier_spots(request, hit, markers, num_new_computed_tokens)
         new_ids: list[tuple[BlockId, ...]] = []
         pool = self.pool
+        spread = bool(self._spread) and pool.spreads([p.need if p else 0 for p in plans])
         for i, p in enumerate(plans):
             if p is None or not p.need:
                 new_ids.append(())
                 continue
             # One allocation per group, in group order, as fits() counted it; a hit's tier
             # blocks take the first ones.
-            blocks = pool.allocate(i, p.need)
+            if spread and i in self._spread:
+                blocks = pool.allocate_spread(i, p.need)
+            else:
+                blocks = pool.allocate(i, p.need)
             if spots is not None and spots[i][0]:
                 k = len(spots[i][0])
                 self._install_loads(request, groups[i], i, spots[i], blocks[:k], loads)

@@ -244,7 +244,21 @@ class ArenaPool(ArenaFits):
             self.events.evicted(h, tuple(evicted), where)  # type: ignore[arg-type]
 
     # -- mutation -----------------------------------------------------------------------------
-    def allocate(self, group_id: int, n: int) -> list[int]:
+    def blocks_per_chunk(self, group_id: int) -> int:
+        return self.bpc[group_id]
+
+    def spreads(self, needs: Sequence[int]) -> bool:
+        bpc = self.bpc
+        want = 0
+        for g, n in enumerate(needs):
+            if n:
+                want += -(-n // bpc[g])
+        return want <= len(self.free_chunks)
+
+    def allocate_spread(self, group_id: int, n: int) -> list[int]:
+        return self.allocate(group_id, n, True)
+
+    def allocate(self, group_id: int, n: int, spread: bool = False) -> list[int]:
         g = group_id
         refs, hashes, bpc = self.refs[g], self.hashes[g], self.bpc[g]
         fu, fc, m = self.free_uncached[g], self.free_cached[g], self.maps[g]
@@ -255,6 +269,7 @@ class ArenaPool(ArenaFits):
         evicted: list[int] = []
         where_g: list[int] = []
         drain: list[int] = []  # cached blocks of an idle chunk this call reopened
+        carved = 0  # blocks of the chunk this call carved last still in fu (spread)
         while len(out) < n:
             if bpc == 1 and not fu and not drain and self.free_chunks:
                 # One block per chunk: whole free chunks are the blocks, no carving (the
@@ -307,8 +322,10 @@ class ArenaPool(ArenaFits):
                 self._spare_own(g)  # step 3 decides next: spare the marked heads once
                 own = self.idle[g]
                 self._spare_idle(own if self.own_first and own else self.idle_all)
-            if fu:
+            if fu and not (spread and not carved and self.free_chunks):
                 b = fu.popitem()[0]
+                if carved:
+                    carved -= 1
             elif drain or (
                 fc
                 and not self.free_chunks
@@ -328,6 +345,7 @@ class ArenaPool(ArenaFits):
                 where_g.append(b)
             elif self.free_chunks:
                 self._carve(g, self.free_chunks.pop())
+                carved = bpc  # on top of fu: the next pops take them
                 continue
             elif self.idle_all:
                 own = self.idle[g]

@@ -118,6 +118,23 @@ class BlockPool(ABC):
     def allocate(self, group_id: int, n: int) -> list[int]:
         """Take ``n`` free blocks for ``group_id`` (ref count 1 each), evicting if needed."""
 
+    def blocks_per_chunk(self, group_id: int) -> int:
+        """Blocks of ``group_id`` one chunk of the pool holds (1: the pool has no chunks)."""
+        return 1
+
+    def spreads(self, needs: Sequence[int]) -> bool:
+        """Whether whole free chunks alone cover ``needs[g]`` blocks for every group ``g``,
+        however each group places them: then :meth:`allocate_spread` evicts nothing, as
+        :meth:`allocate` would not, and leaves every group as many blocks to take.  False for a
+        pool without chunks."""
+        return False
+
+    def allocate_spread(self, group_id: int, n: int) -> list[int]:
+        """:meth:`allocate`, but taking whole free chunks before the free blocks of chunks
+        already in use (only when :meth:`spreads` said so for the call's needs); a pool without
+        chunks allocates as usual."""
+        return self.allocate(group_id, n)
+
     @abstractmethod
     def touch(self, group_id: int, blocks: Sequence[int]) -> None:
         """Add one reference to each (cached) block; a free one leaves the free queues."""
