@@ -48,6 +48,15 @@ one block per chunk every cached free block is an idle chunk and this is exactly
 after step 2 a group evicts its own cached blocks in active chunks, then reopens its own idle
 chunks, and only then empties another group's least-recently idled chunk.
 
+Placement: :meth:`ArenaPool.allocate_spread` takes whole free chunks before step 1's free
+blocks of active chunks.  The coordinator uses it for windowed groups (sliding window, local
+chunks) with several blocks per chunk, and only when :meth:`ArenaPool.spreads` says whole free
+chunks cover every group's need of the call, so neither order evicts anything and ``fits``
+does not depend on it.  Most of what such a group takes for a prefill chunk leaves the window
+when the step ends and is released uncached: in chunks of its own it frees whole chunks, which
+return to the free stack for any group, where in the free slots of chunks holding other
+requests' windows it would stay stranded there.
+
 :meth:`ArenaPool.fits` stays exact: it replays the call's releases and touches on counters and
 on the stamps they would hand out, then walks each group's LRU against the shared idle LRU in
 the same order :meth:`ArenaPool.allocate` evicts (O(blocks evicted) per call).  Chunk
