@@ -232,9 +232,12 @@ def test_a_spread_allocation_takes_whole_free_chunks_before_holes() -> None:
         assert pool.allocate(1, 2) == [2, 3]  # chunk 1
         pool.release(1, [2])  # uncached: a free block (a hole) in chunk 1, still active
         assert pool.free_chunks == [5, 4, 3, 2]
-        assert pool.spreads([0, 8]) and not pool.spreads([0, 9]) and not pool.spreads([1, 8])
+        # group 1 spreading: 8 blocks = the 4 free chunks; 9 would evict; group 0 (no free
+        # block) needs a chunk of its own for 1; not spreading, group 1's hole covers one
+        assert pool.spreads([0, 8], {1}) and not pool.spreads([0, 9], {1})
+        assert not pool.spreads([1, 8], {1}) and pool.spreads([0, 9], set())
         before = pool.snapshot()
-        assert pool.spreads([4, 2]) and pool.snapshot() == before  # a query
+        assert pool.spreads([4, 2], {0, 1}) and pool.snapshot() == before  # a query
         if spread:
             # whole chunks first (2, then 3), the hole and chunk 3's other block left over
             assert pool.allocate_spread(1, 3) == [4, 5, 6]
@@ -244,7 +247,7 @@ def test_a_spread_allocation_takes_whole_free_chunks_before_holes() -> None:
             assert not pool.free_uncached[1] and pool.free_chunks == [5, 4, 3]
         pool.check_invariants()
     flat = make_block_pool(uniform(groups(full(), swa(8)), 6), EventLog(enabled=False))
-    assert flat.blocks_per_chunk(1) == 1 and not flat.spreads([0, 1])
+    assert flat.blocks_per_chunk(1) == 1 and not flat.spreads([0, 1], {1})
     assert flat.allocate_spread(1, 2) == [1, 2]  # no chunks: allocate as usual
     flat.check_invariants()
 

@@ -160,7 +160,8 @@ class HybridCoordinator:
         self._set_window_grids()
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
         #: Windowed groups whose blocks share chunks (arena): while whole free chunks cover a
-        #: call's needs, their new blocks take whole chunks first (``BlockPool.spreads``).
+        #: call's needs without evicting, their new blocks take whole chunks first
+        #: (``BlockPool.spreads``).
         #: Most of what a windowed group takes for a prefill chunk leaves the window when the
         #: step ends and is released uncached; in chunks of its own it frees whole chunks that
         #: any group can take, where in the free slots of chunks still holding other requests'
@@ -446,7 +447,9 @@ class HybridCoordinator:
             spots = self._tier_spots(request, hit, markers, num_new_computed_tokens)
         new_ids: list[tuple[BlockId, ...]] = []
         pool = self.pool
-        spread = bool(self._spread) and pool.spreads([p.need if p else 0 for p in plans])
+        spread = bool(self._spread) and pool.spreads(
+            [p.need if p else 0 for p in plans], self._spread
+        )
         for i, p in enumerate(plans):
             if p is None or not p.need:
                 new_ids.append(())

@@ -50,12 +50,12 @@ chunks, and only then empties another group's least-recently idled chunk.
 
 Placement: :meth:`ArenaPool.allocate_spread` takes whole free chunks before step 1's free
 blocks of active chunks.  The coordinator uses it for windowed groups (sliding window, local
-chunks) with several blocks per chunk, and only when :meth:`ArenaPool.spreads` says whole free
-chunks cover every group's need of the call, so neither order evicts anything and ``fits``
-does not depend on it.  Most of what such a group takes for a prefill chunk leaves the window
-when the step ends and is released uncached: in chunks of its own it frees whole chunks, which
-return to the free stack for any group, where in the free slots of chunks holding other
-requests' windows it would stay stranded there.
+chunks) with several blocks per chunk, and only when :meth:`ArenaPool.spreads` says whole
+free chunks cover what those groups need and what the other groups' free blocks do not, so
+neither order evicts anything and ``fits`` does not depend on it.  Most of what such a group
+takes for a prefill chunk leaves the window when the step ends and is released uncached: in
+chunks of its own it frees whole chunks, which return to the free stack for any group, where
+in the free slots of chunks holding other requests' windows it would stay stranded.
 
 :meth:`ArenaPool.fits` stays exact: it replays the call's releases and touches on counters and
 on the stamps they would hand out, then walks each group's LRU against the shared idle LRU in
@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
 from hybridkv.cache.arena_fits import ArenaFits
@@ -256,10 +257,12 @@ class ArenaPool(ArenaFits):
     def blocks_per_chunk(self, group_id: int) -> int:
         return self.bpc[group_id]
 
-    def spreads(self, needs: Sequence[int]) -> bool:
-        bpc = self.bpc
+    def spreads(self, needs: Sequence[int], spreading: AbstractSet[int]) -> bool:
+        bpc, fu = self.bpc, self.free_uncached
         want = 0
         for g, n in enumerate(needs):
+            if n and g not in spreading:
+                n = max(0, n - len(fu[g]))
             if n:
                 want += -(-n // bpc[g])
         return want <= len(self.free_chunks)

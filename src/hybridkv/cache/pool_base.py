@@ -21,6 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
@@ -122,11 +123,11 @@ class BlockPool(ABC):
         """Blocks of ``group_id`` one chunk of the pool holds (1: the pool has no chunks)."""
         return 1
 
-    def spreads(self, needs: Sequence[int]) -> bool:
-        """Whether whole free chunks alone cover ``needs[g]`` blocks for every group ``g``,
-        however each group places them: then :meth:`allocate_spread` evicts nothing, as
-        :meth:`allocate` would not, and leaves every group as many blocks to take.  False for a
-        pool without chunks."""
+    def spreads(self, needs: Sequence[int], spreading: AbstractSet[int]) -> bool:
+        """Whether ``needs[g]`` blocks for every group ``g`` come without evicting anything
+        when the ``spreading`` groups take all of theirs from whole free chunks
+        (:meth:`allocate_spread`) and the others their chunks' free blocks first: then
+        :meth:`allocate` would evict nothing either.  False for a pool without chunks."""
         return False
 
     def allocate_spread(self, group_id: int, n: int) -> list[int]:
