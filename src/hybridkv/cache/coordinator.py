@@ -29,7 +29,7 @@ from hybridkv.cache.tiers import TierSpec, TierStack
 from hybridkv.cache.types import AllocationResult, BlockHash, BlockId, TierLoad
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
-from hybridkv.specs import CacheKind, SlidingWindowSpec
+from hybridkv.specs import WINDOW_KINDS, CacheKind, SlidingWindowSpec
 
 __all__ = ["PUBLISH_MODES", "WINDOW_RETENTION", "HitResult", "HybridCoordinator", "RequestState"]
 
@@ -169,8 +169,7 @@ class HybridCoordinator:
         self._spread = frozenset(
             m.group_id
             for m in self.managers
-            if m.spec.kind in (CacheKind.SLIDING, CacheKind.CHUNKED)
-            and self.pool.blocks_per_chunk(m.group_id) > 1
+            if m.spec.kind in WINDOW_KINDS and self.pool.blocks_per_chunk(m.group_id) > 1
         )
         self._own_state_pools = layout.strategy is Strategy.POOLS
         #: Checkpoint admission by yield (None: every aligned checkpoint, or no state group).

@@ -74,7 +74,7 @@ from typing import Any, ClassVar
 from hybridkv.cache.arena_fits import ArenaFits
 from hybridkv.cache.arena_invariants import check_arena
 from hybridkv.cache.events import EventLog
-from hybridkv.cache.pool_base import DEFAULT_CHANCES, check_chances
+from hybridkv.cache.pool_base import DEFAULT_CHANCES, chance_caps
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
@@ -131,12 +131,7 @@ class ArenaPool(ArenaFits):
         #: with a chance is spared when it comes up for eviction: it spends one (every block
         #: of the chunk with one) and gets a new stamp (the young end).  ``caps[g]``: group
         #: ``g``'s most (``chances``, or ``second_chance`` for every group).
-        if chances is None:
-            self.caps = [check_chances(second_chance)] * self.num_groups
-        else:
-            self.caps = [check_chances(c) for c in chances]
-            if len(self.caps) != self.num_groups:
-                raise PlanError(f"chances: {len(self.caps)} counts for {self.num_groups} groups")
+        self.caps = chance_caps(self.num_groups, second_chance, chances)
         self.second_chance = max(self.caps, default=0)
         self.hit = [bytearray(layout.num_block_ids(g)) for g in groups]
         self.hashes = [[None] * layout.num_block_ids(g) for g in groups]

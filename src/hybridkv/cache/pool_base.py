@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from hybridkv.cache.events import EventLog
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import NULL_BLOCK_ID, MemoryLayout, Strategy
-from hybridkv.specs import CacheKind
+from hybridkv.specs import WINDOW_KINDS
 
 __all__ = [
     "DEFAULT_CHANCES",
@@ -35,6 +35,7 @@ __all__ = [
     "MAX_CHANCES",
     "BlockPool",
     "FreeListPool",
+    "chance_caps",
     "check_chances",
     "group_chances",
 ]
@@ -58,8 +59,6 @@ DEFAULT_CHANCES = 1
 DEFAULT_WINDOW_CHANCES = 2
 #: The most a pool accepts (one byte per block).
 MAX_CHANCES = 255
-#: Kinds whose groups take :data:`DEFAULT_WINDOW_CHANCES`.
-_WINDOWED = (CacheKind.SLIDING, CacheKind.CHUNKED)
 
 
 def check_chances(value: object, field: str = "second_chance") -> int:
@@ -85,7 +84,18 @@ def group_chances(
         w = max(k, DEFAULT_WINDOW_CHANCES) if k else 0
     else:
         w = check_chances(window_chances, "window_chances")
-    return [w if g.spec.kind in _WINDOWED else k for g in layout.groups]
+    return [w if g.spec.kind in WINDOW_KINDS else k for g in layout.groups]
+
+
+def chance_caps(num_groups: int, second_chance: int, chances: Sequence[int] | None) -> list[int]:
+    """A pool's per-group chance caps: ``chances`` checked (one per group), or
+    ``second_chance`` for every group.  Raises PlanError for a bad count or length."""
+    if chances is None:
+        return [check_chances(second_chance)] * num_groups
+    caps = [check_chances(c) for c in chances]
+    if len(caps) != num_groups:
+        raise PlanError(f"chances: {len(caps)} counts for {num_groups} groups")
+    return caps
 
 
 #: Per-group optional lists handed to :meth:`BlockPool.fits` (``None`` = nothing).

@@ -18,22 +18,12 @@ from hybridkv.cache.pool_base import (
     BlockPool,
     FreeListPool,
     GroupLists,
-    check_chances,
+    chance_caps,
 )
-from hybridkv.errors import InvariantError, PlanError
+from hybridkv.errors import InvariantError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
 __all__ = ["FlatArenaPool", "PerGroupPools", "UniformPool"]
-
-
-def _caps(pool: BlockPool, second_chance: int, chances: Sequence[int] | None) -> list[int]:
-    """Per-group chance caps: ``chances`` checked, or ``second_chance`` for every group."""
-    if chances is None:
-        return [check_chances(second_chance)] * pool.num_groups
-    caps = [check_chances(c) for c in chances]
-    if len(caps) != pool.num_groups:
-        raise PlanError(f"chances: {len(caps)} counts for {pool.num_groups} groups")
-    return caps
 
 
 def _check_caps(core: FreeListPool, caps: Sequence[int]) -> None:
@@ -65,7 +55,9 @@ class UniformPool(BlockPool):
         if len(layout.pools) != 1:
             raise InvariantError(f"uniform layout with {len(layout.pools)} pools")
         pool = layout.pools[0]
-        self._init_core(pool.num_blocks, pool.block_bytes, _caps(self, second_chance, chances))
+        self._init_core(
+            pool.num_blocks, pool.block_bytes, chance_caps(self.num_groups, second_chance, chances)
+        )
 
     def _init_core(
         self,
@@ -186,7 +178,7 @@ class FlatArenaPool(UniformPool):
         first = self.bpc if host is None else host.first
         tail = layout.tail_host  # one group: the bytes past the last chunk are its ids too
         num_ids = arena.num_chunks * self.bpc if tail is None else tail.end
-        caps = _caps(self, second_chance, chances)
+        caps = chance_caps(self.num_groups, second_chance, chances)
         self._init_core(num_ids, layout.groups[0].block_bytes, caps, first)
         self.num_chunks = arena.num_chunks + (tail is not None)
         self._usable = num_ids - first
@@ -219,7 +211,7 @@ class PerGroupPools(BlockPool):
         chances: Sequence[int] | None = None,
     ) -> None:
         super().__init__(layout, events)
-        caps = _caps(self, second_chance, chances)
+        caps = chance_caps(self.num_groups, second_chance, chances)
         self.cores: list[FreeListPool] = []
         self.block_bytes: list[int] = []
         for g in range(self.num_groups):

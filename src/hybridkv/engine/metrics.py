@@ -24,12 +24,9 @@ from typing import Any
 from hybridkv.cache import KVCacheManager
 from hybridkv.plan import NULL_BLOCK_ID, MemoryLayout
 from hybridkv.scheduler import SchedulerOutput
-from hybridkv.specs import CacheKind
+from hybridkv.specs import WINDOW_KINDS
 
 __all__ = ["WINDOW_KINDS", "CacheTracker", "EngineStats"]
-
-#: Kinds whose managers replace blocks that left the window with the null block.
-WINDOW_KINDS = frozenset({CacheKind.SLIDING, CacheKind.CHUNKED})
 
 
 @dataclass(frozen=True, kw_only=True)

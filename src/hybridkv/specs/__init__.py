@@ -5,6 +5,7 @@ from __future__ import annotations
 from hybridkv.specs.dtypes import DType
 from hybridkv.specs.kinds import (
     MAX_TOKENS,
+    WINDOW_KINDS,
     AttentionSpec,
     CacheKind,
     CacheSpec,
@@ -23,6 +24,7 @@ from hybridkv.specs.model import CacheEntry, LayerSpec, ModelSpec, no_cache_laye
 
 __all__ = [
     "MAX_TOKENS",
+    "WINDOW_KINDS",
     "AttentionSpec",
     "CacheEntry",
     "CacheKind",

@@ -28,6 +28,7 @@ from hybridkv.specs.dtypes import DType
 
 __all__ = [
     "MAX_TOKENS",
+    "WINDOW_KINDS",
     "AttentionSpec",
     "CacheKind",
     "CacheSpec",
@@ -56,6 +57,11 @@ class CacheKind(StrEnum):
     MLA = "mla"
     STATE = "state"
     NONE = "none"
+
+
+#: Kinds that keep only a window of recent tokens (their managers replace blocks that left it
+#: with the null block).
+WINDOW_KINDS = frozenset({CacheKind.SLIDING, CacheKind.CHUNKED})
 
 
 class StateMixer(StrEnum):
