@@ -73,14 +73,26 @@ def test_a_full_host_tier_cascades_to_disk_and_loads_name_it() -> None:
 
 
 def test_a_block_larger_than_the_host_tier_goes_straight_to_disk() -> None:
-    stack = TierStack([TierSpec("host", 100), TierSpec("disk", 1000)], [300])
+    # group 0's blocks (300 B) never fit the 100 B host tier; group 1's (50 B) do
+    stack = TierStack([TierSpec("host", 100), TierSpec("disk", 1000)], [300, 50])
     stack.evicted(0, (1, 2), (5, 6))
-    assert [len(t) for t in stack.tiers] == [0, 2]
-    assert stack.where(0, 1) == "disk"
+    stack.evicted(1, (9,), (4,))
+    assert [len(t) for t in stack.tiers] == [1, 2]
+    assert stack.where(0, 1) == "disk" and stack.where(1, 9) == "host"
     stack.evicted(0, (3, 4), (7, 8))  # disk holds 3 blocks of 300 B: the oldest is dropped
     assert stack.where(0, 1) is None
     assert stack.tiers[1].dropped == 1
     stack.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["host", "disk"])
+def test_a_tier_that_holds_no_block_is_refused(name: str) -> None:
+    with pytest.raises(
+        PlanError,
+        match=rf"^{name}_memory_bytes: a {name} tier of 49 B holds no block; the smallest block here is 50 B$",
+    ):
+        TierStack([TierSpec(name, 49)], [300, 50])
+    TierStack([TierSpec(name, 50)], [300, 50])  # one block of group 1 fits
 
 
 def test_state_checkpoint_read_back_then_copied_into_the_running_slot() -> None:

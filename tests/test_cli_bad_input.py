@@ -34,7 +34,13 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["plan", "--tp", "0"], "--tp: must be a positive integer, got 0"),
     (["plan", "--strategy", "pools", "--pool-ratios", "a,b"], "cannot parse --pool-ratios"),
     (["plan", "--strategy", "pools", "--pool-ratios", "1,2,3"], "--pool-ratios: got 3 ratios"),
-    (["plan", "--chunk-alignment=-1MiB"], "--chunk-alignment: cannot parse '-1MiB'"),
+    (["plan", "--chunk-alignment=-1MiB"], "--chunk-alignment: size must be positive"),
+    (["plan", "--memory=-1GiB"], "--memory: size must be positive, got '-1GiB'"),
+    (["plan", "--memory", "1.5"], "--memory: '1.5' is not a whole number of bytes"),
+    (
+        ["plan", "--strategy", "uniform", "--chunk-alignment", "1MiB"],
+        "--chunk-alignment 1MiB: only applies with --strategy arena (or all)",
+    ),
     (["plan", "--chunk-alignment", "0"], "--chunk-alignment: size must be positive"),
     (["plan", "--memory", "1MiB"], "holds no request of max_model_len"),
     (["plan", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
@@ -63,20 +69,35 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["simulate", "--trace", "{tmp}/empty.jsonl"], "empty.jsonl"),
     (["simulate", "--trace", "{tmp}/notjson.jsonl"], "notjson.jsonl"),
     (["simulate", "--report", "{tmp}/a_file.txt"], "--report: '"),
+    (["simulate", "--prefill-memory", "1GiB"], "--prefill-memory 1GiB: only applies with --disag"),
+    (["simulate", "--link-bandwidth", "1GB"], "--link-bandwidth 1GB: only applies with --disag"),
+    (
+        ["simulate", "--strategy", "arena", "--disk-memory", "1"],
+        "--disk-memory: a disk tier of 1 B holds no block; the smallest block here is",
+    ),
+    (
+        ["simulate", "--host-memory", "1kB", "--disk-memory", "1TiB"],
+        "--host-memory: a host tier of 1000 B holds no block",
+    ),
     (["simulate", "--report", "{tmp}/a_file.txt/sub"], "--report: cannot create directory"),
 ]
 
-#: Arguments argparse itself refuses (usage line + one error line, exit 2).
-ARGPARSE_ERRORS: list[list[str]] = [
-    ["plan", "--strategy", "bogus"],
-    ["simulate", "--accelerator", "tpu"],
-    ["simulate", "--strategy", "bogus"],
-    ["simulate", "--window-retention", "some"],
-    ["simulate", "--publish", "later"],
-    ["simulate", "--requests", "ten"],
-    ["simulate", "--second-chance", "two"],
-    ["models", "--tp", "two"],
-    ["plan", "--no-such-flag"],
+#: Arguments argparse itself refuses (one error line, exit 2), and the phrase it must hold.
+ARGPARSE_ERRORS: list[tuple[list[str], str]] = [
+    (["plan", "--strategy", "bogus"], "invalid choice: 'bogus'"),
+    (["simulate", "--accelerator", "tpu"], "invalid choice: 'tpu'"),
+    (["simulate", "--strategy", "bogus"], "invalid choice: 'bogus'"),
+    (["simulate", "--window-retention", "some"], "invalid choice: 'some'"),
+    (["simulate", "--publish", "later"], "invalid choice: 'later'"),
+    (["simulate", "--requests", "ten"], "invalid int value: 'ten'"),
+    (["simulate", "--second-chance", "two"], "invalid int value: 'two'"),
+    (["models", "--tp", "two"], "invalid int value: 'two'"),
+    (["plan", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["plan", "one", "two"], "unrecognized arguments: two"),
+    (
+        ["plan", "--memory", "-1GiB"],
+        "--memory: expected one argument (give a value that starts with '-' as --memory=VALUE)",
+    ),
 ]
 
 
@@ -123,13 +144,26 @@ def test_bad_input_is_one_line_and_exit_2(
     assert elapsed < 20, f"{elapsed:.1f}s before the error"
 
 
-@pytest.mark.parametrize("argv", ARGPARSE_ERRORS, ids=" ".join)
-def test_argparse_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("argv", "phrase"), ARGPARSE_ERRORS, ids=_id)
+def test_argparse_errors_are_one_line_and_exit_2(
+    argv: list[str], phrase: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = _run(capsys, argv)
     assert code == 2
     assert "Traceback" not in out + err
-    # argparse names the subcommand, or only the program for flags no subcommand knows
-    assert err.splitlines()[-1].startswith(("hybridkv: error: ", f"hybridkv {argv[0]}: error: "))
+    prog = f"hybridkv {argv[0]}"
+    assert err.splitlines() == [f"{prog}: error: {err.split(': error: ', 1)[1].rstrip()}"], err
+    assert phrase in err
+    assert err.rstrip().endswith(f"(see {prog} --help)")
+
+
+def test_an_unknown_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, ["bogus"])
+    assert code == 2
+    assert err.splitlines() == [
+        "hybridkv: error: argument COMMAND: invalid choice: 'bogus' (choose from 'plan', "
+        "'models', 'simulate', 'run') (see hybridkv --help)"
+    ]
 
 
 def test_every_option_has_help_and_its_default() -> None:

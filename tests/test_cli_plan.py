@@ -12,6 +12,7 @@ from hybridkv.cli.format import compact_ranges, percent, render_table
 from hybridkv.cli.main import main
 from hybridkv.plan import Plan, make_plan
 from hybridkv.specs import ModelSpec
+from hybridkv.units import SizeError, parse_bytes
 from test_plan_factories import swa_full_model
 
 TINY = ["--memory", "17384", "--max-model-len", "32", "--block-size", "4"]
@@ -191,8 +192,8 @@ def test_compact_ranges() -> None:
     assert compact_ranges([3]) == "3"
     assert compact_ranges([0, 1]) == "0,1"
     assert compact_ranges([0, 1, 2, 3, 5]) == "0..3,5"
-    assert compact_ranges(range(0, 24, 2)) == "0,2,4..22"
-    assert compact_ranges([5, 11, 17, 23, 29, 35]) == "5,11,17..35"
+    assert compact_ranges(range(0, 24, 2)) == "0,2,4,...,22"
+    assert compact_ranges([5, 11, 17, 23, 29, 35]) == "5,11,17,...,35"
     assert compact_ranges([0, 2, 4, 6]) == "0,2,4,6"
     assert compact_ranges([0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12]) == "0..4,6..10,12"
     assert compact_ranges([4, 2, 2, 0]) == "0,2,4"
@@ -211,3 +212,49 @@ def test_render_table() -> None:
 def test_percent() -> None:
     assert percent(0.1234) == "12.34%"
     assert percent(0.5, 1) == "50.0%"
+
+
+def test_a_max_model_len_beyond_the_model_is_planned_with_a_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = _run(capsys, "--max-model-len", "1000000", "--memory", "1TiB")
+    assert code == 0
+    assert err == (
+        "hybridkv plan: warning: --max-model-len 1000000 is above Qwen3-Next-80B-A3B's own "
+        "limit of 262144 positions (max_position_embeddings)\n"
+    )
+    assert "max_model_len 1000000" in out.splitlines()[0]
+    code, out, err = _run(capsys, "--max-model-len", "262144", "--memory", "1TiB")
+    assert (code, err) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1000", 1000),
+        ("8G", 8 * 10**9),
+        ("8g", 8 * 10**9),
+        ("1.3kB", 1300),
+        ("1.5GiB", 3 * 2**29),
+        (" 40 GiB ", 40 * 2**30),
+    ],
+)
+def test_sizes_parse_to_whole_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text, field="--memory") == value
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1.5", "--memory: '1.5' is not a whole number of bytes"),
+        ("0.5B", "--memory: '0.5B' is not a whole number of bytes"),
+        ("1.0001kB", "--memory: '1.0001kB' is not a whole number of bytes"),
+        ("-1GiB", "--memory: size must be positive, got '-1GiB'"),
+        ("0", "--memory: size must be positive, got '0'"),
+        ("12XB", "--memory: cannot parse '12XB' as a size; use a number with an optional unit"),
+    ],
+)
+def test_sizes_that_are_not_whole_positive_bytes_are_refused(text: str, message: str) -> None:
+    with pytest.raises(SizeError) as info:
+        parse_bytes(text, field="--memory")
+    assert str(info.value).startswith(message)

@@ -89,3 +89,40 @@ def test_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "gpt-oss-20b", "--tp", "3")
     assert code == 2
     assert "tp_size=3 cannot shard num_key_value_heads=8" in err
+
+
+def test_catalog_with_mtp_adds_the_mtp_layers_where_a_checkpoint_has_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "--json")
+    plain = {s["name"]: s for s in json.loads(out)}
+    code, out, err = run(capsys, "--mtp", "--json")
+    assert code == 0 and err == ""
+    rows = {s["name"]: s for s in json.loads(out)}
+    assert rows["DeepSeek-V3"]["num_layers"] == plain["DeepSeek-V3"]["num_layers"] + 1 == 62
+    assert rows["DeepSeek-V3"]["bytes_per_token"] > plain["DeepSeek-V3"]["bytes_per_token"]
+    assert "note" not in rows["DeepSeek-V3"]
+    assert rows["gpt-oss-20b"] == {**plain["gpt-oss-20b"], "note": "no MTP layers"}
+    code, out, err = run(capsys, "--mtp")
+    line = next(x for x in out.splitlines() if x.startswith("DeepSeek-V3 "))
+    assert line.split()[3] == "62" and out.splitlines()[0].split()[-1] == "NOTE"
+    assert "with MTP layers where the checkpoint has them" in out
+
+
+def test_catalog_at_a_tp_some_models_cannot_use_lists_the_others(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "--tp", "3", "--json")
+    assert code == 0 and err == ""
+    rows = {s["name"]: s for s in json.loads(out)}
+    assert rows["gpt-oss-20b"] == {
+        "name": "gpt-oss-20b",
+        "hf_id": "openai/gpt-oss-20b",
+        "note": "gpt_oss: tp_size=3 cannot shard num_key_value_heads=8; use a tp_size that "
+        "divides 8 or is a multiple of it",
+    }
+    # MLA's latent is not split: any tp serves
+    assert rows["DeepSeek-V3"]["model_type"] == "deepseek_v3" and "note" not in rows["DeepSeek-V3"]
+    code, out, err = run(capsys, "--tp", "3")
+    line = next(x for x in out.splitlines() if x.startswith("gpt-oss-20b "))
+    assert line.split()[2:7] == ["-"] * 5 and line.endswith("is a multiple of it")

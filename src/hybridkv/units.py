@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from hybridkv.errors import HybridKVError
 
@@ -30,7 +31,7 @@ _UNITS: dict[str, int] = {
     "tib": 1024**4,
 }
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*(-?)\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: str | int, *, field: str = "size") -> int:
@@ -43,12 +44,16 @@ def parse_bytes(text: str | int, *, field: str = "size") -> int:
         value = text
     else:
         match = _SIZE_RE.match(text)
-        if match is None or match.group(2).lower() not in _UNITS:
+        if match is None or match.group(3).lower() not in _UNITS:
             raise SizeError(
                 f"{field}: cannot parse {text!r} as a size; use a number with an optional unit "
-                "(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '40GiB'"
+                "(B, kB or k, MB or M, GB or G, TB or T: powers of 1000; KiB, MiB, GiB, TiB: "
+                "powers of 1024), e.g. '40GiB'"
             )
-        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        exact = Decimal(match.group(2)) * _UNITS[match.group(3).lower()]
+        if exact != exact.to_integral_value():
+            raise SizeError(f"{field}: {text!r} is not a whole number of bytes")
+        value = -int(exact) if match.group(1) else int(exact)
     if value <= 0:
         raise SizeError(f"{field}: size must be positive, got {text!r}")
     return value

@@ -184,6 +184,13 @@ class TierStack:
             raise PlanError(
                 f"tiers: {names} must be distinct tiers in order {', '.join(TIER_NAMES)}"
             )
+        smallest = min(block_bytes, default=0)
+        for s in specs:
+            if s.capacity_bytes < smallest:
+                raise PlanError(
+                    f"{s.name}_memory_bytes: a {s.name} tier of {s.capacity_bytes} B holds no "
+                    f"block; the smallest block here is {smallest} B"
+                )
         self.tiers = [Tier(s, block_bytes) for s in specs]
         self.num_groups = len(block_bytes)
         #: With ``record_ops``: what storage must do, in order (:meth:`take_ops`).

@@ -9,6 +9,7 @@ only a spec.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -167,10 +168,34 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--chunk-alignment",
-        default="64KiB",
+        default=None,
         metavar="SIZE",
-        help="arena strategy only: chunks are a multiple of this size",
+        help="arena strategy only: chunks are a multiple of this size (default: 64KiB)",
     )
+
+
+def chunk_alignment_arg(args: argparse.Namespace) -> int:
+    """``--chunk-alignment`` in bytes (the planner's default when not given); refused with a
+    strategy that has no chunks."""
+    from hybridkv.plan.options import DEFAULT_CHUNK_ALIGNMENT
+    from hybridkv.units import parse_bytes
+
+    if args.chunk_alignment is None:
+        return DEFAULT_CHUNK_ALIGNMENT
+    arena = args.strategy in ("arena", "all")
+    check_needs(args, [("chunk_alignment", "--strategy arena (or all)", arena)])
+    return parse_bytes(args.chunk_alignment, field="--chunk-alignment")
+
+
+def check_needs(args: argparse.Namespace, needs: Iterable[tuple[str, str, bool]]) -> None:
+    """Raise :class:`CliInputError` for the first option ``name`` that was given (not None)
+    while what it applies with (``what``, present when ``present``) is absent, instead of
+    ignoring it."""
+    for name, what, present in needs:
+        value = getattr(args, name)
+        if value is not None and not present:
+            flag = "--" + name.replace("_", "-")
+            raise CliInputError(f"{flag} {value}: only applies with {what}")
 
 
 def check_positive(args: argparse.Namespace, names: Iterable[str]) -> None:
@@ -182,11 +207,21 @@ def check_positive(args: argparse.Namespace, names: Iterable[str]) -> None:
             raise CliInputError(f"{flag}: must be a positive integer, got {value}")
 
 
-def max_model_len_for(spec: ModelSpec, requested: int | None) -> int:
-    """``requested``, or the model's own limit capped at :data:`MAX_MODEL_LEN_CAP`."""
-    if requested is not None:
-        return requested
+def max_model_len_for(spec: ModelSpec, requested: int | None, command: str = "") -> int:
+    """``requested``, or the model's own limit capped at :data:`MAX_MODEL_LEN_CAP`.  A
+    ``requested`` length beyond the model's own limit is planned for, with a warning line on
+    stderr (``command``: the subcommand it names): the model never runs here, but a plan for
+    lengths it cannot serve is most likely a mistake."""
     limit = spec.max_position_embeddings
+    if requested is not None:
+        if limit is not None and requested > limit:
+            prog = f"hybridkv {command}" if command else "hybridkv"
+            print(
+                f"{prog}: warning: --max-model-len {requested} is above {spec.name}'s own "
+                f"limit of {limit} positions (max_position_embeddings)",
+                file=sys.stderr,
+            )
+        return requested
     return MAX_MODEL_LEN_CAP if limit is None else min(limit, MAX_MODEL_LEN_CAP)
 
 
@@ -201,6 +236,8 @@ FIELD_FLAGS: dict[str, str] = {
     "chunk_alignment": "--chunk-alignment",
     "kv_cache_dtype": "--kv-cache-dtype",
     "tp_size": "--tp",
+    "host_memory_bytes": "--host-memory",
+    "disk_memory_bytes": "--disk-memory",
 }
 
 

@@ -3,7 +3,7 @@
 Pure string functions; nothing here prints.
 
 >>> compact_ranges([0, 2, 4, 6, 8, 10])
-'0,2,4..10'
+'0,2,4,...,10'
 >>> compact_ranges([0, 1, 2, 3, 5])
 '0..3,5'
 >>> print(render_table(["a", "bb"], [["1", "22"], ["333", "4"]], align="rl"))
@@ -20,7 +20,8 @@ __all__ = ["compact_ranges", "percent", "render_table"]
 
 #: Runs with step 1 at least this long are written ``a..b``.
 _MIN_UNIT_RUN = 3
-#: Runs with a larger step at least this long are written ``a,a+s,a+2s..b``.
+#: Runs with a larger step at least this long are written ``a,a+s,a+2s,...,b`` (not ``..``,
+#: which would read as every integer up to ``b``).
 _MIN_STEP_RUN = 5
 
 
@@ -28,7 +29,7 @@ def compact_ranges(values: Sequence[int]) -> str:
     """Sorted, de-duplicated ``values`` with arithmetic runs abbreviated.
 
     A run of consecutive integers (3 or more) becomes ``first..last``; a run with a larger
-    constant step (5 or more) becomes ``first,second,third..last``; anything else is listed.
+    constant step (5 or more) becomes ``first,second,third,...,last``; anything else is listed.
     """
     items = sorted(set(values))
     parts: list[str] = []
@@ -46,7 +47,7 @@ def compact_ranges(values: Sequence[int]) -> str:
                 continue
             if step > 1 and length >= _MIN_STEP_RUN:
                 head = ",".join(str(v) for v in items[i : i + 3])
-                parts.append(f"{head}..{items[j]}")
+                parts.append(f"{head},...,{items[j]}")
                 i = j + 1
                 continue
         parts.append(str(items[i]))

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 __all__ = ["main"]
 
@@ -35,8 +35,19 @@ def _load(name: str) -> _Command:
     return module
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error style: one line on stderr, exit 2, no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):
+            # argparse reads "-1GiB" as an option, not as the value it is
+            flag = message.removeprefix("argument ").split(":", 1)[0].split("/", 1)[0]
+            message += f" (give a value that starts with '-' as {flag}=VALUE)"
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hybridkv",
         description="KV-cache planning, management and layout for hybrid-attention LLMs.",
     )
@@ -66,7 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 failure, 2 bad input)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(args_list)
-    args = parser.parse_args(args_list)
+    args, extra = parser.parse_known_args(args_list)
+    if extra:
+        prog = "hybridkv" if args.command is None else f"hybridkv {args.command}"
+        print(
+            f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)",
+            file=sys.stderr,
+        )
+        return 2
     if args.command is None:
         parser.print_help()
         return 2

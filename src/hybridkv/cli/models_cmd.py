@@ -23,8 +23,8 @@ from hybridkv.cli.common import (
     check_positive,
     model_name,
 )
-from hybridkv.errors import UnknownModelError
-from hybridkv.models import catalog_entries, catalog_entry, resolve_model
+from hybridkv.errors import ConfigError, HybridKVError, UnknownModelError
+from hybridkv.models import CatalogEntry, catalog_entries, catalog_entry, resolve_model
 from hybridkv.models.summary import cache_detail, cache_label, format_kind_counts, kind_counts
 from hybridkv.specs import ModelSpec
 from hybridkv.units import format_bytes
@@ -64,18 +64,42 @@ def _model_summary(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
+def _catalog_row(entry: CatalogEntry, args: argparse.Namespace) -> dict[str, Any]:
+    """One catalog model's summary at the listing's flags; a model those flags do not fit
+    (a --tp that cannot split it) gets a ``note`` instead of failing the whole listing, and
+    with ``--mtp`` a model without MTP layers is listed without them, noted."""
+    note = ""
+    try:
+        try:
+            spec = resolve_model(
+                entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp
+            )
+        except ConfigError as exc:
+            if not (args.mtp and str(exc).startswith("mtp: ")):
+                raise
+            spec = resolve_model(entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+            note = "no MTP layers"
+    except HybridKVError as exc:
+        return {"name": entry.name, "hf_id": entry.hf_id, "note": str(exc)}
+    row = {**_model_summary(spec), "hf_id": entry.hf_id}
+    if note:
+        row["note"] = note
+    return row
+
+
 def _list_catalog(args: argparse.Namespace) -> int:
-    summaries = []
-    for entry in catalog_entries():
-        spec = resolve_model(entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
-        summaries.append({**_model_summary(spec), "hf_id": entry.hf_id})
+    summaries = [_catalog_row(entry, args) for entry in catalog_entries()]
     if args.json:
         print(json.dumps(summaries, indent=2))
         return 0
-    rows = [["NAME", "HF ID", "MODEL TYPE", "LAYERS", "KV/TOKEN", "STATE", "CACHES"]]
+    notes = any("note" in s for s in summaries)
+    head = ["NAME", "HF ID", "MODEL TYPE", "LAYERS", "KV/TOKEN", "STATE", "CACHES"]
+    rows = [head + ["NOTE"] if notes else head]
     for s in summaries:
-        rows.append(
-            [
+        if "model_type" not in s:  # the flags do not fit this model
+            cells = [s["name"], s["hf_id"], "-", "-", "-", "-", "-"]
+        else:
+            cells = [
                 s["name"],
                 s["hf_id"],
                 s["model_type"],
@@ -84,11 +108,12 @@ def _list_catalog(args: argparse.Namespace) -> int:
                 format_bytes(s["state_bytes"]),
                 format_kind_counts(s["kinds"]),
             ]
-        )
+        rows.append(cells + [s.get("note", "")] if notes else cells)
     print(_table(rows, right=frozenset({3, 4, 5})))
+    mtp = " with MTP layers where the checkpoint has them" if args.mtp else ""
     print(
         f"\nKV/TOKEN: bytes per token if every per-token cache kept every token; STATE: "
-        f"recurrent state per request.  Per rank at tp={args.tp}."
+        f"recurrent state per request.  Per rank at tp={args.tp}{mtp}."
     )
     return 0
 

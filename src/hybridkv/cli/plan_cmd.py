@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from hybridkv.cli.common import (
+    chunk_alignment_arg,
     add_block_options,
     add_kv_cache_dtype,
     add_max_model_len,
@@ -93,13 +94,13 @@ def run(args: argparse.Namespace) -> int:
         args, ("tp", "max_model_len", "block_size", "kernel_block_size", "state_block_size")
     )
     memory = parse_bytes(args.memory, field="--memory")
-    alignment = parse_bytes(args.chunk_alignment, field="--chunk-alignment")
+    alignment = chunk_alignment_arg(args)
     ratios = parse_ratios(args.pool_ratios)
     name = model_name(args, models.DEFAULT_MODEL)
     model = models.resolve_model(
         name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp
     )
-    max_len = max_model_len_for(model, args.max_model_len)
+    max_len = max_model_len_for(model, args.max_model_len, "plan")
     if args.strategy == "all":
         comparison = compare_strategies(
             model,

@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.cli.common import add_block_options
-from hybridkv.cli.run_config import DEFAULT_MEMORY, check_device, check_numbers, configs, flagged
+from hybridkv.cli.run_config import (
+    DEFAULT_MEMORY,
+    check_device,
+    check_model_limits,
+    check_numbers,
+    configs,
+    flagged,
+)
 from hybridkv.cli.run_prompts import (
     DEFAULT_REQUESTS,
     MAX_MODEL_LEN_CAP,
@@ -273,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-tp",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="with --disaggregate: the prefill instance's tensor-parallel size, emulated (its "
         "KV and state are held and sent as N per-rank caches; the model computes whole) "
@@ -282,7 +289,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-tp",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="with --disaggregate: the decode instance's tensor-parallel size, emulated "
         "likewise (default: 1)",
@@ -470,6 +477,7 @@ def run(args: argparse.Namespace) -> int:
     lines = None if args.prompts is None else prompt_lines(args.prompts)
     real = _prepare_real(args)
     config = _model_config(args.model)
+    check_model_limits(args, config)
 
     from hybridkv.engine.llm_engine import config_vocab_size, default_max_model_len
     from hybridkv.models.tiny import TINY_MODELS

@@ -4,7 +4,7 @@ loads: one-line :class:`~hybridkv.cli.run_prompts.RunInputError` naming the flag
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.cli.run_prompts import RunInputError
 from hybridkv.errors import HybridKVError
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from hybridkv.engine import CacheConfig
     from hybridkv.scheduler import SchedulerConfig
 
-__all__ = ["check_device", "check_numbers", "configs", "flagged"]
+__all__ = ["check_device", "check_model_limits", "check_numbers", "configs", "flagged"]
 
 #: Default ``--memory`` of ``run`` (the engine's own default budget).
 DEFAULT_MEMORY = "64MiB"
@@ -51,6 +51,41 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise RunInputError(f"{flag}: must be a positive integer, got {value}")
     if args.shared_prefix < 0:
         raise RunInputError(f"--shared-prefix: must be >= 0, got {args.shared_prefix}")
+    from hybridkv.engine.speculative import MAX_DRAFT_TOKENS
+
+    if args.speculate is not None and not 0 <= args.speculate <= MAX_DRAFT_TOKENS:
+        raise RunInputError(
+            f"--speculate: must be an integer in [0, {MAX_DRAFT_TOKENS}] (0: off), got "
+            f"{args.speculate}"
+        )
+    for name in ("prefill_tp", "decode_tp"):
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if value is not None and not args.disaggregate:
+            raise RunInputError(f"{flag} {value}: only applies with --disaggregate")
+        if value is not None and value < 1:
+            raise RunInputError(f"{flag}: must be a positive integer, got {value}")
+
+
+def check_model_limits(args: argparse.Namespace, config: Any) -> None:
+    """Checks against the model's transformers ``config``, before its weights load: a
+    ``--max-model-len`` beyond its positions, ``--attention-sinks`` on a model whose config
+    names no sliding-window layer."""
+    text = config.get_text_config(decoder=True)
+    limit = getattr(text, "max_position_embeddings", None)
+    if args.max_model_len is not None and isinstance(limit, int) and args.max_model_len > limit:
+        raise RunInputError(
+            f"--max-model-len {args.max_model_len}: above {args.model}'s own limit of {limit} "
+            "positions (max_position_embeddings); give at most that"
+        )
+    types = getattr(text, "layer_types", None) or ()
+    sliding = "sliding_attention" in types or getattr(text, "sliding_window", None) is not None
+    if args.attention_sinks and not sliding:  # the engine's probe decides the other cases
+        kinds = "layer types " + ", ".join(sorted(set(types))) if types else "no sliding_window"
+        raise RunInputError(
+            f"--attention-sinks {args.attention_sinks}: sink tokens need sliding-window layers; "
+            f"{args.model} has {kinds}"
+        )
 
 
 def flagged(exc: HybridKVError, args: argparse.Namespace) -> RunInputError:

@@ -40,9 +40,8 @@ def run_disaggregated(
     ]
     if clash:
         raise RunInputError(f"--disaggregate: not with {', '.join(clash)} (CPU engines, gloo)")
-    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
-        if tp < 1:
-            raise RunInputError(f"{flag}: must be a positive integer, got {tp}")
+    prefill_tp = 1 if args.prefill_tp is None else args.prefill_tp
+    decode_tp = 1 if args.decode_tp is None else args.decode_tp
     if not args.quiet:
         print(f"prefill and decode processes for {args.model} ...", file=sys.stderr)
     result = run_disaggregated(
@@ -52,17 +51,13 @@ def run_disaggregated(
         prefill_cache=cache,
         decode_cache=replace(cache, publish="computed"),
         seed=args.seed,
-        prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
     )[args.model]
     done = [result.completions[f"r{i}"] for i in range(len(prompts))]
     for c in done:
         print(output_line(c, tokenizer))
-    tp = (
-        f" (tp {args.prefill_tp} -> {args.decode_tp}, emulated)"
-        if args.prefill_tp > 1 or (args.decode_tp > 1)
-        else ""
-    )
+    tp = f" (tp {prefill_tp} -> {decode_tp}, emulated)" if prefill_tp > 1 or decode_tp > 1 else ""
     print(
         f"disaggregated{tp}: {result.imported} of {len(done)} requests decoded from the prefill "
         f"process's KV and state ({result.bytes_pulled} bytes pulled over gloo), "

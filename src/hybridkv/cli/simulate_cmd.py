@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.cache import CHECKPOINT_ADMISSION, PUBLISH_MODES, TIER_ADMISSION, WINDOW_RETENTION
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, DEFAULT_WINDOW_CHANCES, MAX_CHANCES
 from hybridkv.cli.common import (
+    chunk_alignment_arg,
     CliInputError,
     add_block_options,
     add_kv_cache_dtype,
@@ -31,6 +32,7 @@ from hybridkv.cli.common import (
     add_mtp,
     add_pool_options,
     add_tp,
+    check_needs,
     check_positive,
     max_model_len_for,
     model_name,
@@ -45,6 +47,8 @@ __all__ = ["DEFAULT_TRACE", "add_arguments", "run"]
 
 #: The demo's workload: tool-use loops re-sending a growing context (long shared prefixes).
 DEFAULT_TRACE = "synthetic:agent"
+#: ``--link-bandwidth`` when not given: a 400 Gb/s RDMA link.
+DEFAULT_LINK_BANDWIDTH = "50GB"
 _ACCELERATORS = ("h100", "h200", "a100")
 
 
@@ -101,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--link-bandwidth",
-        default="50GB",
+        default=None,
         metavar="SIZE",
         help="with --disaggregate: bytes per second between the instances (default: 50GB, "
         "a 400 Gb/s RDMA link)",
@@ -222,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.cli.plan_cmd import parse_ratios
     from hybridkv.cli.progress import Progress
     from hybridkv.errors import PlanError
+    from hybridkv.cache.tiers import TierStack
     from hybridkv.models import resolve_model
     from hybridkv.plan import Strategy
     from hybridkv.scheduler import SchedulerError
@@ -261,6 +266,13 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None and not 0 <= value <= MAX_CHANCES:
             raise CliInputError(f"{flag}: must be an integer in [0, {MAX_CHANCES}], got {value}")
+    check_needs(
+        args,
+        [
+            ("prefill_memory", "--disaggregate", args.disaggregate),
+            ("link_bandwidth", "--disaggregate", args.disaggregate),
+        ],
+    )
     memory = parse_bytes(args.memory, field="--memory")
     hosts: list[int | None] = [None]
     if args.host_memory is not None:
@@ -271,12 +283,12 @@ def run(args: argparse.Namespace) -> int:
     disk = (
         None if args.disk_memory is None else parse_bytes(args.disk_memory, field="--disk-memory")
     )
-    alignment = parse_bytes(args.chunk_alignment, field="--chunk-alignment")
+    alignment = chunk_alignment_arg(args)
     ratios = parse_ratios(args.pool_ratios)
     name = model_name(args, DEFAULT_MODEL)
     model = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp)
     profile = ModelProfile.from_config(load_model_config(name))
-    max_len = max_model_len_for(model, args.max_model_len)
+    max_len = max_model_len_for(model, args.max_model_len, "simulate")
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
     strategies = list(Strategy) if args.strategy == "all" else [Strategy(args.strategy)]
     if len(hosts) > 1 and len(strategies) > 1:
@@ -324,12 +336,14 @@ def run(args: argparse.Namespace) -> int:
     runnable = []
     for config in configs:
         try:
-            plan_for(model, config)
+            plan = plan_for(model, config)
         except PlanError as exc:
             if len(configs) == 1:
                 raise
             failures.append(StrategyFailure(str(config.strategy), str(exc)))
         else:
+            if config.tiers():  # a tier too small for any block: refused here, not mid-run
+                TierStack(config.tiers(), [g.block_bytes for g in plan.layout.groups])
             runnable.append(config)
     if not runnable:
         reasons = "; ".join(f"{f.strategy}: {f.reason}" for f in failures)
@@ -417,7 +431,7 @@ def _run_disaggregated(
         prefill = replace(
             config, memory_bytes=parse_bytes(args.prefill_memory, field="--prefill-memory")
         )
-    link = parse_bytes(args.link_bandwidth, field="--link-bandwidth")
+    link = parse_bytes(args.link_bandwidth or DEFAULT_LINK_BANDWIDTH, field="--link-bandwidth")
     result = simulate_pd(model, profile, workload, prefill, config, link_bandwidth=float(link))
     summary = result.summary()
     if args.json:

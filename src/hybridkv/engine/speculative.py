@@ -86,6 +86,10 @@ class NgramProposer:
         return ()
 
 
+#: Draft tokens per decode step at most.
+MAX_DRAFT_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding in :class:`~hybridkv.engine.llm_engine.LLMEngine`: ``proposer``
@@ -96,9 +100,10 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise SpeculativeConfigError(
-                f"SpeculativeConfig.num_draft_tokens: must be an integer in [1, 16], got {k!r}"
+                "SpeculativeConfig.num_draft_tokens: must be an integer in "
+                f"[1, {MAX_DRAFT_TOKENS}], got {k!r}"
             )
         if not isinstance(self.proposer, DraftProposer):
             raise SpeculativeConfigError(
