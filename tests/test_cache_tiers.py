@@ -89,7 +89,8 @@ def test_a_block_larger_than_the_host_tier_goes_straight_to_disk() -> None:
 def test_a_tier_that_holds_no_block_is_refused(name: str) -> None:
     with pytest.raises(
         PlanError,
-        match=rf"^{name}_memory_bytes: a {name} tier of 49 B holds no block; the smallest block here is 50 B$",
+        match=rf"^{name}_memory_bytes: a {name} tier of 49 B holds no block; the smallest "
+        r"block here is 50 B$",
     ):
         TierStack([TierSpec(name, 49)], [300, 50])
     TierStack([TierSpec(name, 50)], [300, 50])  # one block of group 1 fits

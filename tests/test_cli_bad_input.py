@@ -43,6 +43,11 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     ),
     (["plan", "--chunk-alignment", "0"], "--chunk-alignment: size must be positive"),
     (["plan", "--memory", "1MiB"], "holds no request of max_model_len"),
+    (
+        ["plan", "--block-size", "100000"],
+        "reserved null chunk (its cache data alone is 3299082240 B); give at least that much "
+        "memory, a shorter max_model_len or a smaller block_size",
+    ),
     (["plan", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
     (["plan", "no-such-model"], "'no-such-model' is neither a catalog name"),
     # simulate: every check before the first strategy runs

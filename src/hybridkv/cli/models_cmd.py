@@ -94,7 +94,7 @@ def _list_catalog(args: argparse.Namespace) -> int:
         return 0
     notes = any("note" in s for s in summaries)
     head = ["NAME", "HF ID", "MODEL TYPE", "LAYERS", "KV/TOKEN", "STATE", "CACHES"]
-    rows = [head + ["NOTE"] if notes else head]
+    rows = [[*head, "NOTE"] if notes else head]
     for s in summaries:
         if "model_type" not in s:  # the flags do not fit this model
             cells = [s["name"], s["hf_id"], "-", "-", "-", "-", "-"]
@@ -108,7 +108,7 @@ def _list_catalog(args: argparse.Namespace) -> int:
                 format_bytes(s["state_bytes"]),
                 format_kind_counts(s["kinds"]),
             ]
-        rows.append(cells + [s.get("note", "")] if notes else cells)
+        rows.append([*cells, s.get("note", "")] if notes else cells)
     print(_table(rows, right=frozenset({3, 4, 5})))
     mtp = " with MTP layers where the checkpoint has them" if args.mtp else ""
     print(

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from hybridkv.cli.common import (
-    chunk_alignment_arg,
     add_block_options,
     add_kv_cache_dtype,
     add_max_model_len,
@@ -30,6 +29,7 @@ from hybridkv.cli.common import (
     add_pool_options,
     add_tp,
     check_positive,
+    chunk_alignment_arg,
     max_model_len_for,
     model_name,
 )

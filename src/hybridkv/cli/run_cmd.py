@@ -267,8 +267,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--disk-memory",
         default=None,
         metavar="SIZE",
-        help="the disk tier's capacity (with --disk-cache), reserved in DIR up front "
-        "(default: none)",
+        help="the disk tier's capacity for block bytes (with --disk-cache), reserved in DIR up "
+        "front, plus a 128-byte header per possible slot (default: none)",
     )
     parser.add_argument(
         "--disaggregate",

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.cache import CHECKPOINT_ADMISSION, PUBLISH_MODES, TIER_ADMISSION, WINDOW_RETENTION
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, DEFAULT_WINDOW_CHANCES, MAX_CHANCES
 from hybridkv.cli.common import (
-    chunk_alignment_arg,
     CliInputError,
     add_block_options,
     add_kv_cache_dtype,
@@ -34,6 +33,7 @@ from hybridkv.cli.common import (
     add_tp,
     check_needs,
     check_positive,
+    chunk_alignment_arg,
     max_model_len_for,
     model_name,
 )
@@ -223,10 +223,10 @@ def _warnings(results: list[SimResult]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridkv.cache.tiers import TierStack
     from hybridkv.cli.plan_cmd import parse_ratios
     from hybridkv.cli.progress import Progress
     from hybridkv.errors import PlanError
-    from hybridkv.cache.tiers import TierStack
     from hybridkv.models import resolve_model
     from hybridkv.plan import Strategy
     from hybridkv.scheduler import SchedulerError

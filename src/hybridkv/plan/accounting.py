@@ -223,10 +223,15 @@ def too_small_error(
     ``min_bytes`` is the smallest budget that holds one (with ``unit`` reserved), and
     ``data_bytes`` the exact cache bytes one such request needs.
     """
+    # Mostly reserved bytes (huge blocks make a huge null unit): the block size is the lever.
+    levers = (
+        "memory, a shorter max_model_len or a smaller block_size"
+        if min_bytes >= 2 * data_bytes
+        else "memory or a shorter max_model_len"
+    )
     return PlanError(
         f"memory_bytes: {format_bytes(memory_bytes)} ({memory_bytes} B) holds no request of "
         f"max_model_len {max_model_len} with the {strategy} strategy; one request needs "
         f"{format_bytes(min_bytes)} ({min_bytes} B) including the reserved null {unit} (its "
-        f"cache data alone is {data_bytes} B); give at least that much memory or a shorter "
-        "max_model_len"
+        f"cache data alone is {data_bytes} B); give at least that much {levers}"
     )
