@@ -308,25 +308,69 @@ class TieredArenaMachine(CacheMachine):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[list[int]] = []
+        #: Prompts of the requests ``serve`` computed whole (their blocks were cached).
+        self.served: list[list[int]] = []
+        self.prompts: dict[str, list[int]] = {}
 
     def reset(self) -> None:  # not a rule here: resets would empty the tiers too often
         pass
 
-    @rule(tail=hst.lists(hst.integers(0, 60), min_size=4, max_size=24))
+    @rule(tail=hst.lists(hst.integers(0, 60), min_size=2, max_size=12))
     def arrive_long(self, tail: list[int]) -> None:
         if self.mgr is None:
             return
         self.count += 1
-        tokens = BASE[:8] + tail
+        tokens = BASE[:4] + tail
         self.seen.append(tokens)
+        self.prompts[f"r{self.count}"] = tokens
         self.waiting.append(self._m().make_request(f"r{self.count}", tokens))
 
     @precondition(lambda self: self.seen)
     @rule(which=hst.integers(0, 15), more=hst.integers(1, 9))
     def come_back(self, which: int, more: int) -> None:
+        """A conversation continues: a prompt served whole before (cached, maybe gone down a
+        tier since), else any prompt seen, plus a token."""
         self.count += 1
-        tokens = self.seen[which % len(self.seen)] + [more]
+        pool = self.served or self.seen
+        tokens = pool[which % len(pool)] + [more]
+        self.prompts[f"r{self.count}"] = tokens
         self.waiting.append(self._m().make_request(f"r{self.count}", tokens))
+
+    @precondition(lambda self: self.waiting)
+    @rule(which=hst.integers(0, 7))
+    def serve(self, which: int) -> None:
+        """A request admitted whole, computed and freed at once: its blocks go to the cache
+        and push older ones down a tier, so the tiers fill within a few steps."""
+        req = self.waiting[which % len(self.waiting)]
+        self.admit(which, 1 << 20, False, False)
+        if req in self.running:
+            self.running.remove(req)
+            self._m().free(req.request_id)
+            if req.request_id in self.prompts:
+                self.served.append(self.prompts[req.request_id])
+
+    @precondition(lambda self: self.waiting)
+    @rule(which=hst.integers(0, 7))
+    def retain(self, which: int) -> None:
+        """A queued request's lower-tier hit is refreshed: its entries only change places
+        (same keys, same bytes, the hit unchanged, nothing on the device moves)."""
+        mgr = self._m()
+        req = self.waiting[which % len(self.waiting)]
+        tiers = mgr._coord.tiers
+        assert tiers is not None
+        before = [sorted(t.lru) for t in tiers.tiers], mgr.get_computed_blocks(req)
+        device = cached_hashes(mgr)
+        moved = mgr.retain_hit(req)
+        after = [sorted(t.lru) for t in tiers.tiers], mgr.get_computed_blocks(req)
+        assert after == before and cached_hashes(mgr) == device
+        hit = before[1]
+        assert moved == sum(b < 0 for blocks in hit.blocks for b in blocks)
+        if moved:  # the hit's entries are now the youngest of their tiers
+            spots = mgr.tier_blocks(req, hit)  # (group, hash, the top tier holding it)
+            for t in tiers.tiers:
+                young = {(g, h) for g, h, name in spots if name == t.name}
+                mine = [key in young for key in t.lru]
+                assert mine == sorted(mine), "a retained entry is older than another"
 
     @rule(which=hst.integers(0, 1000))
     def discard(self, which: int) -> None:

@@ -310,3 +310,68 @@ def test_tier_admission_rejects_unknown_policies() -> None:
     layout = pools(groups((full(), 4), (state(), 8)), [7, 3])
     with pytest.raises(PlanError, match="tier_admission: unknown policy 'some'; valid: yield, all"):
         KVCacheManager(layout, tier_admission="some")
+
+
+def test_tier_refresh_moves_entries_to_the_young_end_of_the_top_tier_holding_them() -> None:
+    stack = TierStack([TierSpec("host", 4), TierSpec("disk", 8)], [1, 1])
+    stack.evicted(0, (1, 2, 3, 4), (1, 2, 3, 4))
+    stack.evicted(0, (5,), (5,))  # host full: 1 goes down to disk
+    stack.evicted(1, (9,), (6,))  # and 2
+    assert stack.refresh(0, (1, 3, 77)) == 2  # 77: no tier holds it
+    assert stack.snapshot() == (
+        ("host", ((0, 4), (0, 5), (1, 9), (0, 3)), 4),
+        ("disk", ((0, 2), (0, 1)), 2),
+    )
+    stack.check_invariants()
+
+
+def _retained(retain: bool) -> tuple[int, int, tuple[object, ...]]:
+    """Request c queues for a's prefix, which is in the host tier; two more requests run
+    before it is admitted and push 3 blocks out of the 6-block host tier.  Returns c's hit,
+    what ``retain_hit`` moved, and the host tier's order right after it."""
+    layout = layout_for("pools", groups((full(), 4)), 4)  # 4 usable device blocks
+    bb = layout.groups[0].block_bytes
+    mgr = _mgr(layout, TierSpec("host", 6 * bb))
+    _run(mgr, "a", tokens(13))  # a's 3 full blocks cached on the device
+    _run(mgr, "b", tokens(13, 100))  # a's 3 go down to the host tier
+    _run(mgr, "d", tokens(13, 200))  # b's 3 too: the host tier is full, a's the oldest
+    c = mgr.make_request("c", tokens(13))
+    moved = mgr.retain_hit(c) if retain else 0
+    tiers = mgr._coord.tiers
+    assert tiers is not None
+    order = tiers.snapshot()[0][1]
+    _run(mgr, "e", tokens(13, 300))  # d's 3 go down: the 3 oldest host entries are dropped
+    return mgr.get_computed_blocks(c).num_computed_tokens, moved, order
+
+
+def test_a_queued_request_keeps_its_host_tier_hit_through_the_wait() -> None:
+    a = tokens(13)
+    hashes = (
+        KVCacheManager(layout_for("pools", groups((full(), 4)), 4), hasher="builtin")
+        .make_request("x", a)
+        .block_hashes
+    )
+    hit, moved, order = _retained(True)
+    assert (hit, moved) == (12, 3)
+    # a's entries are the youngest, the prefix's start last of all (evicted last)
+    assert order[3:] == ((0, hashes[2]), (0, hashes[1]), (0, hashes[0]))
+    hit, moved, order = _retained(False)
+    assert (hit, moved) == (0, 0)  # the wait cost the hit
+    # as the device evicted them (tail first), and the oldest of the tier
+    assert order[:3] == ((0, hashes[2]), (0, hashes[1]), (0, hashes[0]))
+
+
+def test_retain_hit_without_tiers_or_without_a_hit_moves_nothing() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)
+    mgr = _mgr(layout)
+    _run(mgr, "a", tokens(13))
+    req = mgr.make_request("c", tokens(13))
+    assert mgr.retain_hit(req) == 0
+    assert mgr.get_computed_blocks(req).num_computed_tokens == 12
+    bb = layout.groups[0].block_bytes
+    tiered = _mgr(layout, TierSpec("host", 6 * bb))
+    _run(tiered, "a", tokens(13))  # cached on the device only: nothing to refresh
+    before = tiered.snapshot()
+    assert tiered.retain_hit(tiered.make_request("c", tokens(13))) == 0
+    assert tiered.retain_hit(tiered.make_request("z", tokens(13, 500))) == 0
+    assert tiered.snapshot() == before

@@ -315,6 +315,24 @@ class HybridCoordinator:
             cast(tuple[BlockId, ...], tuple(m.hit_blocks(hashes, length))) for m in self.managers
         )
 
+    def retain(self, request: Request) -> int:
+        """Refresh the lower-tier entries ``request``'s hit would read now (see
+        :meth:`KVCacheManager.retain_hit`); returns how many."""
+        tiers = self.tiers
+        if tiers is None:
+            return 0
+        length = self.find_hit(request).length
+        if not length:
+            return 0
+        hashes = request.block_hashes
+        moved = 0
+        for m, blocks in zip(self.managers, self.hit_blocks(request, length), strict=True):
+            if any(b < 0 for b in blocks):
+                # the prefix's end first, so its start is evicted last (as the device frees)
+                spots = m.tier_spots(hashes, length, blocks)
+                moved += tiers.refresh(m.group_id, [h for _, h in reversed(spots)])
+        return moved
+
     def tier_blocks(
         self, request: Request, hit: Sequence[Sequence[int]], length: int
     ) -> list[tuple[int, int, str]]:

@@ -429,6 +429,20 @@ class KVCacheManager:
         tiers = self._coord.tiers
         return [] if tiers is None else tiers.take_ops()
 
+    def retain_hit(self, request: Request) -> int:
+        """``request`` joined a waiting queue: make the lower-tier entries its prefix hit
+        would read now the most recently used of their tiers, so the wait does not cost the
+        hit (a queue of tens of seconds outlasts the young end of a host tier under load).
+        Device blocks need nothing: an eviction writes them back to the host tier's young
+        end.  Moves no bytes, takes no reference, publishes nothing; returns how many
+        entries moved (0 without tiers).
+
+        Measured on the Mooncake conversation trace (``simulate``, first 2,000 requests,
+        16 GiB device + 128 GiB host, TTFT p50 ~30 s): Qwen3-Next-80B-A3B 15.5% -> 18.2% of
+        prompt tokens from the cache; gpt-oss-20b (no queue to speak of) 20.5% -> 20.6%."""
+        self._check_request(request)
+        return self._coord.retain(request)
+
     def tier_blocks(self, request: Request, computed: ComputedBlocks) -> list[tuple[int, int, str]]:
         """``(group, hash, tier)`` of each block of ``computed`` (from
         :meth:`get_computed_blocks`) that its allocation would read back from a lower tier.

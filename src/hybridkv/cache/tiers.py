@@ -354,6 +354,19 @@ class TierStack:
         ops, self.ops = self.ops, []
         return ops
 
+    def refresh(self, group_id: int, hashes: Sequence[int]) -> int:
+        """Move each entry of ``hashes`` (group ``group_id``) to the young end of the top tier
+        holding it, in the order given (the last is evicted last); hashes no tier holds are
+        skipped.  Moves no bytes.  Returns how many entries moved."""
+        moved = 0
+        for h in hashes:
+            for t in self.tiers:
+                if h in t.keys[group_id]:
+                    t.lru.move_to_end((group_id, h))
+                    moved += 1
+                    break
+        return moved
+
     def load_hash(self, group_id: int, h: int) -> str:
         """A hit reads hash ``h`` of ``group_id`` back: refresh its entry (most recently
         used) and return the name of the tier it is read from."""

@@ -164,6 +164,7 @@ class Scheduler:
         seq.hold = hold
         self.seqs[request_id] = seq
         self.waiting.append(seq)
+        self.manager.retain_hit(request)  # its lower-tier hit outlives the wait
         return seq
 
     def release(self, request_id: str) -> None:
