@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -425,3 +426,35 @@ def test_list_models_names_every_tiny_model(capsys: pytest.CaptureFixture[str]) 
     ) in lines
     assert "  nemotron_h        nemotron_h        2 mamba2 + 1 full + 1 uncached " in out
     assert lines[-1].startswith("default: lfm3; or give a checkpoint directory")
+
+
+def test_quiet_silences_transformers_notes_and_restores_its_verbosity(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from transformers.utils import logging as hf_logging
+
+    class Notes(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    notes = Notes()
+    root = hf_logging.get_logger("transformers")
+    root.addHandler(notes)
+    before = hf_logging.get_verbosity()
+    # qwen3_next's mixers note their fallback from fused kernels through transformers' logger,
+    # once per process: forget which notes were given, so they would come again
+    logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]
+    try:
+        assert main(["run", "--model", "qwen3_next", *SMALL]) == 0
+        assert notes.messages == []
+        assert hf_logging.get_verbosity() == before
+        logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]
+        assert main(["run", "--model", "qwen3_next", *SMALL[:-1]]) == 0  # not quiet: noted
+        assert any("falling back" in m for m in notes.messages)
+    finally:
+        root.removeHandler(notes)
+    capsys.readouterr()

@@ -51,6 +51,8 @@ def reference_chunked(
     """
     from transformers import DynamicCache
 
+    from hybridkv.engine.probe import cache_argument
+
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     tokens: list[int] = []
@@ -62,8 +64,8 @@ def reference_chunked(
             out = model(
                 input_ids=torch.tensor([step], device=device),
                 position_ids=torch.arange(done, done + len(step), device=device)[None],
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_argument(model): cache},
             )
             done += len(step)
             if done < len(prompt):

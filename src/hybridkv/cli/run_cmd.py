@@ -19,6 +19,7 @@ outside the vocabulary or too long for ``--max-model-len``, a budget that holds 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -466,6 +467,21 @@ def _build(args: argparse.Namespace, cache: CacheConfig, scheduler: SchedulerCon
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.quiet or args.list_models:
+        return _run(args)
+    try:  # --quiet silences transformers' notes too (a fused kernel it falls back from)
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the engine extra is missing: _run says so
+        return _run(args)
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)
+    try:
+        return _run(args)
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.list_models:
         return _list_models()
     # Every check below comes before the model is loaded (seconds to minutes).

@@ -19,6 +19,7 @@ switched for the pass and restored); the pass runs under ``no_grad``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -53,6 +54,7 @@ __all__ = [
     "ModelProbe",
     "ProbedLayer",
     "ProbedState",
+    "cache_argument",
     "probe_model",
     "probe_model_spec",
     "with_attention_sinks",
@@ -226,7 +228,12 @@ def probe_model(model: torch.nn.Module) -> ModelProbe:
         if previous != PAGED_ATTENTION:
             set_impl(PAGED_ATTENTION)
         with torch.no_grad(), active_step(zero):
-            model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+            model(
+                input_ids=ids,
+                position_ids=positions,
+                use_cache=True,
+                **{cache_argument(model): cache},
+            )
     finally:
         if previous != PAGED_ATTENTION:
             set_impl(previous)
@@ -290,6 +297,17 @@ def _attention_spec(layer: ProbedLayer) -> CacheSpec:
             common["sink_tokens"] = layer.sink_tokens
         return windowed(layer.window, common)
     return FullAttentionSpec(**common)
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword ``model``'s forward takes its cache under: ``cache`` (transformers 5.24
+    on, where ``past_key_values`` is deprecated) or ``past_key_values`` (before)."""
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):  # a forward without a readable signature
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def with_attention_sinks(probe: ModelProbe, sink_tokens: int) -> ModelProbe:

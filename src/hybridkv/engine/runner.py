@@ -49,7 +49,7 @@ from hybridkv.engine.hf_cache import (
     dummy_layer,
     load_states,
 )
-from hybridkv.engine.probe import ModelProbe, probe_model
+from hybridkv.engine.probe import ModelProbe, cache_argument, probe_model
 from hybridkv.engine.views import PagedKVViews
 from hybridkv.plan import NULL_BLOCK_ID, MemoryLayout
 
@@ -93,6 +93,8 @@ class ModelRunner:
         if config is not None and config._attn_implementation != PAGED_ATTENTION:
             model.set_attn_implementation(PAGED_ATTENTION)  # type: ignore[operator]
         self.model = model
+        #: The forward keyword of the cache (``cache``, or ``past_key_values`` before 5.24).
+        self._cache_kw = cache_argument(model)
         self.layout = layout
         self.views = views
         self.probe = probe if probe is not None else probe_model(model)
@@ -317,9 +319,9 @@ class ModelRunner:
             out = self.model(
                 input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
                 position_ids=torch.tensor(pos, dtype=torch.long, device=self.device),
-                past_key_values=build_cache(layers),
                 use_cache=True,
                 logits_to_keep=keep,
+                **{self._cache_kw: build_cache(layers)},
             )
         if self.packed:
             flat = out.logits[0]
