@@ -232,6 +232,11 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
         "--max-tokens: must be a positive integer, got -1",
     ),
     ("waves-0", ("--waves", "0"), "--waves: must be a positive integer, got 0"),
+    (
+        "waves-over-requests",
+        ("--waves", "9", "--num-requests", "8"),
+        "--waves 9: more waves than the 8 requests; give at most 8",
+    ),
     ("shared-prefix-negative", ("--shared-prefix", "-1"), "--shared-prefix: must be >= 0, got -1"),
     ("block-size-0", ("--block-size", "0"), "--block-size: must be a positive integer, got 0"),
     (

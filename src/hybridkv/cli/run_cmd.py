@@ -512,6 +512,11 @@ def _run(args: argparse.Namespace) -> int:
         vocab_size=config_vocab_size(config),
         max_model_len=args.max_model_len or default_max_model_len(config),
     )
+    if args.waves > len(prompts):
+        raise RunInputError(
+            f"--waves {args.waves}: more waves than the {len(prompts)} requests; give at most "
+            f"{len(prompts)}"
+        )
     threads = args.threads or (1 if tiny else None)
     if threads is not None:
         import torch
