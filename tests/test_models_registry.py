@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -294,3 +295,16 @@ def test_supported_model_types() -> None:
 def test_model_spec_round_trips_through_dict() -> None:
     spec = resolve_model("Falcon-H1-7B", tp_size=2)
     assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+@pytest.mark.parametrize("kv", [3, 0, 16])
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused(kv: int) -> None:
+    cfg = {**catalog_config("Llama-3.1-8B"), "num_attention_heads": 8, "num_key_value_heads": kv}
+    message = (
+        f"llama config: num_key_value_heads={kv} does not divide num_attention_heads=8; "
+        "grouped-query attention shares each KV head among the same number of query heads"
+    )
+    if kv == 0:  # the typed getter refuses a zero first
+        message = "field 'num_key_value_heads' must be an integer >= 1, got 0"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        spec_from_config(cfg)

@@ -119,7 +119,16 @@ def attention_spec(
 def kv_heads(cfg: ConfigView) -> int:
     """``num_key_value_heads``, defaulting to ``num_attention_heads`` (MHA)."""
     found = cfg.opt_int("num_key_value_heads")
-    return cfg.req_int("num_attention_heads") if found is None else found
+    if found is None:
+        return cfg.req_int("num_attention_heads")
+    heads = cfg.opt_int("num_attention_heads")
+    if heads is not None and (found < 1 or heads % found):
+        raise ConfigError(
+            f"{cfg.model_type} config: num_key_value_heads={found} does not divide "
+            f"num_attention_heads={heads}; grouped-query attention shares each KV head among "
+            "the same number of query heads"
+        )
+    return found
 
 
 def default_head_dim(cfg: ConfigView) -> int:
