@@ -3,6 +3,7 @@ different layout, tokens identical to transformers; in one process and in two ov
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -151,6 +152,7 @@ def test_run_disaggregate(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "disaggregated: 8 of 8 requests decoded from the prefill process's KV and state" in out
     assert "224 prompt tokens hit the decode side's own prefix cache" in out
+    assert re.search(r"were not pulled; 128 tokens generated in \d+\.\d s \(both processes", out)
     assert "verify: all 8 requests (128 tokens) identical" in out
     assert main(["run", "--model", "llama", "--disaggregate", "--speculate", "2"]) == 2
     assert "--disaggregate: not with --speculate" in capsys.readouterr().err

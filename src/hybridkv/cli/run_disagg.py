@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.cli.run_prompts import RunInputError
@@ -44,6 +45,7 @@ def run_disaggregated(
     decode_tp = 1 if args.decode_tp is None else args.decode_tp
     if not args.quiet:
         print(f"prefill and decode processes for {args.model} ...", file=sys.stderr)
+    start = time.perf_counter()
     result = run_disaggregated(
         [args.model],
         [list(p) for p in prompts],
@@ -54,6 +56,7 @@ def run_disaggregated(
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
     )[args.model]
+    elapsed = time.perf_counter() - start
     done = [result.completions[f"r{i}"] for i in range(len(prompts))]
     for c in done:
         print(output_line(c, tokenizer))
@@ -62,7 +65,8 @@ def run_disaggregated(
         f"disaggregated{tp}: {result.imported} of {len(done)} requests decoded from the prefill "
         f"process's KV and state ({result.bytes_pulled} bytes pulled over gloo), "
         f"{result.recomputed} recomputed; {result.hit_tokens} prompt tokens hit the decode "
-        "side's own prefix cache and were not pulled"
+        f"side's own prefix cache and were not pulled; {sum(len(c.token_ids) for c in done)} "
+        f"tokens generated in {elapsed:.1f} s (both processes started, models loaded, run)"
     )
     for error in result.errors:
         print(f"  {error}")
