@@ -77,6 +77,17 @@ def _unknown(model: str) -> UnknownModelError:
         lowered[m] for m in difflib.get_close_matches(model.lower(), list(lowered), n=4, cutoff=0.5)
     ]
     hint = f"; close matches: {', '.join(close)}" if close else ""
+    path = Path(model).expanduser()
+    if path.is_dir():  # meant as a checkpoint directory
+        return UnknownModelError(
+            f"model: {model!r} is a directory without a config.json; give a directory that "
+            "holds one, a path to a config.json, or a catalog name"
+        )
+    if model.endswith(".json") or model.startswith(("/", "./", "../", "~")):  # meant as a path
+        return UnknownModelError(
+            f"model: {model!r} does not exist; give a path to a config.json (or the "
+            "directory holding it), or a catalog name"
+        )
     return UnknownModelError(
         f"model: {model!r} is neither a catalog name, a path to a config.json nor a model "
         f"id in the local Hugging Face cache ({hub_cache_dir()}){hint}; catalog: "
