@@ -192,3 +192,17 @@ def test_every_option_has_help_and_its_default() -> None:
                 continue  # an on/off flag
             shown = formatter._get_help_string(action) or ""
             assert "default" in shown, f"{name} {flag}: the help does not say its default"
+
+
+def test_simulate_warns_above_the_model_limit_unless_quiet(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["simulate", "LFM2-1.2B", "--requests", "2", "--strategy", "arena"]
+    code, out, err = _run(capsys, [*args, "--max-model-len", "200000"])
+    assert code == 0 and out
+    assert err.splitlines()[0] == (
+        "hybridkv simulate: warning: --max-model-len 200000 is above LFM2-1.2B's own limit of "
+        "128000 positions (max_position_embeddings)"
+    )
+    code, out, err = _run(capsys, [*args, "--max-model-len", "200000", "--quiet"])
+    assert (code, err) == (0, "")

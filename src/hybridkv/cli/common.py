@@ -207,14 +207,16 @@ def check_positive(args: argparse.Namespace, names: Iterable[str]) -> None:
             raise CliInputError(f"{flag}: must be a positive integer, got {value}")
 
 
-def max_model_len_for(spec: ModelSpec, requested: int | None, command: str = "") -> int:
+def max_model_len_for(
+    spec: ModelSpec, requested: int | None, command: str = "", *, warn: bool = True
+) -> int:
     """``requested``, or the model's own limit capped at :data:`MAX_MODEL_LEN_CAP`.  A
     ``requested`` length beyond the model's own limit is planned for, with a warning line on
-    stderr (``command``: the subcommand it names): the model never runs here, but a plan for
-    lengths it cannot serve is most likely a mistake."""
+    stderr unless ``warn`` is off (``command``: the subcommand it names): the model never runs
+    here, but a plan for lengths it cannot serve is most likely a mistake."""
     limit = spec.max_position_embeddings
     if requested is not None:
-        if limit is not None and requested > limit:
+        if warn and limit is not None and requested > limit:
             prog = f"hybridkv {command}" if command else "hybridkv"
             print(
                 f"{prog}: warning: --max-model-len {requested} is above {spec.name}'s own "

@@ -53,6 +53,10 @@ _ACCELERATORS = ("h100", "h200", "a100")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybridkv.sim.report import COLUMNS
+
+    # what each column of the printed table means (the HTML report's legend, here too)
+    parser.epilog = "table columns: " + "; ".join(f"{k}: {v}" for k, v in COLUMNS.items())
     add_model(parser, default_help=DEFAULT_MODEL)
     parser.add_argument(
         "--trace",
@@ -288,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     name = model_name(args, DEFAULT_MODEL)
     model = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp)
     profile = ModelProfile.from_config(load_model_config(name))
-    max_len = max_model_len_for(model, args.max_model_len, "simulate")
+    max_len = max_model_len_for(model, args.max_model_len, "simulate", warn=not args.quiet)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
     strategies = list(Strategy) if args.strategy == "all" else [Strategy(args.strategy)]
     if len(hosts) > 1 and len(strategies) > 1:
