@@ -21,6 +21,7 @@ from typing import Any, cast
 
 from hybridkv.cache.admission import CHECKPOINT_ADMISSION, TIER_ADMISSION, CheckpointAdmission
 from hybridkv.cache.events import EventLog
+from hybridkv.cache.hit_grid import HitGrid
 from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan, manager_class
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.pools import make_block_pool
@@ -172,6 +173,11 @@ class HybridCoordinator:
             if m.spec.kind in WINDOW_KINDS and self.pool.blocks_per_chunk(m.group_id) > 1
         )
         self._own_state_pools = layout.strategy is Strategy.POOLS
+        #: Where hits land (windowed groups also keep the window before a prompt's last point
+        #: on it, see :mod:`hybridkv.cache.hit_grid`).
+        self.hit_grid = HitGrid(self.alignment)
+        for m in self.managers:
+            m.hit_grid = self.hit_grid
         #: Checkpoint admission by yield (None: every aligned checkpoint, or no state group).
         self.admission: CheckpointAdmission | None = None
         if checkpoint_admission == "yield" and len(self._attention) < self.num_groups:
@@ -439,6 +445,7 @@ class HybridCoordinator:
             for m, st in zip(managers, rs.groups, strict=True):
                 m.start(st, request, marks)
             self.requests[request.request_id] = rs
+            self.hit_grid.observe(junction)
             if hit and num_new_computed_tokens and self.admission is not None:
                 self.admission.hit(num_new_computed_tokens)
                 for i, (m, blocks) in enumerate(zip(managers, hit, strict=True)):

@@ -208,11 +208,16 @@ class _WindowedManager(_AttentionManager):
 
     def start(self, st: GroupState, request: Request, marks: Sequence[int]) -> None:
         """Tail retention: the ranges a hit at the prompt's end (a resend, or a longer
-        sibling), at the request's hit or at its junction would read."""
+        sibling), at the request's hit or at its junction would read.  Where hits land on a
+        grid coarser than the alignment (:mod:`hybridkv.cache.hit_grid`), a later request
+        shares this prompt up to its last grid point, not to its end: the window kept is the
+        one before that point instead."""
         if self.dense_windows:
             return
         p = request.num_prompt_tokens
-        ends = {p - 1, p, *marks}
+        lands = self.hit_grid.grid() if self.hit_grid is not None else 0
+        ends = {p - p % lands} if lands > self.alignment else {p - 1, p}
+        ends.update(marks)
         grid = self.window_grid
         if grid:
             ends.update(range(grid, p, grid))

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from hybridkv.cache.admission import CheckpointAdmission
 from hybridkv.cache.events import EventLog
+from hybridkv.cache.hit_grid import HitGrid
 from hybridkv.cache.pool_base import BlockPool
 from hybridkv.cache.request import Request
 from hybridkv.cache.types import StateCopy, StateSlot
@@ -107,6 +108,8 @@ class KindManager(ABC):
     window_grid: int = 0
     #: State checkpoint admission shared by the coordinator's groups (None: admit all).
     admission: CheckpointAdmission | None = None
+    #: Where hits land, learned by the coordinator (None: only the alignment is known).
+    hit_grid: HitGrid | None = None
 
     def __init__(
         self,
