@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.cli.common import check_needs
 from hybridkv.cli.run_prompts import RunInputError
 from hybridkv.errors import HybridKVError
 
@@ -44,6 +45,8 @@ def check_numbers(args: argparse.Namespace) -> None:
         "token_budget",
         "max_num_seqs",
         "threads",
+        "prefill_tp",
+        "decode_tp",
     ):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -58,13 +61,10 @@ def check_numbers(args: argparse.Namespace) -> None:
             f"--speculate: must be an integer in [0, {MAX_DRAFT_TOKENS}] (0: off), got "
             f"{args.speculate}"
         )
-    for name in ("prefill_tp", "decode_tp"):
-        value = getattr(args, name)
-        flag = "--" + name.replace("_", "-")
-        if value is not None and not args.disaggregate:
-            raise RunInputError(f"{flag} {value}: only applies with --disaggregate")
-        if value is not None and value < 1:
-            raise RunInputError(f"{flag}: must be a positive integer, got {value}")
+    check_needs(
+        args,
+        [(name, "--disaggregate", args.disaggregate) for name in ("prefill_tp", "decode_tp")],
+    )
 
 
 def check_model_limits(args: argparse.Namespace, config: Any) -> None:
