@@ -26,8 +26,9 @@ from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan,
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
+from hybridkv.cache.tier_bridge import LoadSpots, TierBridge
 from hybridkv.cache.tiers import TierSpec, TierStack
-from hybridkv.cache.types import AllocationResult, BlockHash, BlockId, TierLoad
+from hybridkv.cache.types import AllocationResult, BlockId, TierLoad
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 from hybridkv.specs import WINDOW_KINDS, CacheKind, SlidingWindowSpec
@@ -118,7 +119,6 @@ class HybridCoordinator:
                 f"tier_admission: unknown policy {tier_admission!r}; valid: "
                 f"{', '.join(TIER_ADMISSION)}"
             )
-        self.tier_admission = tier_admission
         if checkpoint_admission not in CHECKPOINT_ADMISSION:
             raise PlanError(
                 f"checkpoint_admission: unknown policy {checkpoint_admission!r}; valid: "
@@ -194,6 +194,7 @@ class HybridCoordinator:
         self.nothing = AllocationResult(((),) * self.num_groups, (), (), ())
         #: Lower tiers (host, disk) fed by device evictions, or None.
         self.tiers: TierStack | None = None
+        self.bridge: TierBridge | None = None
         if tiers:
             self.tiers = TierStack(
                 tiers,
@@ -202,50 +203,10 @@ class HybridCoordinator:
                 events=events,
                 block_sizes=[g.block_size for g in layout.groups],
             )
-            events.set_eviction_sink(self._evicted)
+            self.bridge = TierBridge(self.tiers, self.managers, self.admission, tier_admission)
+            events.set_eviction_sink(self.bridge.evicted)
             for m in self.managers:
                 m.hit_map = self.tiers.view(m.group_id, m.map)
-
-    def _evicted(self, group_id: int, hashes: Sequence[int], blocks: Sequence[int]) -> None:
-        """Device evictions go down a tier; a state checkpoint keeps its admission reason.
-        With ``tier_admission="yield"`` a checkpoint whose reason the admission would not save
-        now skips the host tier (it competes there with blocks that pay as on the device): it
-        goes to the disk tier when there is one, else nowhere.  A disk tier alone takes
-        everything."""
-        tiers = self.tiers
-        assert tiers is not None
-        m = self.managers[group_id]
-        reasons = getattr(m, "reasons", None)
-        if reasons is None:
-            tiers.evicted(group_id, hashes, blocks)
-            return
-        tags = [reasons[b] for b in blocks]
-        adm = self.admission
-        if adm is None or self.tier_admission != "yield" or tiers.tiers[0].name != "host":
-            tiers.evicted(group_id, hashes, blocks, tags)
-            return
-        host: tuple[list[int], list[int], list[int]] = ([], [], [])
-        below: tuple[list[int], list[int], list[int]] = ([], [], [])
-        for h, b, t in zip(hashes, blocks, tags, strict=True):
-            dest = below if t and not adm.admits(t, h) else host
-            dest[0].append(h)
-            dest[1].append(b)
-            dest[2].append(t)
-        if below[0] and len(tiers.tiers) > 1:
-            tiers.evicted(group_id, *below, level=1)
-        tiers.evicted(group_id, *host)
-
-    def persist(self, tier: str) -> None:
-        """Copy every cached device block and upper-tier entry into ``tier`` (see
-        :meth:`TierStack.persist`); the device keeps its copies."""
-        tiers = self.tiers
-        assert tiers is not None
-        device: list[tuple[int, int, int, int]] = []
-        for m in self.managers:
-            reasons = getattr(m, "reasons", None)
-            for h, b in m.map.items():
-                device.append((m.group_id, h, b, 0 if reasons is None else reasons[b]))
-        tiers.persist(tier, device)
 
     def _set_window_grids(self) -> None:
         """Tail retention also keeps the window before every multiple of a grid, where the
@@ -324,39 +285,23 @@ class HybridCoordinator:
     def retain(self, request: Request) -> int:
         """Refresh the lower-tier entries ``request``'s hit would read now (see
         :meth:`KVCacheManager.retain_hit`); returns how many."""
-        tiers = self.tiers
-        if tiers is None:
+        if self.bridge is None:
             return 0
         length = self.find_hit(request).length
         if not length:
             return 0
-        hashes = request.block_hashes
-        moved = 0
-        for m, blocks in zip(self.managers, self.hit_blocks(request, length), strict=True):
-            if any(b < 0 for b in blocks):
-                # the prefix's end first, so its start is evicted last (as the device frees)
-                spots = m.tier_spots(hashes, length, blocks)
-                moved += tiers.refresh(m.group_id, [h for _, h in reversed(spots)])
-        return moved
+        return self.bridge.retain(request, length, self.hit_blocks(request, length))
 
     def tier_blocks(
         self, request: Request, hit: Sequence[Sequence[int]], length: int
     ) -> list[tuple[int, int, str]]:
-        """``(group, hash, tier)`` of every block of a hit of ``length`` tokens (``hit``: its
-        blocks, lower-tier ones marked ``-1``) that would be read back from a lower tier, and
-        the top tier holding it.  Reads only."""
-        tiers = self.tiers
-        if tiers is None or not length:
-            return []
-        hashes = request.block_hashes
-        out: list[tuple[int, int, str]] = []
-        for i, blocks in enumerate(hit):
-            if any(b < 0 for b in blocks):
-                for _, h in self.managers[i].tier_spots(hashes, length, blocks):
-                    name = tiers.where(i, h)
-                    if name is not None:
-                        out.append((i, h, name))
-        return out
+        """See :meth:`TierBridge.tier_blocks` (empty without tiers)."""
+        return [] if self.bridge is None else self.bridge.tier_blocks(request, hit, length)
+
+    def persist(self, tier: str) -> None:
+        """See :meth:`TierBridge.persist` (the coordinator has tiers)."""
+        assert self.bridge is not None
+        self.bridge.persist(tier)
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(
@@ -449,12 +394,8 @@ class HybridCoordinator:
             if hit and num_new_computed_tokens and self.admission is not None:
                 self.admission.hit(num_new_computed_tokens)
                 for i, (m, blocks) in enumerate(zip(managers, hit, strict=True)):
-                    if blocks and blocks[0] < 0 and self.tiers is not None:
-                        # a checkpoint read back: credit the reason it was saved for
-                        found = m.tier_spots(request.block_hashes, num_new_computed_tokens, blocks)
-                        if found and hasattr(m, "reasons"):
-                            tag = self.tiers.tag(i, found[0][1])
-                            self.admission.checkpoint_hit(tag, num_new_computed_tokens)
+                    if blocks and blocks[0] < 0 and self.bridge is not None:
+                        self.bridge.credit_checkpoint(i, request, num_new_computed_tokens, blocks)
                         continue
                     m.credit_hit(blocks, num_new_computed_tokens)
         groups = rs.groups
@@ -466,9 +407,10 @@ class HybridCoordinator:
                 managers[i].apply_touch(groups[i], p)
         out = StepOutputs()
         loads: list[TierLoad] = []
-        spots: list[tuple[list[tuple[int, int]], list[str]]] | None = None
-        if markers is not None and hit is not None:
-            spots = self._tier_spots(request, hit, markers, num_new_computed_tokens)
+        spots: list[LoadSpots] | None = None
+        bridge = self.bridge
+        if markers is not None and hit is not None and bridge is not None:
+            spots = bridge.load_spots(request, hit, markers, num_new_computed_tokens)
         new_ids: list[tuple[BlockId, ...]] = []
         pool = self.pool
         spread = bool(self._spread) and pool.spreads(
@@ -485,8 +427,9 @@ class HybridCoordinator:
             else:
                 blocks = pool.allocate(i, p.need)
             if spots is not None and spots[i][0]:
+                assert bridge is not None
                 k = len(spots[i][0])
-                self._install_loads(request, groups[i], i, spots[i], blocks[:k], loads)
+                bridge.install_loads(request, groups[i], i, spots[i], blocks[:k], loads)
                 blocks = blocks[k:]
             added = managers[i].apply_new(groups[i], p, blocks, out) if blocks else ()
             new_ids.append(cast(tuple[BlockId, ...], tuple(added)))
@@ -503,51 +446,6 @@ class HybridCoordinator:
             tuple(out.copies_after),
             tuple(loads),
         )
-
-    def _tier_spots(
-        self,
-        request: Request,
-        hit: Sequence[Sequence[int]],
-        markers: list[int],
-        length: int,
-    ) -> list[tuple[list[tuple[int, int]], list[str]]]:
-        """Per group, ``(table index, hash)`` of each tier block of the hit and the tier it is
-        read from.  The entries are refreshed in their tiers first, so the evictions the
-        allocation causes cannot push them out before their loads are recorded."""
-        tiers = self.tiers
-        assert tiers is not None
-        hashes = request.block_hashes
-        out: list[tuple[list[tuple[int, int]], list[str]]] = []
-        for i, k in enumerate(markers):
-            spots = self.managers[i].tier_spots(hashes, length, hit[i]) if k else []
-            out.append((spots, [tiers.load_hash(i, h) for _, h in spots]))
-        return out
-
-    def _install_loads(
-        self,
-        request: Request,
-        st: GroupState,
-        group_id: int,
-        spots: tuple[list[tuple[int, int]], list[str]],
-        blocks: Sequence[int],
-        loads: list[TierLoad],
-    ) -> None:
-        """Put fresh device ``blocks`` where the hit's tier blocks go, publish them under
-        their hashes at once (the runner loads them before the step reads them), and record
-        the loads."""
-        tiers = self.tiers
-        assert tiers is not None
-        m = self.managers[group_id]
-        where, names = spots
-        items = m.install_loaded(st, where, blocks)
-        reasons = getattr(m, "reasons", None)
-        if reasons is not None:  # a checkpoint keeps the reason it was saved for
-            for _, b, h in items:
-                reasons[b] = tiers.tag(group_id, h)
-        m.publish_loaded(items, request)
-        for (_, h), b, name in zip(where, blocks, names, strict=True):
-            tiers.loaded(group_id, h, name, b)
-            loads.append(TierLoad(group_id, BlockId(b), name, BlockHash(h)))
 
     def _set_quiet(self, rs: RequestState, num_computed: int) -> None:
         end = computed = self.max_model_len if self.max_model_len is not None else 1 << 62
