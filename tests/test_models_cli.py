@@ -101,11 +101,15 @@ def test_catalog_with_mtp_adds_the_mtp_layers_where_a_checkpoint_has_them(
     rows = {s["name"]: s for s in json.loads(out)}
     assert rows["DeepSeek-V3"]["num_layers"] == plain["DeepSeek-V3"]["num_layers"] + 1 == 62
     assert rows["DeepSeek-V3"]["bytes_per_token"] > plain["DeepSeek-V3"]["bytes_per_token"]
-    assert "note" not in rows["DeepSeek-V3"]
-    assert rows["gpt-oss-20b"] == {**plain["gpt-oss-20b"], "note": "no MTP layers"}
+    assert rows["DeepSeek-V3"]["mtp_layers"] == 1
+    assert rows["DeepSeek-V3"]["note"] == "+1 MTP layer"
+    assert rows["gpt-oss-20b"] == {**plain["gpt-oss-20b"], "mtp_layers": 0}
     code, out, err = run(capsys, "--mtp")
     line = next(x for x in out.splitlines() if x.startswith("DeepSeek-V3 "))
-    assert line.split()[3] == "62" and out.splitlines()[0].split()[-1] == "NOTE"
+    assert line.split()[3] == "62" and line.endswith("+1 MTP layer")
+    assert out.splitlines()[0].split()[-1] == "NOTE"
+    plain_line = next(x for x in out.splitlines() if x.startswith("gpt-oss-20b "))
+    assert plain_line.rstrip().endswith("12 full")  # nothing noted without MTP layers
     assert "with MTP layers where the checkpoint has them" in out
 
 

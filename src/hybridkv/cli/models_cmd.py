@@ -66,24 +66,31 @@ def _model_summary(spec: ModelSpec) -> dict[str, Any]:
 
 def _catalog_row(entry: CatalogEntry, args: argparse.Namespace) -> dict[str, Any]:
     """One catalog model's summary at the listing's flags; a model those flags do not fit
-    (a --tp that cannot split it) gets a ``note`` instead of failing the whole listing, and
-    with ``--mtp`` a model without MTP layers is listed without them, noted."""
-    note = ""
+    (a --tp that cannot split it) gets a ``note`` instead of failing the whole listing.  With
+    ``--mtp`` every row says how many MTP layers it gained (``mtp_layers``; noted in the table
+    where there are any): a model without them is listed as it is."""
+    mtp_layers: int | None = None
     try:
-        try:
-            spec = resolve_model(
-                entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp
-            )
-        except ConfigError as exc:
-            if not (args.mtp and str(exc).startswith("mtp: ")):
-                raise
-            spec = resolve_model(entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
-            note = "no MTP layers"
+        spec = resolve_model(entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
+        if args.mtp:
+            try:
+                with_mtp = resolve_model(
+                    entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=True
+                )
+            except ConfigError as exc:
+                if not str(exc).startswith("mtp: "):
+                    raise
+                mtp_layers = 0
+            else:
+                mtp_layers = with_mtp.num_layers - spec.num_layers
+                spec = with_mtp
     except HybridKVError as exc:
         return {"name": entry.name, "hf_id": entry.hf_id, "note": str(exc)}
     row = {**_model_summary(spec), "hf_id": entry.hf_id}
-    if note:
-        row["note"] = note
+    if mtp_layers is not None:
+        row["mtp_layers"] = mtp_layers
+        if mtp_layers:
+            row["note"] = f"+{mtp_layers} MTP layer{'s' if mtp_layers > 1 else ''}"
     return row
 
 
