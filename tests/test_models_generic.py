@@ -22,6 +22,9 @@ from hybridkv.specs import CacheKind, FullAttentionSpec, SlidingWindowSpec
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from hybridkv.engine.probe import output_cache  # noqa: E402
+
 harness = pytest.importorskip("test_models_transformers")
 
 #: Decoder-only text architectures derived generically (no registry entry).
@@ -138,7 +141,7 @@ def _observe(model_type: str) -> Any:
             logging.getLogger("transformers").setLevel(previous)
     config_dict["dtype"] = "float32"
     return harness.Observed(
-        config=config, config_dict=config_dict, layers=list(out.past_key_values.layers)
+        config=config, config_dict=config_dict, layers=list(output_cache(out).layers)
     )
 
 

@@ -42,6 +42,9 @@ from hybridkv.specs import (
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from hybridkv.engine.probe import output_cache  # noqa: E402
+
 cache_utils = pytest.importorskip("transformers.cache_utils")
 
 SEQ = 8
@@ -282,7 +285,7 @@ def observe(model_type: str, dtype_name: str) -> Observed:
         finally:
             logging.getLogger("transformers").setLevel(previous)
     config_dict["dtype"] = dtype_name
-    return Observed(config=config, config_dict=config_dict, layers=list(out.past_key_values.layers))
+    return Observed(config=config, config_dict=config_dict, layers=list(output_cache(out).layers))
 
 
 def _dtype_name(tensor: Any) -> str:

@@ -55,6 +55,7 @@ __all__ = [
     "ProbedLayer",
     "ProbedState",
     "cache_argument",
+    "output_cache",
     "probe_model",
     "probe_model_spec",
     "with_attention_sinks",
@@ -308,6 +309,13 @@ def cache_argument(model: Any) -> str:
     except (TypeError, ValueError):  # a forward without a readable signature
         params = {}
     return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a transformers forward returned: ``output.cache`` (5.24 on) or
+    ``output.past_key_values`` (before; kept there as a deprecated alias)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def with_attention_sinks(probe: ModelProbe, sink_tokens: int) -> ModelProbe:
