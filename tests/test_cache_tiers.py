@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as hst
 
 from hybridkv.cache import KVCacheManager, TierLoad, TierSpec
 from hybridkv.cache.admission import EXPLORE
-from hybridkv.cache.tiers import TierStack
+from hybridkv.cache.tiers import TieredMap, TierStack
 from hybridkv.errors import PlanError
 from hybridkv.plan import MemoryLayout
 from test_cache_factories import admit, full, groups, layout_for, pools, state, swa, tokens
@@ -375,3 +377,23 @@ def test_retain_hit_without_tiers_or_without_a_hit_moves_nothing() -> None:
     assert tiered.retain_hit(tiered.make_request("c", tokens(13))) == 0
     assert tiered.retain_hit(tiered.make_request("z", tokens(13, 500))) == 0
     assert tiered.snapshot() == before
+
+
+def test_tiered_map_flags_mark_hashes_on_the_device_or_in_any_tier() -> None:
+    view = TieredMap({1: 5, 2: 6}, [{3: 0}, {4: 0, 1: 0}])
+    assert view.flags([1, 2, 3, 4, 5, 9]) == bytes([1, 1, 1, 1, 0, 0])
+    assert view.flags([1, 2]) == b"\x01\x01"  # all on the device: no tier pass
+    assert view.flags([]) == b""
+    assert [view.get(h) for h in (1, 3, 5)] == [5, -1, None]
+
+
+@given(
+    device=hst.sets(hst.integers(0, 40)),
+    lower=hst.lists(hst.sets(hst.integers(0, 40)), max_size=2),
+    hashes=hst.lists(hst.integers(0, 40), max_size=300),
+)
+def test_tiered_map_flags_agree_with_membership(
+    device: set[int], lower: list[set[int]], hashes: list[int]
+) -> None:
+    view = TieredMap(dict.fromkeys(device, 1), [dict.fromkeys(s, 0) for s in lower])
+    assert view.flags(hashes) == bytes(h in view for h in hashes)

@@ -199,7 +199,8 @@ class BlockPool(ABC):
 
     def num_used(self, group_id: int) -> int:
         """Blocks of ``group_id`` with a reference."""
-        return sum(1 for r in self.refs[group_id] if r)
+        refs = self.refs[group_id]
+        return len(refs) - refs.count(0)
 
     def is_allocated(self, group_id: int, block_id: int) -> bool:
         """True iff ``block_id`` of ``group_id`` is referenced by some request."""

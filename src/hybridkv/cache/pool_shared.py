@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
@@ -114,8 +115,8 @@ class UniformPool(BlockPool):
         return self.core.num_used / (self.core.num_blocks - 1)
 
     def num_used(self, group_id: int) -> int:
-        core = self.core
-        return sum(1 for b, r in enumerate(core.refs) if r and core.owner[b] == group_id)
+        core = self.core  # at C speed: the owners of referenced blocks, counted
+        return list(compress(core.owner, core.refs)).count(group_id)
 
     def is_allocated(self, group_id: int, block_id: int) -> bool:
         core = self.core

@@ -144,7 +144,21 @@ class TieredMap:
     def __contains__(self, h: object) -> bool:
         if h in self.device:
             return True
-        return any(h in keys for keys in self.lower)
+        for keys in self.lower:  # noqa: SIM110 - a loop: no generator per lookup
+            if h in keys:
+                return True
+        return False
+
+    def flags(self, hashes: Sequence[int]) -> bytes:
+        """``flags[i] == 1`` iff ``hashes[i]`` is on the device or in a tier: one C-speed pass
+        per map, the passes OR-ed as integers (each byte is 0 or 1)."""
+        out = bytes(map(self.device.__contains__, hashes))
+        if 0 not in out:
+            return out
+        acc = int.from_bytes(out, "little")
+        for keys in self.lower:
+            acc |= int.from_bytes(bytes(map(keys.__contains__, hashes)), "little")
+        return acc.to_bytes(len(out), "little")
 
     def __getitem__(self, h: int) -> int:
         b = self.device.get(h)

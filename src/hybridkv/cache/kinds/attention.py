@@ -138,12 +138,12 @@ class FullAttentionManager(_AttentionManager):
 
     def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
         # Left to right in slices of 64 blocks, each looked up at C speed, up to the first miss.
-        k, contains = self.stride, self.hit_map.__contains__
+        k, present = self.stride, self.present
         end = bound // self.block_size
         n = 0
         while n < end:
             hi = min(end, n + 64)
-            miss = bytes(map(contains, hashes[(n + 1) * k - 1 : hi * k : k])).find(0)
+            miss = present(hashes[(n + 1) * k - 1 : hi * k : k]).find(0)
             if miss >= 0:
                 n += miss
                 break
@@ -240,7 +240,7 @@ class _WindowedManager(_AttentionManager):
     def _flags(self, hashes: Sequence[int], top: int) -> bytes:
         """``flags[i] == 1`` iff block ``i`` (< ``top``) of the request is cached here."""
         k = self.stride
-        return bytes(map(self.hit_map.__contains__, hashes[k - 1 : top * k : k]))
+        return self.present(hashes[k - 1 : top * k : k])
 
     def longest_hit(self, hashes: Sequence[int], bound: int) -> int:
         # Candidates right to left; a miss at block z rules out every candidate whose window

@@ -142,6 +142,14 @@ class KindManager(ABC):
         self.block_bytes = group.block_bytes
         self._configure()
 
+    def present(self, hashes: Sequence[int]) -> bytes:
+        """``present(h)[i] == 1`` iff a hit can read ``hashes[i]`` (on the device, or in a
+        lower tier when there are tiers), looked up at C speed."""
+        m = self.hit_map
+        if m is self.map:
+            return bytes(map(m.__contains__, hashes))
+        return bytes(m.flags(hashes))
+
     def _configure(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Hook for subclasses: read kind-specific fields of ``self.spec``."""
 

@@ -54,7 +54,7 @@ class StateManager(KindManager):
         bs, ab = self.block_size, self.align_blocks
         step = ab * self.stride
         top = bound // bs // ab  # aligned candidates 1..top
-        flags = bytes(map(self.hit_map.__contains__, hashes[step - 1 : top * step : step]))
+        flags = self.present(hashes[step - 1 : top * step : step])
         return (flags.rfind(1) + 1) * ab * bs
 
     def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
