@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import compress
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
@@ -115,8 +114,7 @@ class UniformPool(BlockPool):
         return self.core.num_used / (self.core.num_blocks - 1)
 
     def num_used(self, group_id: int) -> int:
-        core = self.core  # at C speed: the owners of referenced blocks, counted
-        return list(compress(core.owner, core.refs)).count(group_id)
+        return self.core.used_by[group_id]
 
     def is_allocated(self, group_id: int, block_id: int) -> bool:
         core = self.core

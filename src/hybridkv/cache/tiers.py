@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, NamedTuple
 
 from hybridkv.cache.events import EventLog
@@ -159,6 +160,12 @@ class TieredMap:
         for keys in self.lower:
             acc |= int.from_bytes(bytes(map(keys.__contains__, hashes)), "little")
         return acc.to_bytes(len(out), "little")
+
+    def blocks(self, hashes: Sequence[int]) -> list[int]:
+        """The device block of each of ``hashes``, ``-1`` where only a tier holds it (every
+        hash must be held somewhere: a hit's blocks; a load of one no tier holds raises
+        later, in :meth:`TierStack.load_hash`)."""
+        return list(map(self.device.get, hashes, repeat(-1, len(hashes))))
 
     def __getitem__(self, h: int) -> int:
         b = self.device.get(h)

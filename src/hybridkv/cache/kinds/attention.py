@@ -152,8 +152,7 @@ class FullAttentionManager(_AttentionManager):
 
     def hit_blocks(self, hashes: Sequence[int], length: int) -> list[int]:
         k = self.stride
-        m = self.hit_map
-        return list(map(m.__getitem__, hashes[k - 1 : (length // self.block_size) * k : k]))
+        return self.lookup(hashes[k - 1 : (length // self.block_size) * k : k])
 
     def plan(
         self,

@@ -150,6 +150,14 @@ class KindManager(ABC):
             return bytes(map(m.__contains__, hashes))
         return bytes(m.flags(hashes))
 
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """The block each of ``hashes`` (all cached) is read from: a device block, or ``-1``
+        for one only a lower tier holds."""
+        m = self.hit_map
+        if m is self.map:
+            return list(map(m.__getitem__, hashes))
+        return list(m.blocks(hashes))
+
     def _configure(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Hook for subclasses: read kind-specific fields of ``self.spec``."""
 
