@@ -279,4 +279,5 @@ def test_fits_is_exact(strategy: str, items: list, capacity: int, data: hst.Data
                     pool.cache(g, b, next_hash)
                     next_hash += 1
         pool.check_invariants()
-        assert [pool.num_used(g) for g in range(num_groups)] == [len(set(h)) for h in held]
+        used = [len(set(h)) for h in held]
+        assert [pool.num_used(g) for g in range(num_groups)] == pool.used_per_group() == used

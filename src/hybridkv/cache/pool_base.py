@@ -202,6 +202,11 @@ class BlockPool(ABC):
         refs = self.refs[group_id]
         return len(refs) - refs.count(0)
 
+    def used_per_group(self) -> list[int]:
+        """:meth:`num_used` of every group (a pool whose groups share blocks counts them in
+        one pass)."""
+        return [self.num_used(g) for g in range(self.num_groups)]
+
     def is_allocated(self, group_id: int, block_id: int) -> bool:
         """True iff ``block_id`` of ``group_id`` is referenced by some request."""
         refs = self.refs[group_id]
@@ -251,7 +256,6 @@ class FreeListPool:
         "num_used",
         "owner",
         "refs",
-        "used_by",
     )
 
     def __init__(
@@ -276,8 +280,6 @@ class FreeListPool:
         self.free_uncached: dict[int, None] = dict.fromkeys(range(num_blocks - 1, first - 1, -1))
         self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.num_used = 0
-        #: ``used_by[g]``: blocks of group ``g`` with a reference.
-        self.used_by = [0] * (max(self.group_ids, default=-1) + 1)
         #: ``hit[b]``: the chances block ``b`` holds (hits served, not yet spent; at most
         #: ``chances``); None when the second chance is off.
         self.chances = check_chances(second_chance)
@@ -303,7 +305,6 @@ class FreeListPool:
         if take < n:
             self._allocate_evicting(group_id, n - take, out)
         self.num_used += n
-        self.used_by[group_id] += n
         return out
 
     def _allocate_evicting(self, group_id: int, n: int, out: list[int]) -> None:
@@ -348,7 +349,6 @@ class FreeListPool:
             if not r:
                 del fc[b]
                 self.num_used += 1
-                self.used_by[self.owner[b]] += 1
             refs[b] = r + 1
             if hit is not None and hit[b] < most:
                 hit[b] += 1
@@ -356,7 +356,6 @@ class FreeListPool:
     def release(self, blocks: Sequence[int]) -> None:
         refs, hashes, owner = self.refs, self.hashes, self.owner
         fu, fc = self.free_uncached, self.free_cached
-        used_by = self.used_by
         freed = 0
         for b in blocks:
             r = refs[b] - 1
@@ -364,7 +363,6 @@ class FreeListPool:
             if r:
                 continue
             freed += 1
-            used_by[owner[b]] -= 1
             if hashes[b] is None:
                 owner[b] = -1
                 fu[b] = None
@@ -445,12 +443,6 @@ class FreeListPool:
                 raise InvariantError(f"block {b} holds hash {h:#x} but group map disagrees")
         if used != self.num_used:
             raise InvariantError(f"num_used {self.num_used} != {used} referenced blocks")
-        by = [0] * len(self.used_by)
-        for b in range(self.first, self.num_blocks):
-            if refs[b]:
-                by[owner[b]] += 1
-        if by != self.used_by:
-            raise InvariantError(f"used_by {self.used_by} != {by} referenced blocks per group")
         mapped = 0
         for g, m in self.maps.items():
             for h, b in m.items():
@@ -469,6 +461,5 @@ class FreeListPool:
             list(self.free_uncached),
             list(self.free_cached),
             self.num_used,
-            list(self.used_by),
             None if self.hit is None else bytes(self.hit),
         )

@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from itertools import compress
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
@@ -114,7 +116,13 @@ class UniformPool(BlockPool):
         return self.core.num_used / (self.core.num_blocks - 1)
 
     def num_used(self, group_id: int) -> int:
-        return self.core.used_by[group_id]
+        core = self.core  # at C speed: the owners of referenced blocks, counted
+        return list(compress(core.owner, core.refs)).count(group_id)
+
+    def used_per_group(self) -> list[int]:
+        core = self.core
+        counts = Counter(compress(core.owner, core.refs))
+        return [counts[g] for g in range(self.num_groups)]
 
     def is_allocated(self, group_id: int, block_id: int) -> bool:
         core = self.core

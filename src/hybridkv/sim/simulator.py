@@ -440,7 +440,7 @@ def simulate(
                     waiting=len(sched.waiting),
                     used_bytes=used,
                     need_bytes=need,
-                    group_blocks=tuple(pool.num_used(g) for g in range(n_groups)),
+                    group_blocks=tuple(pool.used_per_group()),
                     hit_rate=sum(admitted_hits.values()) / prompt_tokens if prompt_tokens else 0,
                 )
             )
