@@ -8,6 +8,7 @@ from hypothesis import strategies as hst
 
 from hybridkv.cache import KVCacheManager, TierLoad, TierSpec
 from hybridkv.cache.admission import EXPLORE
+from hybridkv.cache.errors import StaleComputedBlocksError
 from hybridkv.cache.tiers import TieredMap, TierStack
 from hybridkv.errors import PlanError
 from hybridkv.plan import MemoryLayout
@@ -397,3 +398,32 @@ def test_tiered_map_flags_agree_with_membership(
 ) -> None:
     view = TieredMap(dict.fromkeys(device, 1), [dict.fromkeys(s, 0) for s in lower])
     assert view.flags(hashes) == bytes(h in view for h in hashes)
+
+
+def test_a_hit_whose_tier_entries_were_dropped_meanwhile_is_refused_changing_nothing() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)  # 4 usable blocks
+    bb = layout.groups[0].block_bytes
+    mgr = _mgr(layout, TierSpec("host", 3 * bb))
+    _run(mgr, "a", tokens(13))
+    _run(mgr, "b", tokens(13, 100))  # a's 3 blocks go to the host tier
+    req = mgr.make_request("c", tokens(13))
+    hit = mgr.get_computed_blocks(req)
+    assert (hit.num_computed_tokens, hit.blocks) == (12, ((-1, -1, -1),))
+    _run(mgr, "d", tokens(13, 200))  # b's blocks push a's out of the host tier
+    assert mgr.get_computed_blocks(req).num_computed_tokens == 0
+    before = mgr.snapshot()
+    with pytest.raises(StaleComputedBlocksError):
+        mgr.allocate_slots(req, 1, num_new_computed_tokens=12, new_computed_blocks=hit)
+    assert mgr.snapshot() == before
+    mgr.check_invariants()
+    assert not mgr.has_blocks("c")
+
+
+def test_the_tier_rules_follow_the_coordinator_s_admission() -> None:
+    layout = layout_for("uniform", groups((full(), 2), (state(), 2)), 16)
+    mgr = KVCacheManager(layout, hasher="builtin", tiers=[TierSpec("host", 1 << 30)])
+    coord = mgr._coord
+    assert coord.bridge is not None and coord.admission is not None
+    assert coord.bridge.admission is coord.admission
+    coord.admission = None
+    assert coord.bridge.admission is None

@@ -178,8 +178,12 @@ class HybridCoordinator:
         self.hit_grid = HitGrid(self.alignment)
         for m in self.managers:
             m.hit_grid = self.hit_grid
+        #: Lower tiers (host, disk) fed by device evictions and the rules between them and
+        #: the groups, or None (set below).
+        self.tiers: TierStack | None = None
+        self.bridge: TierBridge | None = None
         #: Checkpoint admission by yield (None: every aligned checkpoint, or no state group).
-        self.admission: CheckpointAdmission | None = None
+        self.admission = None
         if checkpoint_admission == "yield" and len(self._attention) < self.num_groups:
             self.admission = CheckpointAdmission(layout.total_bytes)
             for m in self.managers:
@@ -192,9 +196,6 @@ class HybridCoordinator:
         )
         self.requests: dict[str, RequestState] = {}
         self.nothing = AllocationResult(((),) * self.num_groups, (), (), ())
-        #: Lower tiers (host, disk) fed by device evictions, or None.
-        self.tiers: TierStack | None = None
-        self.bridge: TierBridge | None = None
         if tiers:
             self.tiers = TierStack(
                 tiers,
@@ -281,6 +282,18 @@ class HybridCoordinator:
         return tuple(
             cast(tuple[BlockId, ...], tuple(m.hit_blocks(hashes, length))) for m in self.managers
         )
+
+    @property
+    def admission(self) -> CheckpointAdmission | None:
+        """The checkpoint admission (None: every aligned checkpoint, or no state group);
+        setting it also sets the tier rules' (the managers' are set by the caller)."""
+        return self._admission
+
+    @admission.setter
+    def admission(self, value: CheckpointAdmission | None) -> None:
+        self._admission = value
+        if self.bridge is not None:
+            self.bridge.admission = value
 
     def retain(self, request: Request) -> int:
         """Refresh the lower-tier entries ``request``'s hit would read now (see

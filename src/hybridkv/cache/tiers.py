@@ -162,10 +162,16 @@ class TieredMap:
         return acc.to_bytes(len(out), "little")
 
     def blocks(self, hashes: Sequence[int]) -> list[int]:
-        """The device block of each of ``hashes``, ``-1`` where only a tier holds it (every
-        hash must be held somewhere: a hit's blocks; a load of one no tier holds raises
-        later, in :meth:`TierStack.load_hash`)."""
-        return list(map(self.device.get, hashes, repeat(-1, len(hashes))))
+        """The device block of each of ``hashes``, ``-1`` where only a tier holds it; raises
+        :class:`KeyError` for a hash held nowhere (as ``[]`` does), so a stale hit is found
+        before anything changes."""
+        device = self.device
+        if all(map(device.__contains__, hashes)):
+            return list(map(device.__getitem__, hashes))
+        held = self.flags(hashes)
+        if 0 in held:
+            raise KeyError(hashes[held.index(0)])
+        return list(map(device.get, hashes, repeat(-1, len(hashes))))
 
     def __getitem__(self, h: int) -> int:
         b = self.device.get(h)

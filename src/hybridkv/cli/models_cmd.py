@@ -66,9 +66,10 @@ def _model_summary(spec: ModelSpec) -> dict[str, Any]:
 
 def _catalog_row(entry: CatalogEntry, args: argparse.Namespace) -> dict[str, Any]:
     """One catalog model's summary at the listing's flags; a model those flags do not fit
-    (a --tp that cannot split it) gets a ``note`` instead of failing the whole listing.  With
-    ``--mtp`` every row says how many MTP layers it gained (``mtp_layers``; noted in the table
-    where there are any): a model without them is listed as it is."""
+    (a --tp that cannot split it, MTP layers that cannot be modelled) gets a ``note`` instead
+    of failing the whole listing.  With ``--mtp`` every other row says how many MTP layers it
+    gained (``mtp_layers``; noted in the table where there are any): a model whose config
+    declares none is listed as it is."""
     mtp_layers: int | None = None
     try:
         spec = resolve_model(entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype)
@@ -78,7 +79,7 @@ def _catalog_row(entry: CatalogEntry, args: argparse.Namespace) -> dict[str, Any
                     entry.name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=True
                 )
             except ConfigError as exc:
-                if not str(exc).startswith("mtp: "):
+                if not str(exc).startswith("mtp: ") or "declares no MTP module" not in str(exc):
                     raise
                 mtp_layers = 0
             else:
