@@ -183,7 +183,7 @@ class HybridCoordinator:
         self.tiers: TierStack | None = None
         self.bridge: TierBridge | None = None
         #: Checkpoint admission by yield (None: every aligned checkpoint, or no state group).
-        self.admission = None
+        self._admission: CheckpointAdmission | None = None
         if checkpoint_admission == "yield" and len(self._attention) < self.num_groups:
             self.admission = CheckpointAdmission(layout.total_bytes)
             for m in self.managers:
