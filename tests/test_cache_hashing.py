@@ -199,3 +199,24 @@ def test_batch_hashing_equals_block_by_block(
     assert hasher.hash_blocks(parent, array("q", tokens), block) == expected
     # the generic (base class) batch path agrees too
     assert BlockHasher.hash_blocks(hasher, parent, tokens, block) == expected
+
+
+@pytest.mark.parametrize("salt", [None, "s"])
+def test_one_token_appends_hash_as_one_append_of_them_all(salt: str | None) -> None:
+    tokens = list(range(3, 40))
+    whole = Request("w", tokens, hash_block_size=4, cache_salt=salt)
+    grown = Request("g", tokens[:5], hash_block_size=4, cache_salt=salt)
+    for i, t in enumerate(tokens[5:]):
+        grown.append_token_ids((t,) if i % 2 else [t])
+    assert grown.token_ids == whole.token_ids
+    assert grown.block_hashes == whole.block_hashes and len(grown.block_hashes) == 9
+
+
+@pytest.mark.parametrize("bad", [-1, 2**63, 2.0, "7"])
+def test_a_bad_single_token_is_refused_changing_nothing(bad: object) -> None:
+    r = Request("a", [1, 2, 3], hash_block_size=4)
+    with pytest.raises(RequestError, match="append_token_ids"):
+        r.append_token_ids([bad])  # type: ignore[list-item]
+    assert (r.token_ids, r.block_hashes) == ([1, 2, 3], [])
+    r.append_token_ids([True])  # an int subclass goes the general way: stored as 1
+    assert r.token_ids == [1, 2, 3, 1] and len(r.block_hashes) == 1

@@ -69,6 +69,9 @@ def block_extra_keys(
     return tuple(out)
 
 
+#: Token ids lie in [0, 2**63): an int64 array holds them.
+_INT64_END = 1 << 63
+
 #: Where an int64's sign bit lies in its native encoding.
 _SIGN_BYTE = 7 if sys.byteorder == "little" else 0
 
@@ -183,6 +186,16 @@ class Request:
 
     def append_token_ids(self, token_ids: Iterable[int]) -> None:
         """Append output tokens and hash every block they complete.  Raises RequestError."""
+        if (type(token_ids) is tuple or type(token_ids) is list) and len(token_ids) == 1:
+            t = token_ids[0]  # a decode step's token: no array, no call below
+            if type(t) is int and 0 <= t < _INT64_END:
+                tokens = self._tokens
+                tokens.append(t)
+                if self._extras or (
+                    (len(self.block_hashes) + 1) * self.hash_block_size <= len(tokens)
+                ):
+                    self._extend_hashes()
+                return
         new = _checked_tokens(token_ids, f"Request({self.request_id}).append_token_ids")
         self._tokens.extend(new)
         self._extend_hashes()
