@@ -165,13 +165,10 @@ class TieredMap:
         """The device block of each of ``hashes``, ``-1`` where only a tier holds it; raises
         :class:`KeyError` for a hash held nowhere (as ``[]`` does), so a stale hit is found
         before anything changes."""
-        device = self.device
-        if all(map(device.__contains__, hashes)):
-            return list(map(device.__getitem__, hashes))
         held = self.flags(hashes)
         if 0 in held:
             raise KeyError(hashes[held.index(0)])
-        return list(map(device.get, hashes, repeat(-1, len(hashes))))
+        return list(map(self.device.get, hashes, repeat(-1, len(hashes))))
 
     def __getitem__(self, h: int) -> int:
         b = self.device.get(h)

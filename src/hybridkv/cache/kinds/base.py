@@ -148,7 +148,8 @@ class KindManager(ABC):
         m = self.hit_map
         if m is self.map:
             return bytes(map(m.__contains__, hashes))
-        return bytes(m.flags(hashes))
+        flags: bytes = m.flags(hashes)
+        return flags
 
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """The block each of ``hashes`` (all cached) is read from: a device block, or ``-1``
@@ -156,7 +157,8 @@ class KindManager(ABC):
         m = self.hit_map
         if m is self.map:
             return list(map(m.__getitem__, hashes))
-        return list(m.blocks(hashes))
+        blocks: list[int] = m.blocks(hashes)
+        return blocks
 
     def _configure(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Hook for subclasses: read kind-specific fields of ``self.spec``."""
