@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridkv.cache.tiers import TierOp
-from hybridkv.engine import CacheConfig, LLMEngine, tier_store, verify_completions
+from hybridkv.engine import CacheConfig, LLMEngine, host_runs, verify_completions
 from hybridkv.engine.models import load_model
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import PlanError
@@ -88,7 +88,7 @@ def test_prefixes_come_back_from_host_memory_exactly(name: str) -> None:
     assert store is not None and store.loaded > 0
     tiers = engine.manager._coord.tiers
     assert tiers is not None
-    assert set(store.entries["host"]) == set(tiers.tiers[0].lru)  # bytes for every entry
+    assert store.host_keys() == set(tiers.tiers[0].lru)  # bytes for every entry
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
@@ -104,7 +104,7 @@ def test_a_small_host_tier_drops_entries_and_stays_exact(name: str) -> None:
     assert stats["dropped"] > 0 and stats["used_bytes"] <= 2 * block
     store = engine._tier_store
     assert store is not None
-    assert len(store.entries["host"]) == stats["blocks"]
+    assert len(store.host_keys()) == stats["blocks"]
     engine.manager.check_invariants()
 
 
@@ -119,22 +119,20 @@ def test_host_memory_must_be_positive() -> None:
 def test_host_tier_runs_round_trip_through_fragmented_slots(
     kind: LayoutKind, device: str, alone: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Runs of host stores and loads, copied per contiguous range of host slots (on CUDA
-    by default: one kernel and one copy each; forced on the CPU here), put every block's
-    bytes back, also once drops left holes in the host buffer that later stores fill out of
-    order."""
+    """Runs of host stores and loads, copied per contiguous range of host slots (on CUDA:
+    one kernel and one copy each; on the CPU one indexed gather or one multi-tensor copy),
+    or one block at a time, put every block's bytes back, also once drops left holes in the
+    host buffer that later stores fill out of order."""
     g = group(0, SPECS["full"], (0, 1, 2))
     storage = KVCacheStorage(pools_layout((g,), num_blocks=64), kind=kind, device=device)
     gen = torch.Generator().manual_seed(5)
     for buf in storage.buffers:
         buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
     size = g.block_bytes
-    monkeypatch.setattr(tier_store, "RUN_BYTES", 3 * size)  # runs end at 3 blocks too
-    if alone:  # blocks this large are copied one by one
-        monkeypatch.setattr(tier_store, "ALONE_BYTES", size)
+    monkeypatch.setattr(host_runs, "RUN_BYTES", 3 * size)  # runs end at 3 blocks too
     store = TierStore(storage, 40 * size)
-    assert store._coalesce == (device == "cuda")
-    store._coalesce = True
+    assert store._coalesce
+    store._coalesce = not alone
 
     def block(b: int) -> torch.Tensor:
         return gather(storage.descriptor(0, [b]), storage.buffers).cpu()

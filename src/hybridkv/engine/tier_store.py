@@ -30,8 +30,7 @@ the others run.  The ``load`` later copies the checked staging bytes to the devi
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +40,11 @@ from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
 from hybridkv.cache.tiers import TierOp, TierSpec
 from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.errors import EngineError
+from hybridkv.engine.host_runs import BlockRows, RowRuns, load_rows, store_rows
 from hybridkv.plan.layout import MemoryLayout
 from hybridkv.storage import KVCacheStorage
 from hybridkv.storage.disk_slots import FORMAT_VERSION, DiskSlots
-from hybridkv.storage.transfer import TransferDescriptor, gather, scatter, spread
+from hybridkv.storage.transfer import TransferDescriptor, gather, scatter
 
 __all__ = ["TierStore", "fingerprint", "open_tiers", "tier_specs"]
 
@@ -109,52 +109,6 @@ def _host_copy(op: TierOp) -> bool:
     return op.tier == "host" and op.op in ("store", "load") and not op.dest
 
 
-#: Bytes one coalesced host copy carries at most: later pieces start a new copy, so the first
-#: copies run while the host still walks the operations.
-RUN_BYTES = 4 << 20
-#: Blocks of at least this many bytes are copied one by one: one copy each already moves
-#: them at the link's rate, and packing them would only add a pass over device memory
-#: (H100, ``benchmarks/bench_tiers.py``: 1 MiB blocks 0.88 of one contiguous copy alone,
-#: 0.79 packed in 4 MiB runs; 256 KiB blocks 0.58 alone, 0.60-0.72 packed).
-ALONE_BYTES = 1 << 20
-
-
-class _Coalescer:
-    """Pieces ``(host offset, device bytes)`` arriving one by one, merged while each extends
-    the current host range at either end and it stays under :data:`RUN_BYTES` (with
-    ``merge``; else each piece alone); every finished range goes to ``emit(first offset,
-    tensors in host order)``."""
-
-    def __init__(self, emit: Callable[[int, list[torch.Tensor]], None], merge: bool) -> None:
-        self.emit = emit
-        self.merge = merge
-        self.parts: deque[torch.Tensor] = deque()
-        self.lo = self.hi = 0
-
-    def add(self, offset: int, t: torch.Tensor) -> None:
-        n = t.numel()
-        if not self.merge or n >= ALONE_BYTES:
-            self.emit(offset, [t])
-            return
-        if self.parts and self.hi - self.lo + n <= RUN_BYTES:
-            if offset == self.hi:
-                self.parts.append(t)
-                self.hi += n
-                return
-            if offset + n == self.lo:
-                self.parts.appendleft(t)
-                self.lo = offset
-                return
-        self.flush()
-        self.parts.append(t)
-        self.lo, self.hi = offset, offset + n
-
-    def flush(self) -> None:
-        if self.parts:
-            self.emit(self.lo, list(self.parts))
-            self.parts.clear()
-
-
 class _Slots:
     """Byte slots of one buffer: bump allocation plus a free list per slot size."""
 
@@ -163,12 +117,13 @@ class _Slots:
         self.top = 0
         self.free: dict[int, list[int]] = {}
 
-    def take(self, size: int) -> int | None:
+    def take(self, size: int) -> int:
+        """A free slot's offset, or -1 when there is no room."""
         spare = self.free.get(size)
         if spare:
             return spare.pop()
         if self.top + size > self.buffer.numel():
-            return None
+            return -1
         self.top += size
         return self.top - size
 
@@ -182,8 +137,8 @@ class _Slots:
 
 class TierStore:
     """Tier entries ``(group, hash) -> packed block bytes`` over one engine's storage: host
-    entries in a buffer of ``host_bytes`` (0: a tensor per entry), disk entries in ``disk``.
-    ``readers``: threads that read and check disk copies (0: inline)."""
+    entries in slots of a buffer of ``host_bytes`` (0, or no room: a tensor per entry), disk
+    entries in ``disk``.  ``readers``: threads that read and check disk copies (0: inline)."""
 
     def __init__(
         self,
@@ -194,15 +149,18 @@ class TierStore:
         readers: int = 2,
     ) -> None:
         self.storage = storage
-        self.entries: dict[str, dict[tuple[int, int], torch.Tensor]] = {"host": {}}
+        #: Host entries: ``(slot offset, bytes)`` in the host buffer, offset -1 for an entry
+        #: in a tensor of its own (in ``_own``).  No tensor is made per slot entry.
+        self._host: dict[tuple[int, int], tuple[int, int]] = {}
+        self._own: dict[tuple[int, int], torch.Tensor] = {}
         self._pin = storage.device.type == "cuda"
         #: On CUDA the copies are queued on the current stream (the step's kernels follow
         #: them in order) and the host does not wait; it synchronizes only before reading
         #: host bytes itself (a move to disk) and before reusing a disk staging tensor.
         self._async = self._pin
-        #: Host stores / loads of adjacent slots merged into one copy (on CUDA: one call
-        #: instead of one per block; on the CPU a packing copy would only add work).
-        self._coalesce = self._async
+        #: Host stores / loads of blocks in adjacent slots merged into runs
+        #: (:mod:`hybridkv.engine.host_runs`); False: one copy per block.
+        self._coalesce = True
         #: Device-to-host copies queued since the host last waited for the stream.
         self._unsynced = False
         #: Disk staging tensors whose host-to-device copies are queued, with the event
@@ -210,12 +168,13 @@ class TierStore:
         self._held: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
         self.disk = None if disk is None else DiskTier(disk, readers=readers, pin=self._pin)
         self._slots = _Slots(host_bytes, self._pin) if host_bytes else None
-        #: Buffer offset of each entry held in the slots.
-        self._offsets: dict[tuple[int, int], int] = {}
         #: One-block transfer descriptors, built once per ``(group, block)``.
         self._descs: dict[tuple[int, int], TransferDescriptor] = {}
-        #: Device views of one-range blocks, built once per ``(group, block)``.
-        self._views: dict[tuple[int, int], torch.Tensor | None] = {}
+        #: The storage's one-range blocks as rows of its buffers.
+        self._rows = BlockRows(storage.buffers)
+        #: ``(bytes, table id, row)`` of each ``(group, block)``, built once; table id -1
+        #: for a block of several byte ranges.
+        self._places: dict[tuple[int, int], tuple[int, int, int]] = {}
         #: Blocks copied device -> tier and tier -> device so far.
         self.stored = self.loaded = 0
 
@@ -267,16 +226,16 @@ class TierStore:
         self._give_back_staging()
         loaded_from_disk: list[torch.Tensor] = []
         todo = list(ops)
-        i = 0
-        while i < len(todo):
+        i, n = 0, len(todo)
+        while i < n:
             op = todo[i]
             i += 1
             if _host_copy(op):  # with the host copies of the same kind right after it
-                j = i
-                while j < len(todo) and todo[j].op == op.op and _host_copy(todo[j]):
+                kind, j = op.op, i
+                while j < n and (nxt := todo[j]).op == kind and nxt.tier == "host" and not nxt.dest:
                     j += 1
                 run, i = todo[i - 1 : j], j
-                if op.op == "store":
+                if kind == "store":
                     self._store_run(run)
                 else:
                     self._load_run(run)
@@ -287,10 +246,9 @@ class TierStore:
             elif op.op == "load":
                 self._tier(op.tier)  # not a tier this store keeps: raises
             elif op.op == "drop":
-                entries = self._tier(op.tier)
-                self._entry(entries, op)
-                key = (op.group_id, op.block_hash)
-                self._release(key, entries.pop(key))
+                self._tier(op.tier)
+                self._entry(op)
+                self._release((op.group_id, op.block_hash))
             else:
                 raise EngineError(f"tier store: unknown operation {op.op!r} on {op.tier!r}")
         if loaded_from_disk:
@@ -304,61 +262,58 @@ class TierStore:
             self.disk.commit()
 
     def _store_run(self, run: list[TierOp]) -> None:
-        """Host stores of one-range blocks: blocks bound for adjacent host slots are packed on
-        the device by one kernel and copied out by one device-to-host copy."""
-        entries = self.entries["host"]
-        slots = self._slots
+        """Host stores: blocks bound for adjacent host slots go as one run
+        (:func:`~hybridkv.engine.host_runs.store_rows`), the others one by one."""
+        host, places, slots, nb = self._host, self._places, self._slots, self._async
+        buffer = None if slots is None else slots.buffer
 
-        def emit(start: int, parts: list[torch.Tensor]) -> None:
-            assert slots is not None
-            src = parts[0] if len(parts) == 1 else torch.cat(parts)
-            slots.buffer[start : start + src.numel()].copy_(src, non_blocking=self._async)
+        def emit(start: int, table: int, rows: list[int]) -> None:
+            assert buffer is not None
+            size = len(rows) * self._rows.tables[table].shape[1]
+            store_rows(self._rows, table, rows, buffer[start : start + size], nb)
 
+        runs = RowRuns(emit, self._coalesce)
         for op in run:
             key = (op.group_id, op.block_hash)
-            entries[key] = self._room(key, self._desc_of(op).total_bytes)
+            size, table, row = places.get((op.group_id, op.block)) or self._place(op)
+            offset = -1 if slots is None else slots.take(size)
+            host[key] = (offset, size)
+            if offset < 0:  # no room in the buffer: a tensor of its own
+                data = self._own[key] = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+                self._gather(op, data)
+            elif table < 0:  # several byte ranges
+                assert buffer is not None
+                self._gather(op, buffer[offset : offset + size])
+            else:
+                runs.add(offset, table, row, size)
+        runs.flush()
         self.stored += len(run)
-        self._walk(run, emit, lambda op: self._gather(op, entries[op.group_id, op.block_hash]))
-        self._unsynced = self._async
+        self._unsynced = nb
 
     def _load_run(self, run: list[TierOp]) -> None:
-        """Host loads into one-range blocks: adjacent host slots are copied to the device once
-        and spread over their blocks by one multi-tensor copy kernel."""
-        entries = self._tier("host")
-        slots = self._slots
-        device = self.storage.device
-
-        def emit(start: int, dsts: list[torch.Tensor]) -> None:
-            assert slots is not None
-            size = sum(d.numel() for d in dsts)
-            src = slots.buffer[start : start + size]
-            if len(dsts) == 1:
-                dsts[0].copy_(src, non_blocking=self._async)
-                return
-            spread(src.to(device, non_blocking=self._async), dsts)
-
+        """Host loads: adjacent host slots go to their blocks as one run
+        (:func:`~hybridkv.engine.host_runs.load_rows`), the others one by one."""
+        host, places, slots, nb = self._host, self._places, self._slots, self._async
         for op in run:  # every entry present before any copy
-            self._entry(entries, op)
-        self.loaded += len(run)
-        self._walk(run, emit, lambda op: self._scatter(op, entries[op.group_id, op.block_hash]))
+            if (op.group_id, op.block_hash) not in host:
+                self._entry(op)  # raises
+        buffer = None if slots is None else slots.buffer
 
-    def _walk(
-        self,
-        run: list[TierOp],
-        emit: Callable[[int, list[torch.Tensor]], None],
-        alone: Callable[[TierOp], None],
-    ) -> None:
-        """Feed each op's (host slot, one-range device view) to a coalescer over ``emit``;
-        an entry outside the slots or a block of several ranges goes to ``alone``."""
-        runs = _Coalescer(emit, self._coalesce)
+        def emit(start: int, table: int, rows: list[int]) -> None:
+            assert buffer is not None
+            size = len(rows) * self._rows.tables[table].shape[1]
+            load_rows(self._rows, table, rows, buffer[start : start + size], nb)
+
+        runs = RowRuns(emit, self._coalesce)
         for op in run:
-            offset = self._offsets.get((op.group_id, op.block_hash))
-            view = self._one_range(op)
-            if offset is None or view is None:
-                alone(op)
+            offset, size = host[op.group_id, op.block_hash]
+            _, table, row = places.get((op.group_id, op.block)) or self._place(op)
+            if offset < 0 or table < 0:
+                self._scatter(op, self._bytes((op.group_id, op.block_hash)))
             else:
-                runs.add(offset, view)
+                runs.add(offset, table, row, size)
         runs.flush()
+        self.loaded += len(run)
 
     def _give_back_staging(self, wait: bool = False) -> None:
         """Give the disk tier back the staging tensors whose loads completed (all: ``wait``)."""
@@ -400,15 +355,14 @@ class TierStore:
             disk.write(key, op.tag, data, self._ready_event())
             self.stored += 1
         elif op.op == "move":
-            host = self._tier(op.tier)
-            held = self._entry(host, op)
-            del host[key]
+            self._tier(op.tier)
+            self._entry(op)
             self._host_ready()  # the host copies the slot, or the threads read the tensor
-            if key in self._offsets:  # a slot of the host buffer, reused at once: a copy
-                own = disk.buffer(held.numel())
-                own.copy_(held)
-                self._release(key, held)
-                held = own
+            held = self._own.get(key)
+            if held is None:  # a slot of the host buffer, reused at once: a copy
+                held = disk.buffer(self._host[key][1])
+                held.copy_(self._bytes(key))
+            self._release(key)
             disk.write(key, op.tag, held)
         elif op.op == "load":
             staged = disk.take(key)
@@ -427,9 +381,8 @@ class TierStore:
 
     def _clear(self) -> None:
         self._host_ready()  # no queued copy still writes a slot the clear frees
-        for entries in self.entries.values():
-            entries.clear()
-        self._offsets.clear()
+        self._host.clear()
+        self._own.clear()
         if self._slots is not None:
             self._slots.reset()
         if self.disk is not None:
@@ -440,34 +393,35 @@ class TierStore:
 
     def _gather(self, op: TierOp, out: torch.Tensor) -> None:
         """Copy device block ``op.block`` into ``out`` (packed)."""
-        view = self._one_range(op)
-        if view is not None:  # a cross-layer page-size block: one copy
-            out.copy_(view, non_blocking=self._async)
+        _, table, row = self._place(op)
+        if table >= 0:  # a cross-layer page-size block: one copy
+            out.copy_(self._rows.view(table, row), non_blocking=self._async)
         else:
             gather(self._desc_of(op), self.storage.buffers, out, non_blocking=self._async)
         self._unsynced = self._async
 
     def _scatter(self, op: TierOp, packed: torch.Tensor) -> None:
         """Copy ``packed`` into device block ``op.block``."""
-        view = self._one_range(op)
-        if view is not None:
-            view.copy_(packed, non_blocking=self._async)
+        _, table, row = self._place(op)
+        if table >= 0:
+            self._rows.view(table, row).copy_(packed, non_blocking=self._async)
         else:
             scatter(self._desc_of(op), self.storage.buffers, packed, non_blocking=self._async)
 
-    def _one_range(self, op: TierOp) -> torch.Tensor | None:
-        """The device bytes of ``op.block`` when they are one range (a cross-layer page-size
-        block), as a view built once per block; None for a block of several ranges."""
+    def _place(self, op: TierOp) -> tuple[int, int, int]:
+        """``(bytes, table id, row)`` of device block ``op.block``: its row in
+        :attr:`_rows` when it is one byte range (a cross-layer page-size block), else table
+        id -1.  Built once per block."""
         key = (op.group_id, op.block)
-        if key in self._views:
-            return self._views[key]
-        desc = self._desc(op.group_id, op.block)
-        view = None
-        if len(desc.ranges) == 1:
-            r = desc.ranges[0]
-            view = self.storage.buffers[r.buffer_id][r.offset : r.offset + r.length]
-        self._views[key] = view
-        return view
+        found = self._places.get(key)
+        if found is None:
+            desc = self._desc(op.group_id, op.block)
+            table = row = -1
+            if len(desc.ranges) == 1:
+                r = desc.ranges[0]
+                table, row = self._rows.place(r.buffer_id, r.offset, r.length)
+            found = self._places[key] = (desc.total_bytes, table, row)
+        return found
 
     def _desc(self, group_id: int, block: int) -> TransferDescriptor:
         desc = self._descs.get((group_id, block))
@@ -475,41 +429,46 @@ class TierStore:
             desc = self._descs[group_id, block] = self.storage.descriptor(group_id, [block])
         return desc
 
-    def _room(self, key: tuple[int, int], size: int) -> torch.Tensor:
-        """Where the entry ``key`` of ``size`` bytes goes: a slot, or a tensor of its own."""
-        slots = self._slots
-        offset = None if slots is None else slots.take(size)
-        if slots is None or offset is None:
-            return torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
-        self._offsets[key] = offset
-        return slots.buffer[offset : offset + size]
+    def host_keys(self) -> set[tuple[int, int]]:
+        """The ``(group, hash)`` of every host entry."""
+        return set(self._host)
 
-    def _release(self, key: tuple[int, int], data: torch.Tensor) -> None:
-        offset = self._offsets.pop(key, None)
-        if offset is not None and self._slots is not None:
-            self._slots.give(offset, data.numel())
+    def _bytes(self, key: tuple[int, int]) -> torch.Tensor:
+        """Host entry ``key``'s bytes (a view of its slot, or its own tensor)."""
+        offset, size = self._host[key]
+        if offset < 0:
+            return self._own[key]
+        assert self._slots is not None
+        return self._slots.buffer[offset : offset + size]
 
-    def _tier(self, name: str) -> dict[tuple[int, int], torch.Tensor]:
-        entries = self.entries.get(name)
-        if entries is None:
+    def _release(self, key: tuple[int, int]) -> None:
+        """Forget host entry ``key``, giving its slot back."""
+        offset, size = self._host.pop(key)
+        if offset < 0:
+            del self._own[key]
+        elif self._slots is not None:
+            self._slots.give(offset, size)
+
+    def _tier(self, name: str) -> None:
+        """Raise unless ``name`` is the host tier (the one tier whose bytes this store keeps
+        in memory)."""
+        if name != "host":
             raise EngineError(
-                f"tier store: the engine stores no {name!r} tier (it has: "
-                f"{', '.join(self.entries)}{', disk' if self.disk is not None else ''})"
+                f"tier store: the engine stores no {name!r} tier (it has: host"
+                f"{', disk' if self.disk is not None else ''})"
             )
-        return entries
 
-    def _entry(self, entries: Mapping[tuple[int, int], torch.Tensor], op: TierOp) -> torch.Tensor:
-        found = entries.get((op.group_id, op.block_hash))
-        if found is None:
+    def _entry(self, op: TierOp) -> None:
+        """Raise unless the host tier holds ``op``'s entry."""
+        if (op.group_id, op.block_hash) not in self._host:
             raise EngineError(
                 f"tier store: {op.op} of group {op.group_id} hash {op.block_hash:#x}, which the "
                 f"{op.tier} tier does not hold"
             )
-        return found
 
     def num_bytes(self) -> int:
         """Bytes the host entries hold (staged disk copies included)."""
-        held = sum(t.numel() for entries in self.entries.values() for t in entries.values())
+        held = sum(size for _, size in self._host.values())
         return held + (
             0 if self.disk is None else sum(t.numel() for t in self.disk.staged.values())
         )

@@ -1,0 +1,108 @@
+"""Runs of host-tier copies (hybridkv.engine.host_runs): how blocks merge into runs, where a
+block sits as a row, and that runs copy exactly the blocks' bytes both ways."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridkv.engine import host_runs
+from hybridkv.engine.host_runs import BlockRows, RowRuns, load_rows, store_rows
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _runs(
+    merge: bool = True,
+) -> tuple[RowRuns, list[tuple[int, int, list[int]]]]:
+    out: list[tuple[int, int, list[int]]] = []
+    return RowRuns(lambda lo, t, rows: out.append((lo, t, rows)), merge), out
+
+
+def test_runs_grow_at_either_end_and_close_on_a_gap_or_another_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(host_runs, "FIRST_RUN_BYTES", 1 << 20)
+    runs, out = _runs()
+    size = 1000
+    runs.add(5000, 0, 7, size)
+    runs.add(6000, 0, 3, size)  # after the run's end
+    runs.add(4000, 0, 9, size)  # before its start
+    runs.add(8000, 0, 1, size)  # a gap: the run closes
+    runs.add(9000, 1, 2, size)  # adjacent, another table: closes too
+    runs.add(10000, 1, 4, size)
+    runs.flush()
+    assert out == [(4000, 0, [9, 7, 3]), (8000, 0, [1]), (9000, 1, [2, 4])]
+
+
+def test_run_caps_start_small_and_double_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_runs, "FIRST_RUN_BYTES", 2)
+    monkeypatch.setattr(host_runs, "RUN_BYTES", 8)
+    runs, out = _runs()
+    for i in range(20):  # one byte each, all adjacent
+        runs.add(i, 0, i, 1)
+    runs.flush()
+    assert [len(rows) for _, _, rows in out] == [2, 4, 8, 6]
+    assert [lo for lo, _, _ in out] == [0, 2, 6, 14]
+
+
+def test_without_merging_every_block_is_its_own_run() -> None:
+    runs, out = _runs(merge=False)
+    runs.add(0, 0, 5, 10)
+    runs.add(10, 0, 6, 10)
+    runs.flush()
+    assert out == [(0, 0, [5]), (10, 0, [6])]
+
+
+def test_block_rows_place_blocks_by_length_and_offset_phase() -> None:
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    rows = BlockRows((buf,))
+    assert rows.place(0, 192, 96) == (0, 2)
+    assert rows.place(0, 864, 96) == (0, 9)
+    assert rows.place(0, 240, 96) == (1, 2)  # another phase (48): another table
+    assert rows.place(0, 250, 96) == (2, 2)  # phase 58
+    assert rows.place(0, 60, 30) == (3, 2)  # another length
+    assert rows.tables[1].shape == (9, 96)  # bytes 48..912 of 1000
+    assert [w is not None and tuple(w.shape) for w in rows.wide] == [
+        (10, 12),
+        (9, 12),
+        False,  # rows starting at byte 58: not on 8-byte words
+        False,  # 30 bytes a row
+    ]
+    rows.tables[0][2].fill_(7)
+    assert int(buf[192:288].sum()) == 7 * 96  # rows are views of the buffer
+    assert rows.view(0, 2).data_ptr() == buf[192:].data_ptr()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("length", [64, 40, 30])  # 8-byte words, or bytes
+def test_store_and_load_rows_move_exactly_the_blocks(device: str, length: int) -> None:
+    """Rows gathered into a host range and scattered back, in host order, for blocks of
+    8-byte words and not (30 bytes), at a phase that is and is not word-aligned."""
+    gen = torch.Generator().manual_seed(3)
+    buf = torch.randint(0, 256, (64 * length + 8,), generator=gen, dtype=torch.uint8)
+    buf = buf.to(device)
+    rows = BlockRows((buf,))
+    for phase in (0, 8, 3):
+        table, _ = rows.place(0, phase, length)
+        picked = random.Random(phase).sample(range(rows.tables[table].shape[0]), 9)
+        host = torch.empty(9 * length + 16, dtype=torch.uint8, pin_memory=device == "cuda")
+        for at in (0, 8, 5):  # host ranges at word and byte offsets
+            out = host[at : at + 9 * length]
+            out.fill_(0)
+            store_rows(rows, table, picked, out, non_blocking=device == "cuda")
+            if device == "cuda":
+                torch.cuda.synchronize()
+            want = torch.cat([rows.tables[table][r].cpu() for r in picked])
+            assert torch.equal(out, want), (phase, at)
+            targets = [r for r in range(rows.tables[table].shape[0]) if r not in picked][:9]
+            load_rows(rows, table, targets, out, non_blocking=device == "cuda")
+            got = torch.cat([rows.tables[table][r].cpu() for r in targets])
+            assert torch.equal(got, want), (phase, at)
+    one = torch.empty(length, dtype=torch.uint8)
+    store_rows(rows, 0, [4], one, non_blocking=False)
+    assert torch.equal(one, rows.tables[0][4].cpu())
+    load_rows(rows, 0, [5], one, non_blocking=False)
+    assert torch.equal(rows.tables[0][5].cpu(), one)
