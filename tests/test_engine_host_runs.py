@@ -27,14 +27,23 @@ def test_runs_grow_at_either_end_and_close_on_a_gap_or_another_table(
     monkeypatch.setattr(host_runs, "FIRST_RUN_BYTES", 1 << 20)
     runs, out = _runs()
     size = 1000
-    runs.add(5000, 0, 7, size)
-    runs.add(6000, 0, 3, size)  # after the run's end
-    runs.add(4000, 0, 9, size)  # before its start
-    runs.add(8000, 0, 1, size)  # a gap: the run closes
-    runs.add(9000, 1, 2, size)  # adjacent, another table: closes too
-    runs.add(10000, 1, 4, size)
+    runs.add(5000, 0, (7,), size)
+    runs.add(6000, 0, (3,), size)  # after the run's end
+    runs.add(4000, 0, (9,), size)  # before its start
+    runs.add(8000, 0, (1,), size)  # a gap: the run closes
+    runs.add(9000, 1, (2,), size)  # adjacent, another table: closes too
+    runs.add(10000, 1, (4,), size)
     runs.flush()
     assert out == [(4000, 0, [9, 7, 3]), (8000, 0, [1]), (9000, 1, [2, 4])]
+
+
+def test_a_block_of_several_rows_keeps_its_rows_in_order_at_either_end() -> None:
+    runs, out = _runs()
+    runs.add(400, 0, (1, 2), 200)  # two 100-byte rows a block
+    runs.add(600, 0, (5, 6), 200)
+    runs.add(200, 0, (8, 3), 200)
+    runs.flush()
+    assert out == [(200, 0, [8, 3, 1, 2, 5, 6])]
 
 
 def test_run_caps_start_small_and_double_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,7 +51,7 @@ def test_run_caps_start_small_and_double_up_to_the_limit(monkeypatch: pytest.Mon
     monkeypatch.setattr(host_runs, "RUN_BYTES", 8)
     runs, out = _runs()
     for i in range(20):  # one byte each, all adjacent
-        runs.add(i, 0, i, 1)
+        runs.add(i, 0, (i,), 1)
     runs.flush()
     assert [len(rows) for _, _, rows in out] == [2, 4, 8, 6]
     assert [lo for lo, _, _ in out] == [0, 2, 6, 14]
@@ -50,8 +59,8 @@ def test_run_caps_start_small_and_double_up_to_the_limit(monkeypatch: pytest.Mon
 
 def test_without_merging_every_block_is_its_own_run() -> None:
     runs, out = _runs(merge=False)
-    runs.add(0, 0, 5, 10)
-    runs.add(10, 0, 6, 10)
+    runs.add(0, 0, (5,), 10)
+    runs.add(10, 0, (6,), 10)
     runs.flush()
     assert out == [(0, 0, [5]), (10, 0, [6])]
 

@@ -3,10 +3,12 @@
 A host-tier ``store`` copies one device block into a slot of the host buffer, a ``load``
 copies a slot back into a device block.  One copy per block costs the host a few
 microseconds of Python and the copy engine a gap between copies, which for blocks under
-~1 MiB is as long as the copy itself.  So the stores (loads) of blocks that are one byte
-range each (a cross-layer layout's page-size groups) are merged into runs: blocks whose host
-slots are adjacent, of one block size, up to :data:`RUN_BYTES`.  A run moves as rows of a
-2-D view of the storage buffer (:class:`BlockRows`):
+~1 MiB is as long as the copy itself.  So the stores (loads) of blocks whose byte ranges are
+all of one length and phase in one buffer (a cross-layer layout's page-size groups: one range
+a block; a per-layer layout's: a range per layer and K/V; a state whose pieces are equal) are
+merged into runs: blocks whose host slots are adjacent, of one such table, up to
+:data:`RUN_BYTES`.  A run moves as rows of a 2-D view of the storage buffer
+(:class:`BlockRows`), a block's ranges in its descriptor's order:
 
 * on CUDA, a store is one indexed gather kernel into a device staging tensor plus one
   device-to-host copy, a load one host-to-device copy plus one indexed scatter kernel, both
@@ -39,9 +41,9 @@ RUN_BYTES = 16 << 20
 
 
 class BlockRows:
-    """The storage's one-range blocks as rows of 2-D views of its buffers.
+    """Byte ranges of the storage's blocks as rows of 2-D views of its buffers.
 
-    A block of ``length`` bytes at byte ``offset`` of buffer ``b`` is row
+    A range of ``length`` bytes at byte ``offset`` of buffer ``b`` is row
     ``offset // length`` of the table ``(b, length, offset % length)``: a view of the
     buffer from byte ``offset % length`` on, ``length`` bytes a row.  ``wide[t]`` views
     table ``t`` as 8-byte words where its rows allow it (None otherwise).
@@ -62,7 +64,7 @@ class BlockRows:
         return found
 
     def place(self, buffer_id: int, offset: int, length: int) -> tuple[int, int]:
-        """``(table id, row)`` of the block of ``length`` bytes at ``offset``."""
+        """``(table id, row)`` of the range of ``length`` bytes at ``offset``."""
         base = offset % length
         key = (buffer_id, length, base)
         tid = self._ids.get(key)
@@ -80,7 +82,7 @@ class BlockRows:
 
 
 class RowRuns:
-    """Blocks ``(host offset, table, row, bytes)`` arriving one by one, merged into a run
+    """Blocks ``(host offset, table, rows, bytes)`` arriving one by one, merged into a run
     while each extends the run's host range at either end, is of the run's table and the run
     stays within its cap (:data:`FIRST_RUN_BYTES`, doubling with each run up to
     :data:`RUN_BYTES`) (with ``merge``; else each block alone).  Every finished run goes to
@@ -94,23 +96,23 @@ class RowRuns:
         self.lo = self.hi = 0
         self.cap = min(FIRST_RUN_BYTES, RUN_BYTES)
 
-    def add(self, offset: int, table: int, row: int, nbytes: int) -> None:
+    def add(self, offset: int, table: int, block: tuple[int, ...], nbytes: int) -> None:
         if not self.merge:
-            self.emit(offset, table, [row])
+            self.emit(offset, table, list(block))
             return
         rows = self.rows
         if rows and table == self.table and self.hi - self.lo + nbytes <= self.cap:
             if offset == self.hi:
-                rows.append(row)
+                rows.extend(block)
                 self.hi += nbytes
                 return
             if offset + nbytes == self.lo:
-                rows.appendleft(row)
+                rows.extendleft(reversed(block))
                 self.lo = offset
                 return
         if rows:
             self.flush()
-        rows.append(row)
+        rows.extend(block)
         self.table = table
         self.lo, self.hi = offset, offset + nbytes
 

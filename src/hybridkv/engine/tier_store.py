@@ -170,11 +170,11 @@ class TierStore:
         self._slots = _Slots(host_bytes, self._pin) if host_bytes else None
         #: One-block transfer descriptors, built once per ``(group, block)``.
         self._descs: dict[tuple[int, int], TransferDescriptor] = {}
-        #: The storage's one-range blocks as rows of its buffers.
+        #: The storage's blocks as rows of its buffers.
         self._rows = BlockRows(storage.buffers)
-        #: ``(bytes, table id, row)`` of each ``(group, block)``, built once; table id -1
+        #: ``(bytes, table id, rows)`` of each ``(group, block)``, built once; table id -1
         #: for a block of several byte ranges.
-        self._places: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._places: dict[tuple[int, int], tuple[int, int, tuple[int, ...]]] = {}
         #: Blocks copied device -> tier and tier -> device so far.
         self.stored = self.loaded = 0
 
@@ -275,7 +275,7 @@ class TierStore:
         runs = RowRuns(emit, self._coalesce)
         for op in run:
             key = (op.group_id, op.block_hash)
-            size, table, row = places.get((op.group_id, op.block)) or self._place(op)
+            size, table, rows = places.get((op.group_id, op.block)) or self._place(op)
             offset = -1 if slots is None else slots.take(size)
             host[key] = (offset, size)
             if offset < 0:  # no room in the buffer: a tensor of its own
@@ -285,7 +285,7 @@ class TierStore:
                 assert buffer is not None
                 self._gather(op, buffer[offset : offset + size])
             else:
-                runs.add(offset, table, row, size)
+                runs.add(offset, table, rows, size)
         runs.flush()
         self.stored += len(run)
         self._unsynced = nb
@@ -307,11 +307,11 @@ class TierStore:
         runs = RowRuns(emit, self._coalesce)
         for op in run:
             offset, size = host[op.group_id, op.block_hash]
-            _, table, row = places.get((op.group_id, op.block)) or self._place(op)
+            _, table, rows = places.get((op.group_id, op.block)) or self._place(op)
             if offset < 0 or table < 0:
                 self._scatter(op, self._bytes((op.group_id, op.block_hash)))
             else:
-                runs.add(offset, table, row, size)
+                runs.add(offset, table, rows, size)
         runs.flush()
         self.loaded += len(run)
 
@@ -393,34 +393,35 @@ class TierStore:
 
     def _gather(self, op: TierOp, out: torch.Tensor) -> None:
         """Copy device block ``op.block`` into ``out`` (packed)."""
-        _, table, row = self._place(op)
-        if table >= 0:  # a cross-layer page-size block: one copy
-            out.copy_(self._rows.view(table, row), non_blocking=self._async)
+        _, table, rows = self._place(op)
+        if len(rows) == 1:  # a cross-layer page-size block: one copy
+            out.copy_(self._rows.view(table, rows[0]), non_blocking=self._async)
         else:
             gather(self._desc_of(op), self.storage.buffers, out, non_blocking=self._async)
         self._unsynced = self._async
 
     def _scatter(self, op: TierOp, packed: torch.Tensor) -> None:
         """Copy ``packed`` into device block ``op.block``."""
-        _, table, row = self._place(op)
-        if table >= 0:
-            self._rows.view(table, row).copy_(packed, non_blocking=self._async)
+        _, table, rows = self._place(op)
+        if len(rows) == 1:
+            self._rows.view(table, rows[0]).copy_(packed, non_blocking=self._async)
         else:
             scatter(self._desc_of(op), self.storage.buffers, packed, non_blocking=self._async)
 
-    def _place(self, op: TierOp) -> tuple[int, int, int]:
-        """``(bytes, table id, row)`` of device block ``op.block``: its row in
-        :attr:`_rows` when it is one byte range (a cross-layer page-size block), else table
-        id -1.  Built once per block."""
+    def _place(self, op: TierOp) -> tuple[int, int, tuple[int, ...]]:
+        """``(bytes, table id, rows)`` of device block ``op.block``: its byte ranges as rows
+        of one table of :attr:`_rows` when they are all of one length and phase in one
+        buffer (a cross-layer page-size block is one row), else table id -1 and no rows.
+        Built once per block."""
         key = (op.group_id, op.block)
         found = self._places.get(key)
         if found is None:
             desc = self._desc(op.group_id, op.block)
-            table = row = -1
-            if len(desc.ranges) == 1:
-                r = desc.ranges[0]
-                table, row = self._rows.place(r.buffer_id, r.offset, r.length)
-            found = self._places[key] = (desc.total_bytes, table, row)
+            at = [self._rows.place(r.buffer_id, r.offset, r.length) for r in desc.ranges]
+            table, rows = at[0][0], tuple(row for _, row in at)
+            if any(t != table for t, _ in at):
+                table, rows = -1, ()
+            found = self._places[key] = (desc.total_bytes, table, rows)
         return found
 
     def _desc(self, group_id: int, block: int) -> TransferDescriptor:
