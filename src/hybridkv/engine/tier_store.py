@@ -41,6 +41,7 @@ from hybridkv.cache.tiers import TierOp, TierSpec
 from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.errors import EngineError
 from hybridkv.engine.host_runs import BlockRows, RowRuns, load_rows, store_rows
+from hybridkv.errors import InvariantError
 from hybridkv.plan.layout import MemoryLayout
 from hybridkv.storage import KVCacheStorage
 from hybridkv.storage.disk_slots import FORMAT_VERSION, DiskSlots
@@ -465,6 +466,41 @@ class TierStore:
             raise EngineError(
                 f"tier store: {op.op} of group {op.group_id} hash {op.block_hash:#x}, which the "
                 f"{op.tier} tier does not hold"
+            )
+
+    def check_invariants(self) -> None:
+        """Host slots and entries agree (raises :class:`~hybridkv.errors.InvariantError`):
+        every entry in the buffer and every free slot lies under the bump mark, no two
+        overlap, and every entry outside the buffer has a tensor of its size."""
+        slots = self._slots
+        spans: list[tuple[int, int, str]] = []
+        for key, (offset, size) in self._host.items():
+            if offset < 0:
+                own = self._own.get(key)
+                if own is None or own.numel() != size:
+                    raise InvariantError(f"tier store: host entry {key} has no tensor of {size} B")
+            else:
+                spans.append((offset, size, f"entry {key}"))
+        if set(self._own) - {k for k, (o, _) in self._host.items() if o < 0}:
+            raise InvariantError("tier store: a tensor of its own outlives its host entry")
+        if slots is None:
+            if spans:
+                raise InvariantError("tier store: slot entries without a host buffer")
+            return
+        for size, free in slots.free.items():
+            if len(set(free)) != len(free):
+                raise InvariantError(f"tier store: a free {size} B slot is listed twice")
+            spans += [(offset, size, f"free slot of {size} B") for offset in free]
+        end = 0
+        last = "the buffer's start"
+        for offset, size, what in sorted(spans):
+            if offset < end:
+                raise InvariantError(f"tier store: {what} at {offset} overlaps {last}")
+            end, last = offset + size, what
+        if end > slots.top or slots.top > slots.buffer.numel():
+            raise InvariantError(
+                f"tier store: slots reach byte {end}, bump mark {slots.top}, buffer "
+                f"{slots.buffer.numel()} B"
             )
 
     def num_bytes(self) -> int:

@@ -1,0 +1,134 @@
+"""TierStore's host tier under random operation streams (hypothesis): stores in batches (runs
+of rows, blocks of several ranges, entries that find no room in the buffer), loads into other
+blocks, drops, clears; after every step the slots check out and every entry's bytes are the
+ones its block held when it was stored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hybridkv.cache.tiers import TierOp
+from hybridkv.engine import host_runs
+from hybridkv.engine.tier_store import TierStore
+from hybridkv.errors import InvariantError
+from hybridkv.storage import KVCacheStorage, LayoutKind, gather
+from test_storage_factories import build, mixed_groups, owned_ids, uniform_layout
+
+
+class HostTier(RuleBasedStateMachine):
+    kind = LayoutKind.CROSS_LAYER
+    strategy = "pools"
+
+    def __init__(self) -> None:
+        super().__init__()
+        groups = mixed_groups()
+        if self.strategy == "uniform":  # room for every group's blocks
+            layout = uniform_layout(groups, num_blocks=32)
+        else:
+            layout = build(self.strategy, groups)
+        self.storage = KVCacheStorage(layout, kind=self.kind)
+        gen = torch.Generator().manual_seed(11)
+        for buf in self.storage.buffers:
+            buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
+        self.ids = {
+            g.group_id: owned_ids(layout, g.group_id, 0) + owned_ids(layout, g.group_id, 1)
+            for g in layout.groups
+        }
+        sizes = [g.block_bytes for g in layout.groups]
+        # room for a few blocks only: later stores get tensors of their own
+        self.store = TierStore(self.storage, 3 * max(sizes) + min(sizes))
+        self.held: dict[tuple[int, int], torch.Tensor] = {}
+        self.next_hash = 1
+
+    def _bytes(self, g: int, b: int) -> torch.Tensor:
+        return gather(self.storage.descriptor(g, [b]), self.storage.buffers).clone()
+
+    @rule(picks=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 99)), min_size=1, max_size=6))
+    def store_batch(self, picks: list[tuple[int, int]]) -> None:
+        ops = []
+        for g, i in picks:
+            b = self.ids[g][i % len(self.ids[g])]
+            h = self.next_hash
+            self.next_hash += 1
+            self.held[g, h] = self._bytes(g, b)
+            ops.append(TierOp("store", "host", g, h, b))
+        self.store.apply(ops)
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def load_batch(self, data: st.DataObject, n: int) -> None:
+        keys = sorted(self.held)
+        picked = data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=n, unique=True))
+        ops, want = [], []
+        for g, h in picked:
+            b = data.draw(st.sampled_from(self.ids[g]))
+            if any(op.group_id == g and op.block == b for op in ops):
+                continue  # one load per block in a batch
+            ops.append(TierOp("load", "host", g, h, b))
+            want.append((g, b, self.held[g, h]))
+        self.store.apply(ops)
+        for g, b, data_ in want:
+            assert torch.equal(self._bytes(g, b), data_), (g, b)
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        g, h = data.draw(st.sampled_from(sorted(self.held)))
+        self.store.apply([TierOp("drop", "host", g, h, 0)])
+        del self.held[g, h]
+
+    @rule()
+    def clear(self) -> None:
+        self.store.apply([TierOp("clear", "", 0, 0, 0)])
+        self.held.clear()
+
+    @rule()
+    def missing_load_changes_nothing(self) -> None:
+        before = [buf.clone() for buf in self.storage.buffers]
+        g, b = 0, self.ids[0][0]
+        with pytest.raises(Exception, match="does not hold"):
+            self.store.apply([TierOp("load", "host", g, 10**9, b)])
+        assert all(torch.equal(a, c) for a, c in zip(before, self.storage.buffers, strict=True))
+
+    @invariant()
+    def slots_and_bytes_check_out(self) -> None:
+        self.store.check_invariants()
+        assert self.store.host_keys() == set(self.held)
+        for key, data in self.held.items():
+            assert torch.equal(self.store._bytes(key), data), key
+
+
+run_settings = settings(
+    max_examples=25,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER])
+@pytest.mark.parametrize("strategy", ["pools", "uniform"])
+def test_host_tier_state_machine(
+    kind: LayoutKind, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(host_runs, "FIRST_RUN_BYTES", 1500)  # runs of one block, then more
+    machine = type("Machine", (HostTier,), {"kind": kind, "strategy": strategy})
+    machine.TestCase.settings = run_settings
+    machine.TestCase().runTest()
+
+
+def test_check_invariants_catches_overlapping_slots() -> None:
+    layout = build("pools", mixed_groups())
+    storage = KVCacheStorage(layout)
+    store = TierStore(storage, 1 << 16)
+    b = owned_ids(layout, 0, 0)[0]
+    store.apply([TierOp("store", "host", 0, 1, b), TierOp("store", "host", 0, 2, b)])
+    store.check_invariants()
+    offset, size = store._host[0, 1]
+    store._host[0, 2] = (offset + 1, size)  # a corrupted slot table
+    with pytest.raises(InvariantError, match="overlaps"):
+        store.check_invariants()
