@@ -64,7 +64,7 @@ def test_prefixes_come_back_from_disk_and_from_a_later_engine(name: str, tmp_pat
     want = {"lfm2": 592}.get(name, 600 if name in STATE else 620)
     assert stats.prefix_hit_tokens == stats.disk_hit_tokens == want
     assert stats.disk_hit_tokens / stats.prompt_tokens >= 0.5
-    engine.manager.check_invariants()
+    engine.check_invariants()
     store = engine._tier_store
     assert store is not None and store.disk is not None and store.bad_reads == 0
     tiers = engine.manager._coord.tiers
@@ -100,7 +100,7 @@ def _first_run(name: str, d: Path) -> int:
 def _rerun(name: str, d: Path) -> tuple[LLMEngine, TierStore]:
     engine = _engine(name, d)
     _exact(name, _serve(engine))
-    engine.manager.check_invariants()
+    engine.check_invariants()
     store = engine._tier_store
     assert store is not None
     engine.close()
@@ -181,7 +181,7 @@ def test_failed_writes_are_misses(
     assert store.disk.slots.write_errors > 0 and store.bad_reads > 0
     stats = engine.stats()
     assert 0 < stats.disk_hit_tokens < {"qwen3_next": 600}.get(name, 620)
-    engine.manager.check_invariants()
+    engine.check_invariants()
     engine.close()
 
 

@@ -83,7 +83,7 @@ def test_prefixes_come_back_from_host_memory_exactly(name: str) -> None:
     want = {"lfm2": 592}.get(name, 600 if name in STATE else 620)
     assert stats.prefix_hit_tokens == stats.host_hit_tokens == want
     assert stats.host_hit_tokens / stats.prompt_tokens >= 0.5
-    engine.manager.check_invariants()
+    engine.check_invariants()
     store = engine._tier_store
     assert store is not None and store.loaded > 0
     tiers = engine.manager._coord.tiers
@@ -105,7 +105,7 @@ def test_a_small_host_tier_drops_entries_and_stays_exact(name: str) -> None:
     store = engine._tier_store
     assert store is not None
     assert len(store.host_keys()) == stats["blocks"]
-    engine.manager.check_invariants()
+    engine.check_invariants()
 
 
 def test_host_memory_must_be_positive() -> None:

@@ -81,6 +81,7 @@ from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.speculative import SpeculativeConfig, accept_greedy
 from hybridkv.engine.tier_store import fingerprint, open_tiers, tier_specs
 from hybridkv.engine.views import StorageViews
+from hybridkv.errors import InvariantError
 from hybridkv.plan import Plan
 from hybridkv.scheduler import (
     FinishReason,
@@ -487,6 +488,24 @@ class LLMEngine:
             self.manager.persist_to_tier("disk")
             store.apply(self.manager.take_tier_ops())
         store.close()
+
+    def check_invariants(self) -> None:
+        """The manager's bookkeeping (its tiers included), the storage's placement and the
+        tier store's host slots, which must hold bytes for exactly the host entries the
+        manager counts (raises :class:`~hybridkv.errors.InvariantError`)."""
+        self.manager.check_invariants()
+        self.storage.check_invariants()
+        store = self._tier_store
+        if store is None:
+            return
+        store.check_invariants()
+        host = self.manager.tier_stats().get("host")
+        held = len(store.host_keys())
+        if host is not None and host["blocks"] != held:
+            raise InvariantError(
+                f"engine: the manager counts {host['blocks']} host blocks, the tier store "
+                f"holds {held}"
+            )
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (see :class:`EngineStats`)."""
