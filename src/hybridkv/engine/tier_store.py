@@ -30,7 +30,7 @@ the others run.  The ``load`` later copies the checked staging bytes to the devi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -265,15 +265,9 @@ class TierStore:
     def _store_run(self, run: list[TierOp]) -> None:
         """Host stores: blocks bound for adjacent host slots go as one run
         (:func:`~hybridkv.engine.host_runs.store_rows`), the others one by one."""
-        host, places, slots, nb = self._host, self._places, self._slots, self._async
+        host, places, slots = self._host, self._places, self._slots
         buffer = None if slots is None else slots.buffer
-
-        def emit(start: int, table: int, rows: list[int]) -> None:
-            assert buffer is not None
-            size = len(rows) * self._rows.tables[table].shape[1]
-            store_rows(self._rows, table, rows, buffer[start : start + size], nb)
-
-        runs = RowRuns(emit, self._coalesce)
+        runs = self._row_runs(store_rows)
         for op in run:
             key = (op.group_id, op.block_hash)
             size, table, rows = places.get((op.group_id, op.block)) or self._place(op)
@@ -289,23 +283,16 @@ class TierStore:
                 runs.add(offset, table, rows, size)
         runs.flush()
         self.stored += len(run)
-        self._unsynced = nb
+        self._unsynced = self._async
 
     def _load_run(self, run: list[TierOp]) -> None:
         """Host loads: adjacent host slots go to their blocks as one run
         (:func:`~hybridkv.engine.host_runs.load_rows`), the others one by one."""
-        host, places, slots, nb = self._host, self._places, self._slots, self._async
+        host, places = self._host, self._places
         for op in run:  # every entry present before any copy
             if (op.group_id, op.block_hash) not in host:
                 self._entry(op)  # raises
-        buffer = None if slots is None else slots.buffer
-
-        def emit(start: int, table: int, rows: list[int]) -> None:
-            assert buffer is not None
-            size = len(rows) * self._rows.tables[table].shape[1]
-            load_rows(self._rows, table, rows, buffer[start : start + size], nb)
-
-        runs = RowRuns(emit, self._coalesce)
+        runs = self._row_runs(load_rows)
         for op in run:
             offset, size = host[op.group_id, op.block_hash]
             _, table, rows = places.get((op.group_id, op.block)) or self._place(op)
@@ -315,6 +302,21 @@ class TierStore:
                 runs.add(offset, table, rows, size)
         runs.flush()
         self.loaded += len(run)
+
+    def _row_runs(
+        self, copy: Callable[[BlockRows, int, list[int], torch.Tensor, bool], None]
+    ) -> RowRuns:
+        """Runs whose rows ``copy`` (:func:`store_rows` or :func:`load_rows`) moves to or from
+        their range of the host buffer."""
+        buffer = None if self._slots is None else self._slots.buffer
+        tables, nb = self._rows.tables, self._async
+
+        def emit(start: int, table: int, rows: list[int]) -> None:
+            assert buffer is not None
+            size = len(rows) * tables[table].shape[1]
+            copy(self._rows, table, rows, buffer[start : start + size], nb)
+
+        return RowRuns(emit, self._coalesce)
 
     def _give_back_staging(self, wait: bool = False) -> None:
         """Give the disk tier back the staging tensors whose loads completed (all: ``wait``)."""
