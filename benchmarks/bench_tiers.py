@@ -17,8 +17,12 @@ directory (target >= 0.7 each way).  By default both sides stay in the page cach
 ``--cold`` both ``fsync`` after writing and drop the file's cached pages before reading
 (``posix_fadvise``), so the reads come from the device under the directory.
 
+``--sweep 2,4,8,16`` adds the host round trip at each of those layer counts (block sizes) for
+both layouts, as a table (the disk half runs at ``--layers`` only).
+
     python benchmarks/bench_tiers.py
     python benchmarks/bench_tiers.py --device cuda --blocks 512 --disk-dir /nvme/tmp --cold
+    python benchmarks/bench_tiers.py --device cuda --sweep 2,4,8,16
 """
 
 from __future__ import annotations
@@ -211,7 +215,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--cold", action="store_true", help="fsync writes and drop cached pages before reads"
     )
+    parser.add_argument(
+        "--sweep",
+        default="",
+        help="comma-separated layer counts: the host round trip at each block size too",
+    )
     args = parser.parse_args(argv)
+    try:
+        sweep = [int(x) for x in args.sweep.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--sweep: {args.sweep!r} is not a comma-separated list of layer counts")
+    if any(n <= 0 for n in sweep):
+        parser.error(f"--sweep: layer counts must be positive, got {args.sweep!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -223,7 +240,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         disk_rows = [_bench_disk(kind, args, device, work) for kind in kinds]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = {"config": vars(args), "rows": rows, "disk_rows": disk_rows}
+    sweep_rows = [
+        _bench(kind, argparse.Namespace(**{**vars(args), "layers": n}), device)
+        for n in sweep
+        for kind in kinds
+    ]
+    result = {"config": vars(args), "rows": rows, "disk_rows": disk_rows, "sweep": sweep_rows}
     for r in rows:
         print(
             f"{r['kind']:<12} {r['blocks']} blocks, {r['bytes'] / 2**20:.1f} MiB: store "
@@ -238,6 +260,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['read_gbps']:.2f} GB/s vs plain {r['plain_read_gbps']:.2f} (ratio "
             f"{r['read_ratio']:.2f}) (target >= 0.7); identical {r['round_trip_identical']}"
         )
+    if sweep_rows:
+        print(f"{'block':>9} {'layout':<12} {'store GB/s':>10} {'load GB/s':>9} {'ratio':>6}")
+        for r in sweep_rows:
+            print(
+                f"{r['bytes'] // r['blocks'] // 1024:>6} KiB {r['kind']:<12} "
+                f"{r['store_gbps']:>10.2f} {r['load_gbps']:>9.2f} {r['ratio_to_contiguous']:>6.2f}"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
