@@ -143,25 +143,32 @@ def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return staged.to(device, non_blocking=True)
 
 
+def _views(
+    rows: BlockRows, table_id: int, n: int, host: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table ``table_id`` and ``host`` (``n`` rows of it) as matching 2-D views: over 8-byte
+    words where both allow it, else over bytes."""
+    wide = rows.wide[table_id]
+    if wide is not None and host.data_ptr() % 8 == 0:
+        return wide, host.view(torch.int64).view(n, -1)
+    return rows.tables[table_id], host.view(n, -1)
+
+
 def store_rows(
     rows: BlockRows, table_id: int, picked: list[int], host: torch.Tensor, non_blocking: bool
 ) -> None:
     """Copy rows ``picked`` of table ``table_id``, in order, into ``host`` (flat bytes)."""
     table = rows.tables[table_id]
-    if len(picked) == 1:
+    n = len(picked)
+    if n == 1:
         host.copy_(rows.view(table_id, picked[0]), non_blocking=non_blocking)
         return
-    n, width = len(picked), table.shape[1]
-    if table.device.type != "cuda":  # one row copy each, straight into the host bytes
-        torch.index_select(table, 0, _index(picked, table.device), out=host.view(n, width))
-        return
-    wide = rows.wide[table_id]
     index = _index(picked, table.device)
-    if wide is not None and host.data_ptr() % 8 == 0:
-        packed = torch.index_select(wide, 0, index)
-        host.view(torch.int64).view(n, -1).copy_(packed, non_blocking=non_blocking)
-    else:
-        host.view(n, width).copy_(torch.index_select(table, 0, index), non_blocking=non_blocking)
+    if table.device.type != "cuda":  # one row copy each, straight into the host bytes
+        torch.index_select(table, 0, index, out=host.view(n, -1))
+        return
+    src, dst = _views(rows, table_id, n, host)
+    dst.copy_(torch.index_select(src, 0, index), non_blocking=non_blocking)
 
 
 def load_rows(
@@ -173,17 +180,13 @@ def load_rows(
     if n == 1:
         rows.view(table_id, picked[0]).copy_(host, non_blocking=non_blocking)
         return
-    wide = rows.wide[table_id]
+    dst, src = _views(rows, table_id, n, host)
     if table.device.type != "cuda":
-        if wide is not None and width < CPU_WIDE_ROW and host.data_ptr() % 8 == 0:
-            wide.index_put_((_index(picked, table.device),), host.view(torch.int64).view(n, -1))
+        if dst.dtype == torch.int64 and width < CPU_WIDE_ROW:
+            dst.index_put_((_index(picked, table.device),), src)
             return
         dsts = [rows.view(table_id, r) for r in picked]  # one multi-tensor copy, a row each
         torch._foreach_copy_(dsts, list(host.view(n, width).unbind(0)))
         return
     index = _index(picked, table.device)
-    if wide is not None and host.data_ptr() % 8 == 0:
-        staged = host.view(torch.int64).view(n, -1).to(table.device, non_blocking=non_blocking)
-        wide.index_copy_(0, index, staged)
-    else:
-        table.index_copy_(0, index, host.view(n, width).to(table.device, non_blocking=non_blocking))
+    dst.index_copy_(0, index, src.to(table.device, non_blocking=non_blocking))
