@@ -397,8 +397,8 @@ class TierStore:
     def _gather(self, op: TierOp, out: torch.Tensor) -> None:
         """Copy device block ``op.block`` into ``out`` (packed)."""
         _, table, rows = self._place(op)
-        if len(rows) == 1:  # a cross-layer page-size block: one copy
-            out.copy_(self._rows.view(table, rows[0]), non_blocking=self._async)
+        if table >= 0:  # rows of one table (one, a cross-layer page-size block): one copy
+            store_rows(self._rows, table, list(rows), out, self._async)
         else:
             gather(self._desc_of(op), self.storage.buffers, out, non_blocking=self._async)
         self._unsynced = self._async
@@ -406,8 +406,8 @@ class TierStore:
     def _scatter(self, op: TierOp, packed: torch.Tensor) -> None:
         """Copy ``packed`` into device block ``op.block``."""
         _, table, rows = self._place(op)
-        if len(rows) == 1:
-            self._rows.view(table, rows[0]).copy_(packed, non_blocking=self._async)
+        if table >= 0:
+            load_rows(self._rows, table, list(rows), packed, self._async)
         else:
             scatter(self._desc_of(op), self.storage.buffers, packed, non_blocking=self._async)
 
