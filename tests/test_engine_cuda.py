@@ -58,7 +58,7 @@ def test_host_tier_on_cuda_is_pinned_and_exact(name: str) -> None:
     store = engine._tier_store
     assert store is not None and store.loaded > 0 and store._slots is not None
     assert store._slots.buffer.is_pinned()
-    engine.manager.check_invariants()
+    engine.check_invariants()
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -72,7 +72,7 @@ def test_disk_tier_on_cuda_is_exact_and_reused_by_a_later_engine(name: str, tmp_
     _exact(name, _serve(again))
     st = again.stats()
     assert st.disk_hit_tokens > 0 and st.prefix_hit_tokens > want
-    again.manager.check_invariants()
+    again.check_invariants()
     again.close()
 
 

@@ -85,7 +85,7 @@ def test_prefixes_come_back_from_disk_and_from_a_later_engine(name: str, tmp_pat
     st = again.stats()
     assert st.disk_hit_tokens > 0 and st.prefix_hit_tokens > want
     assert st.prefix_hit_tokens == st.disk_hit_tokens + st.host_hit_tokens
-    again.manager.check_invariants()
+    again.check_invariants()
     again.close()
 
 
