@@ -48,7 +48,24 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (
         ["plan", "--block-size", "100000"],
         "reserved null chunk (its cache data alone is 3299082240 B); give at least that much "
-        "memory, a shorter max_model_len or a smaller block_size",
+        "memory, a shorter max_model_len, a smaller block_size or a smaller chunk_alignment",
+    ),
+    (
+        ["plan", "--chunk-alignment", "3GiB"],
+        "one request needs 9 GiB (9663676416 B, 1 GiB more) including the reserved null chunk",
+    ),
+    (
+        ["plan", "Llama-3.3-70B", "--memory", "40GiB"],
+        "one request needs 40 GiB (42954915840 B, 5 MiB more)",
+    ),
+    (["simulate", "--report", ""], "--report: give a directory to write the report to"),
+    (
+        ["simulate", "--strategy", "arena", "--pool-ratios", "0.5,0.5"],
+        "--pool-ratios 0.5,0.5: only the pools strategy takes ratios",
+    ),
+    (
+        ["simulate", "--tier-admission", "all"],
+        "--tier-admission all: only applies with --host-memory or --disk-memory",
     ),
     (["plan", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
     (["plan", "no-such-model"], "'no-such-model' is neither a catalog name"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 import html
 import json
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from hybridkv.plan import Strategy
 from hybridkv.sim import ModelProfile, SimConfig, load_model_config, simulate
 from hybridkv.sim.report import COLUMNS, StrategyFailure, interpretation, write_report
 from hybridkv.sim.simulator import _need_function
-from hybridkv.workloads import SyntheticOptions, synthetic_workload
+from hybridkv.workloads import SyntheticOptions, load_workload, synthetic_workload
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -290,3 +291,65 @@ def test_cli_sweeps_host_tier_sizes_and_plots_them(
     code = main(["simulate", "gpt-oss-20b", "--host-memory", "0,1GiB", "--quiet"])
     assert code == 2
     assert "a sweep of host sizes runs one strategy" in capsys.readouterr().err
+
+
+def test_interpretation_says_when_every_run_ties_and_when_a_run_thrashes(
+    results: list,  # type: ignore[type-arg]
+) -> None:
+    tied = [replace(r, cached_tokens=0) for r in results]
+    line = interpretation(tied)
+    assert line.startswith(
+        "meaning: same model, workload and 1 GiB budget: every one of the layouts served 0.0%"
+    )
+    assert "served the most" not in line
+    for r in tied:
+        assert f"{r.strategy} {r.preemptions}" in line
+    thrash = [replace(results[0], preemptions=40), *results[1:]]
+    line = interpretation(thrash)
+    assert line.endswith(
+        "; arena preempted 40 times for 40 requests: the budget is too small for this "
+        "workload (try a larger --memory)"
+    )
+    assert "too small" not in interpretation(results)
+
+
+def test_peaks_count_a_request_that_finishes_in_its_first_step(tmp_path: Path) -> None:
+    trace = tmp_path / "one.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1, 2]}\n'
+    )
+    model = resolve_model("gpt-oss-20b")
+    profile = ModelProfile.from_config(load_model_config("gpt-oss-20b"))
+    r = simulate(
+        model,
+        profile,
+        load_workload(str(trace)),
+        SimConfig(memory_bytes=1 << 30, max_model_len=16384),
+    )
+    assert r.finished == 1 and r.steps == 1
+    assert r.peak_running == 1
+    # measured while the step runs: what its 1000 computed tokens need, in blocks held
+    assert r.peak_need_bytes == _need_function(model)(1000) > 0
+    assert r.peak_used_bytes >= r.peak_need_bytes
+
+
+def test_cli_sweep_reports_a_plan_error_once_and_labels_progress(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(
+        ["simulate", "gpt-oss-20b", "--trace", "synthetic:agent", "--memory", "700MiB",
+         "--strategy", "arena", "--host-memory", "0,1GiB,4GiB"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("holds no request") == 1
+    assert err.startswith("hybridkv simulate: error: --memory: 700 MiB")
+    code = main(
+        ["simulate", "gpt-oss-20b", "--trace", "synthetic:agent", "--requests", "5",
+         "--memory", "700MiB", "--max-model-len", "16384", "--strategy", "arena",
+         "--host-memory", "0,1GiB"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "simulating arena at 2 host sizes:" in err
+    assert "arena host none" in err and "arena host 1 GiB" in err

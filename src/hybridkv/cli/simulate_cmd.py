@@ -159,11 +159,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tier-admission",
-        default="yield",
+        default=None,
         choices=list(TIER_ADMISSION),
         help="with --host-memory: a state checkpoint the device evicts whose reason the "
         "checkpoint admission does not save now skips the host tier (to --disk-memory if "
-        "given), or every checkpoint goes to the host tier",
+        "given), or every checkpoint goes to the host tier (default: yield)",
     )
     parser.add_argument(
         "--second-chance",
@@ -195,6 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_report_dir(path: str) -> Path:
     """Create the report directory now, so a bad path fails before the simulation runs."""
+    if not path.strip():
+        raise CliInputError("--report: give a directory to write the report to, got ''")
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise CliInputError(f"--report: {path!r} exists and is not a directory")
@@ -275,6 +277,11 @@ def run(args: argparse.Namespace) -> int:
         [
             ("prefill_memory", "--disaggregate", args.disaggregate),
             ("link_bandwidth", "--disaggregate", args.disaggregate),
+            (
+                "tier_admission",
+                "--host-memory or --disk-memory",
+                args.host_memory is not None or args.disk_memory is not None,
+            ),
         ],
     )
     memory = parse_bytes(args.memory, field="--memory")
@@ -295,6 +302,11 @@ def run(args: argparse.Namespace) -> int:
     max_len = max_model_len_for(model, args.max_model_len, "simulate", warn=not args.quiet)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
     strategies = list(Strategy) if args.strategy == "all" else [Strategy(args.strategy)]
+    if ratios is not None and Strategy.POOLS not in strategies:
+        raise CliInputError(
+            f"--pool-ratios {args.pool_ratios}: only the pools strategy takes ratios "
+            f"(--strategy pools or all), not --strategy {args.strategy}"
+        )
     if len(hosts) > 1 and len(strategies) > 1:
         raise CliInputError(
             f"--host-memory {args.host_memory}: a sweep of host sizes runs one strategy; "
@@ -318,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
             window_retention=args.window_retention,
             publish=args.publish,
             checkpoint_admission=args.checkpoint_admission,
-            tier_admission=args.tier_admission,
+            tier_admission=args.tier_admission or "yield",
             second_chance=args.second_chance,
             window_chances=args.window_chances,
             host_memory_bytes=host,
@@ -336,13 +348,15 @@ def run(args: argparse.Namespace) -> int:
         return _run_disaggregated(args, model, profile, workload, configs[0], title_of=name)
     # Plans are cheap: make them all before simulating, so a plan that cannot exist is
     # reported at once (exit 2 for one strategy, n/a among several).
+    # A host-size sweep plans the same device layout at every size: one strategy's plan
+    # error is the command's error, said once.
     failures: list[StrategyFailure] = []
     runnable = []
     for config in configs:
         try:
             plan = plan_for(model, config)
         except PlanError as exc:
-            if len(configs) == 1:
+            if len(strategies) == 1:
                 raise
             failures.append(StrategyFailure(str(config.strategy), str(exc)))
         else:
@@ -358,14 +372,19 @@ def run(args: argparse.Namespace) -> int:
         f"max_model_len {max_len} | {args.accelerator.upper()} cost model"
     )
     if not args.quiet:
-        print(f"simulating {len(runnable)} strategies: {title}", file=sys.stderr)
+        what = (
+            f"{strategies[0]} at {len(runnable)} host sizes"
+            if sweep
+            else f"{len(runnable)} {'strategy' if len(runnable) == 1 else 'strategies'}"
+        )
+        print(f"simulating {what}: {title}", file=sys.stderr)
     results: list[SimResult] = []
     for config in runnable:
-        bar = Progress(str(config.strategy), enabled=not args.quiet)
+        bar = Progress(config.label or str(config.strategy), enabled=not args.quiet)
         try:
             results.append(simulate(model, profile, workload, config, progress=bar))
         except (SimulationError, SchedulerError) as exc:
-            if len(configs) == 1:
+            if len(strategies) == 1:
                 raise
             failures.append(StrategyFailure(str(config.strategy), str(exc)))
         finally:
@@ -391,7 +410,8 @@ def run(args: argparse.Namespace) -> int:
         print(interpretation(results, failures))
     if report_dir is not None:
         out = write_report(results, report_dir, title=title, failures=failures)
-        print(f"report written to {out / 'index.html'}", file=sys.stderr)
+        if not args.quiet:
+            print(f"report written to {out / 'index.html'}", file=sys.stderr)
     return 0
 
 

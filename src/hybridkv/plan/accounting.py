@@ -223,15 +223,18 @@ def too_small_error(
     ``min_bytes`` is the smallest budget that holds one (with ``unit`` reserved), and
     ``data_bytes`` the exact cache bytes one such request needs.
     """
-    # Mostly reserved bytes (huge blocks make a huge null unit): the block size is the lever.
-    levers = (
-        "memory, a shorter max_model_len or a smaller block_size"
-        if min_bytes >= 2 * data_bytes
-        else "memory or a shorter max_model_len"
-    )
+    # Mostly reserved bytes (huge blocks make a huge null unit): the block size is the lever,
+    # and for an arena's null chunk the chunk alignment too.
+    levers = ["memory", "a shorter max_model_len"]
+    if min_bytes >= 2 * data_bytes:
+        levers.append("a smaller block_size")
+        if unit == "chunk":
+            levers.append("a smaller chunk_alignment")
+    lever = ", ".join(levers[:-1]) + " or " + levers[-1]
     return PlanError(
         f"memory_bytes: {format_bytes(memory_bytes)} ({memory_bytes} B) holds no request of "
         f"max_model_len {max_model_len} with the {strategy} strategy; one request needs "
-        f"{format_bytes(min_bytes)} ({min_bytes} B) including the reserved null {unit} (its "
-        f"cache data alone is {data_bytes} B); give at least that much {levers}"
+        f"{format_bytes(min_bytes)} ({min_bytes} B, {format_bytes(min_bytes - memory_bytes)} "
+        f"more) including the reserved null {unit} (its cache data alone is {data_bytes} B); "
+        f"give at least that much {lever}"
     )

@@ -96,14 +96,22 @@ def format_summary_table(
     return "\n".join(lines)
 
 
-def _others(ranked: list[SimResult], key: str, fmt: str) -> str:
-    return ", ".join(f"{r.strategy} {fmt.format(r.summary()[key])}" for r in ranked[1:])
+def _others(ranked: list[SimResult], key: str, fmt: str, *, first: bool = False) -> str:
+    """``strategy value`` of each run after the first (every run with ``first``)."""
+    rows = ranked if first else ranked[1:]
+    return ", ".join(f"{r.strategy} {fmt.format(r.summary()[key])}" for r in rows)
 
 
 def interpretation(results: list[SimResult], failures: list[StrategyFailure] | None = None) -> str:
     """One line that says what the table means, computed from it (nothing canned)."""
     budget = format_bytes(results[0].plan.memory_bytes)
     failed = "".join(f"; {f.strategy} cannot run at all (see above)" for f in failures or [])
+    failed += "".join(
+        f"; {r.strategy} preempted {r.preemptions} times for {r.num_requests} requests: the "
+        "budget is too small for this workload (try a larger --memory)"
+        for r in results
+        if r.num_requests and r.preemptions >= r.num_requests
+    )
     if len(results) == 1:
         r = results[0]
         return (
@@ -117,6 +125,13 @@ def interpretation(results: list[SimResult], failures: list[StrategyFailure] | N
     tie = [r.strategy for r in ranked[1:] if abs(r.hit_rate - best.hit_rate) < 0.0005]
     lead = f"{best.strategy}" + (f" (tied with {', '.join(tie)})" if tie else "")
     what = "host tier sizes" if len({_host_bytes(r) for r in results}) > 1 else "layouts"
+    if len(tie) == len(results) - 1:
+        return (
+            f"meaning: same model, workload and {budget} budget: every one of the {what} "
+            f"served {best.hit_rate:.1%} of prompt tokens from the prefix cache, with "
+            f"{_others(ranked, 'preemptions', '{}', first=True)} preemptions and TTFT p99 "
+            f"{_others(ranked, 'ttft_p99_s', '{:.2f}s', first=True)}{failed}"
+        )
     return (
         f"meaning: same model, workload and {budget} budget, so the differences are the "
         f"{what}: {lead} served the most prompt tokens from the prefix cache, "

@@ -410,6 +410,18 @@ def simulate(
                 sampled[item.request_id] = by_id[item.request_id].output_token_ids[
                     seq.num_output_tokens
                 ]
+        # Peaks as the step runs (before the update frees what finished in it): the memory
+        # held, the requests running and what they need with this step's tokens computed.
+        new_tokens = {item.request_id: item.num_new_tokens for item in out.scheduled}
+        peak_running = max(peak_running, sched.num_running)
+        peak_used = max(peak_used, int(pool.usage * total_bytes))
+        peak_need = max(
+            peak_need,
+            sum(
+                need_of(s.request.num_computed_tokens + new_tokens.get(s.request.request_id, 0))
+                for s in sched.running
+            ),
+        )
         t0 = time.perf_counter_ns()
         results = sched.update(out, sampled)
         manager_ns += time.perf_counter_ns() - t0
@@ -425,13 +437,10 @@ def simulate(
                     tpot.append((clock - first_token[rid]) / (res.num_output_tokens - 1))
                 if progress is not None:
                     progress(finished + len(rejected), len(reqs))
-        running = sched.num_running
-        used = int(pool.usage * total_bytes)
-        need = sum(need_of(s.request.num_computed_tokens) for s in sched.running)
-        peak_running = max(peak_running, running)
-        peak_used = max(peak_used, used)
-        peak_need = max(peak_need, need)
         if steps % sample_every == 0:
+            running = sched.num_running
+            used = int(pool.usage * total_bytes)
+            need = sum(need_of(s.request.num_computed_tokens) for s in sched.running)
             timeline.append(
                 TimelinePoint(
                     time_s=clock,
