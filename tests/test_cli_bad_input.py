@@ -59,6 +59,13 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         "one request needs 40 GiB (42954915840 B, 5 MiB more)",
     ),
     (["simulate", "--report", ""], "--report: give a directory to write the report to"),
+    (["simulate", "--trace", ""], "trace: got an empty name; give a Mooncake-format trace"),
+    (["models", ""], "--model: got an empty name; give a catalog name"),
+    (["plan", "--model", " "], "--model: got an empty name"),
+    (
+        ["plan", "--kv-cache-dtype", "int4"],
+        "unknown dtype 'int4'; valid: auto (the model's), bf16, bfloat16",
+    ),
     (
         ["simulate", "--strategy", "arena", "--pool-ratios", "0.5,0.5"],
         "--pool-ratios 0.5,0.5: only the pools strategy takes ratios",

@@ -74,6 +74,11 @@ def model_name(args: argparse.Namespace, default: str) -> str:
     if pos is not None and opt is not None and pos != opt:
         raise CliInputError(f"--model: got MODEL {pos!r} and --model {opt!r}; name the model once")
     name = pos if pos is not None else opt
+    if name is not None and not str(name).strip():
+        raise CliInputError(
+            "--model: got an empty name; give a catalog name (hybridkv models), a path to a "
+            "config.json or a Hugging Face model id"
+        )
     return default if name is None else str(name)
 
 

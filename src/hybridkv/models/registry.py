@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from hybridkv.errors import ConfigError, UnsupportedModelTypeError
+from hybridkv.errors import ConfigError, SpecError, UnsupportedModelTypeError
 from hybridkv.models import attention, gemma4, hybrid_ssm, linear_attention, mla
 from hybridkv.models.config import (
     Architecture,
@@ -52,7 +52,10 @@ def supported_model_types() -> list[str]:
 def _parse_dtype(value: str | DType | None, field: str, model_dtype: DType) -> DType:
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return model_dtype
-    return DType.parse(value, field=field)
+    try:
+        return DType.parse(value, field=field)
+    except SpecError as exc:  # "auto" is valid here too
+        raise SpecError(str(exc).replace("; valid: ", "; valid: auto (the model's), ")) from None
 
 
 def _tp(tp_size: object) -> int:

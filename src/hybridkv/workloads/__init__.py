@@ -52,6 +52,10 @@ __all__ = [
 
 def load_workload(spec: str, *, num_requests: int | None = None, seed: int = 0) -> Workload:
     """``synthetic:NAME`` or a path to a Mooncake-format trace, cut to ``num_requests``."""
+    if not spec.strip():
+        raise WorkloadError(
+            "trace: got an empty name; give a Mooncake-format trace file or synthetic:NAME"
+        )
     if spec.startswith("synthetic:"):
         opts = SyntheticOptions(num_requests=num_requests or 400, seed=seed)
         return synthetic_workload(spec.removeprefix("synthetic:"), opts)
