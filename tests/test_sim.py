@@ -353,3 +353,17 @@ def test_cli_sweep_reports_a_plan_error_once_and_labels_progress(
     assert code == 0
     assert "simulating arena at 2 host sizes:" in err
     assert "arena host none" in err and "arena host 1 GiB" in err
+
+
+def test_cli_says_when_the_trace_holds_fewer_requests_than_asked(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "one.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 100, "output_length": 2, "hash_ids": [1]}\n')
+    argv = ["simulate", "gpt-oss-20b", "--trace", str(trace), "--strategy", "arena"]
+    assert main([*argv, "--requests", "100"]) == 0
+    assert "note: --requests 100: the trace holds 1; simulating all of them" in (
+        capsys.readouterr().err
+    )
+    assert main([*argv, "--requests", "1"]) == 0
+    assert "note:" not in capsys.readouterr().err

@@ -301,6 +301,12 @@ def run(args: argparse.Namespace) -> int:
     profile = ModelProfile.from_config(load_model_config(name))
     max_len = max_model_len_for(model, args.max_model_len, "simulate", warn=not args.quiet)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
+    if args.requests is not None and len(workload.requests) < args.requests and not args.quiet:
+        print(
+            f"note: --requests {args.requests}: the trace holds {len(workload.requests)}; "
+            "simulating all of them",
+            file=sys.stderr,
+        )
     strategies = list(Strategy) if args.strategy == "all" else [Strategy(args.strategy)]
     if ratios is not None and Strategy.POOLS not in strategies:
         raise CliInputError(
