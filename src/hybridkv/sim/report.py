@@ -177,10 +177,13 @@ def _plots(results: list[SimResult], out: Path, title: str) -> list[str]:
     names: list[str] = []
 
     fig, ax = plt.subplots(figsize=(9, 4.2))
-    for r in results:
-        ax.plot(
+    styles = ("-", "--", ":", "-.")
+    for i, r in enumerate(results):
+        ax.plot(  # a line style each, so runs that tie stay visible over one another
             [p.time_s for p in r.timeline],
             [100 * p.hit_rate for p in r.timeline],
+            linestyle=styles[i % len(styles)],
+            linewidth=2.2 if i == 0 else 1.5,
             label=f"{r.strategy} ({r.hit_rate:.1%} at the end)",
         )
     ax.set_xlim(0, t_end)
