@@ -97,7 +97,10 @@ def test_a_failed_pull_is_recomputed_never_read() -> None:
         half.copy(pre.storage.buffers, buffers)  # part of it arrived
         raise TransferError("transfer: the peer went away")
 
-    assert not import_request(dec, export_request(pre, "r0"), max_tokens=6, pull=broken)
+    reasons: dict[str, str] = {}
+    handover = export_request(pre, "r0")
+    assert not import_request(dec, handover, max_tokens=6, pull=broken, reasons=reasons)
+    assert reasons == {"r0": "transfer: the peer went away"}  # why it is recomputed
     release(pre, "r0")
     dec.manager.check_invariants()
     # nothing of the failed import is a prefix hit: the request is recomputed from scratch
@@ -141,6 +144,12 @@ def test_a_lost_prefill_process_leaves_requests_recomputed() -> None:
     res = results["llama"]
     assert (res.imported, res.recomputed) == (2, 4)
     assert res.errors == ["request r2: transfer failed, recomputed"]
+    # every recomputed request says why: r2's pull failed, the later ones never came over
+    assert sorted(res.reasons) == ["r2", "r3", "r4", "r5"]
+    assert res.reasons["r2"].startswith("transfer: ")
+    assert {res.reasons[r] for r in ("r3", "r4", "r5")} == {
+        "not handed over: the transfer of request r2 failed"
+    }
     done = [res.completions[f"r{i}"] for i in range(len(PROMPTS))]
     assert verify_completions(_reference("llama"), done).ok
 
@@ -158,11 +167,13 @@ def test_run_disaggregate(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--disaggregate: not with --speculate" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_next", "deepseek_v3", "lfm2"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_next", "deepseek_v3", "lfm2", "gpt_oss"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
 def test_handover_between_tensor_parallel_sizes(name: str, prefill_tp: int, decode_tp: int) -> None:
     """Sharded-cache emulation: the bytes leave per-rank caches of the prefill instance and
-    land in per-rank caches of the decode instance; the tokens stay exact."""
+    land in per-rank caches of the decode instance; the tokens stay exact.  gpt_oss: the
+    prefill side has dropped the sliding-window blocks of r3's first 16 tokens; no rank holds
+    them either (they were copied from a null block before)."""
     pre, dec = _engines(name)
     shards = shard_caches(pre.layout, prefill_tp, 96) if prefill_tp > 1 else []
     sources = [s.storage.buffers for s in shards] or [pre.storage.buffers]
@@ -179,7 +190,16 @@ def test_handover_between_tensor_parallel_sizes(name: str, prefill_tp: int, deco
         handover = export_request(pre, rid)
         if shards:
             handover = shard_handover(pre, handover, shards)
-        assert import_request(dec, handover, max_tokens=5, pull=pull, decode_tp=decode_tp)
+            for _, rank_tables in handover.shards:  # null where the engine's table is
+                for gid, table in handover.tables.items():
+                    assert [b == 0 for b in rank_tables[gid][: len(table)]] == [
+                        b == 0 for b in table
+                    ]
+        reasons: dict[str, str] = {}
+        assert import_request(
+            dec, handover, max_tokens=5, pull=pull, decode_tp=decode_tp, reasons=reasons
+        ), reasons
+        assert reasons == {}
         release(pre, rid)
         dec.run()
     done = [dec.completions[f"r{i}"] for i in range(4)]
@@ -207,3 +227,32 @@ def test_processes_of_other_tensor_parallel_sizes_over_gloo() -> None:
             assert (res.imported, res.recomputed, res.errors) == (3, 0, [])
             done = [res.completions[f"r{i}"] for i in range(3)]
             assert verify_completions(_reference(name), done).ok, (name, prefill_tp, decode_tp)
+
+
+def test_a_tp_size_the_workers_cannot_split_is_recomputed_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Where the up-front check cannot tell (a config it cannot derive), the prefill process
+    announces each request it cannot hand over and the decode process records why: no
+    traceback, no lost connection, every request recomputed exactly."""
+    import hybridkv.engine.disaggregate as disagg
+
+    monkeypatch.setattr(disagg, "check_tp_sizes", lambda *args, **kwargs: None)
+    results = run_disaggregated(
+        ["llama"],
+        PROMPTS[:3],
+        max_tokens=4,
+        prefill_cache=PREFILL,
+        decode_cache=DECODE,
+        prefill_tp=4,
+    )
+    res = results["llama"]
+    assert (res.imported, res.recomputed, res.errors) == (0, 3, [])
+    assert set(res.reasons.values()) == {
+        "the prefill instance cannot hold it at tp 4: group 0: 2 KV heads do not split over "
+        "tp 4 (the emulation needs a multiple; replicated heads are planned, not emulated)"
+    }
+    assert sorted(res.reasons) == ["r0", "r1", "r2"]
+    done = [res.completions[f"r{i}"] for i in range(3)]
+    assert verify_completions(_reference("llama"), done).ok
+    assert "Traceback" not in capfd.readouterr().err

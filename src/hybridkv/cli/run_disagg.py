@@ -14,7 +14,20 @@ from hybridkv.cli.run_report import output_line, verify_lines
 if TYPE_CHECKING:
     from hybridkv.engine import CacheConfig
 
-__all__ = ["run_disaggregated"]
+__all__ = ["reason_lines", "run_disaggregated"]
+
+
+def reason_lines(reasons: dict[str, str], show: int = 4) -> list[str]:
+    """One line per distinct reason requests were recomputed, most requests first:
+    ``"  3 recomputed (r0, r4, r5): <reason>"`` (the first ``show`` request ids)."""
+    by_reason: dict[str, list[str]] = {}
+    for rid, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(rid)
+    lines = []
+    for reason, rids in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        ids = ", ".join(rids[:show]) + (", ..." if len(rids) > show else "")
+        lines.append(f"  {len(rids)} recomputed ({ids}): {reason}")
+    return lines
 
 
 def run_disaggregated(
@@ -25,8 +38,9 @@ def run_disaggregated(
     from dataclasses import replace
 
     from hybridkv.engine import verify_completions
-    from hybridkv.engine.disaggregate import run_disaggregated
+    from hybridkv.engine.disaggregate import check_tp_sizes, run_disaggregated
     from hybridkv.engine.models import load_model
+    from hybridkv.engine.tp_shards import TPSplitError
 
     clash = [
         flag
@@ -43,6 +57,11 @@ def run_disaggregated(
         raise RunInputError(f"--disaggregate: not with {', '.join(clash)} (CPU engines, gloo)")
     prefill_tp = 1 if args.prefill_tp is None else args.prefill_tp
     decode_tp = 1 if args.decode_tp is None else args.decode_tp
+    try:  # before any process starts: a size the model's caches do not split is bad input
+        check_tp_sizes(args.model, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    except TPSplitError as exc:
+        field, _, rest = str(exc).partition(": ")
+        raise RunInputError(f"--{field.replace('_', '-')} {rest}") from None
     if not args.quiet:
         print(f"prefill and decode processes for {args.model} ...", file=sys.stderr)
     start = time.perf_counter()
@@ -68,8 +87,11 @@ def run_disaggregated(
         f"side's own prefix cache and were not pulled; {sum(len(c.token_ids) for c in done)} "
         f"tokens generated in {elapsed:.1f} s (both processes started, models loaded, run)"
     )
-    for error in result.errors:
-        print(f"  {error}")
+    for line in reason_lines(result.reasons):
+        print(line)
+    for error in result.errors:  # what broke the connection, unless a reason above says it
+        if error not in result.reasons.values():
+            print(f"  {error}")
     if not args.verify:
         return 0
     reference = load_model(args.model, seed=args.seed)

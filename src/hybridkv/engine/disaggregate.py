@@ -13,7 +13,11 @@ overlapping transfers with decoding), so later turns of a conversation hit what 
 decode side computed for earlier ones.  If
 the prefill process goes away or stalls past ``timeout`` seconds, the decode process stops
 pulling and recomputes every request it has not received intact from its prompt: nothing
-is decoded from partial data.
+is decoded from partial data.  Every recomputed request's reason is kept
+(:attr:`DisaggregatedResult.reasons`); a request the prefill process cannot hand over (its
+caches do not split over ``prefill_tp``, say) is announced as such and recomputed, the rest
+go on.  TP sizes that do not split a model's caches are refused before any process starts
+(:func:`check_tp_sizes`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch.multiprocessing as mp
 
 from hybridkv.engine.handover import export_request, import_request, release, shard_handover
 from hybridkv.engine.llm_engine import CacheConfig, Completion, LLMEngine
-from hybridkv.engine.tp_shards import shard_caches
+from hybridkv.engine.tp_shards import Shard, check_tp, shard_caches
 from hybridkv.errors import HybridKVError
 from hybridkv.storage.transfer_plan import TransferPlan
 from hybridkv.storage.transport import (
@@ -42,13 +46,16 @@ from hybridkv.storage.transport import (
     send_plan,
 )
 
-__all__ = ["DisaggregatedResult", "run_disaggregated"]
+__all__ = ["DisaggregatedResult", "check_tp_sizes", "run_disaggregated"]
 
 
 @dataclass
 class DisaggregatedResult:
     """What the decode process produced: completions by request id, how many requests ran
-    from transferred data and how many were recomputed, and the bytes pulled."""
+    from transferred data and how many were recomputed, and the bytes pulled.  ``reasons``:
+    why each recomputed request was (request id -> message; one entry per recomputed
+    request); ``errors``: what broke the connection to the prefill process, when it did
+    (after which every later request, and every later model, is recomputed or not run)."""
 
     completions: dict[str, Completion]
     imported: int = 0
@@ -56,19 +63,59 @@ class DisaggregatedResult:
     bytes_pulled: int = 0
     hit_tokens: int = 0
     errors: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+
+
+def check_tp_sizes(model: str, *, prefill_tp: int, decode_tp: int) -> None:
+    """Raise :class:`~hybridkv.engine.tp_shards.TPSplitError` (``"prefill_tp: 3: ..."`` or
+    ``"decode_tp: ..."``, naming the sizes that would do) unless both sizes split every
+    cache of ``model`` the way the emulation splits them (KV heads, state tensors' axis 0).
+    Reads the model's config only (the spec :func:`hybridkv.models.spec_from_config`
+    derives, which equals what the engine probes); a config it cannot derive is not checked
+    here (the prefill process then announces each request it cannot hand over, and the
+    decode process records why it recomputed it)."""
+    for field_name, tp in (("prefill_tp", prefill_tp), ("decode_tp", decode_tp)):
+        check_tp((), tp, field=field_name)  # a positive integer
+    if prefill_tp == decode_tp == 1:
+        return
+    from hybridkv.engine.model_source import model_config
+    from hybridkv.models import spec_from_config
+
+    try:
+        spec = spec_from_config(model_config(model).to_dict())
+    except HybridKVError:
+        return
+    specs = [c for layer in spec.layers for c in layer.caches]
+    for field_name, tp in (("prefill_tp", prefill_tp), ("decode_tp", decode_tp)):
+        check_tp(specs, tp, field=field_name, model=str(model))
 
 
 def _prefill(engine: LLMEngine, prompts: list[list[int]], die_after: int | None, tp: int) -> None:
     send_object(prompts, 1)
     longest = max((len(p) for p in prompts), default=0)
-    shards = shard_caches(engine.layout, tp, longest) if tp > 1 else []
+    shards: list[Shard] = []
+    refused = None  # why no request can be handed over
+    if tp > 1:
+        try:
+            shards = shard_caches(engine.layout, tp, longest)
+        except HybridKVError as exc:
+            refused = f"the prefill instance cannot hold it at tp {tp}: {exc}"
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
+        if refused is not None:
+            send_object(("failed", refused), 1)
+            continue
         engine.add_request(rid, prompt, max_tokens=1, hold=True)
         engine.run()
-        handover = export_request(engine, rid)
-        if shards:
-            handover = shard_handover(engine, handover, shards)
+        try:
+            handover = export_request(engine, rid)
+            if shards:
+                handover = shard_handover(engine, handover, shards)
+        except HybridKVError as exc:  # announced, not a crash: the decode side recomputes it
+            if rid in engine.scheduler.held:
+                release(engine, rid)
+            send_object(("failed", f"the prefill process could not hand it over: {exc}"), 1)
+            continue
         send_object(handover, 1)
         sources = [s.storage.buffers for s in shards] or [engine.storage.buffers]
         while True:  # ("plan", source, plan) ... then ("done",)
@@ -84,48 +131,69 @@ def _prefill(engine: LLMEngine, prompts: list[list[int]], die_after: int | None,
 def _decode(engine: LLMEngine, max_tokens: int, tp: int) -> DisaggregatedResult:
     result = DisaggregatedResult(completions={})
     prompts: list[list[int]] = recv_object(0)
-    peer = True
+    lost = ""  # why the prefill process is out of reach, once it is
+
+    def recompute(rid: str, prompt: list[int], reason: str) -> None:
+        engine.add_request(rid, prompt, max_tokens=max_tokens)
+        result.recomputed += 1
+        result.reasons[rid] = reason
+
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
-        if not peer:
-            engine.add_request(rid, prompt, max_tokens=max_tokens)
-            result.recomputed += 1
+        if lost:
+            recompute(rid, prompt, lost)
             continue
         pulled: list[int] = []
+        failed: list[BaseException] = []
 
         def pull(
             plan: TransferPlan,
             source: int,
             buffers: Sequence[torch.Tensor],
             pulled: list[int] = pulled,
+            failed: list[BaseException] = failed,
         ) -> None:
             pulled.append(plan.total_bytes)
-            send_object(("plan", source, plan), 0)
-            recv_plan(plan, buffers, 0)
+            try:
+                send_object(("plan", source, plan), 0)
+                recv_plan(plan, buffers, 0)
+            except BaseException as exc:
+                failed.append(exc)
+                raise
 
         try:
             handover = recv_object(0)
         except HybridKVError as exc:
             result.errors.append(str(exc))
-            peer = False
-            engine.add_request(rid, prompt, max_tokens=max_tokens)
-            result.recomputed += 1
+            lost = f"not handed over: the prefill process was lost at request {rid}"
+            recompute(rid, prompt, str(exc))
             continue
-        ok = import_request(engine, handover, max_tokens=max_tokens, pull=pull, decode_tp=tp)
+        if isinstance(handover, tuple) and handover[0] == "failed":  # announced, not sent
+            recompute(rid, prompt, handover[1])
+            continue
+        ok = import_request(
+            engine,
+            handover,
+            max_tokens=max_tokens,
+            pull=pull,
+            decode_tp=tp,
+            reasons=result.reasons,
+        )
         engine.run()  # decoded before the next handover: later turns hit what it computed
         if ok:
             result.imported += 1
             result.bytes_pulled += sum(pulled)
         else:
             result.recomputed += 1
-            if pulled:  # the pull failed: the peer is gone or stalled
+            if failed:  # a pull failed: the peer is gone or stalled, the stream out of step
                 result.errors.append(f"request {rid}: transfer failed, recomputed")
-                peer = False
+                lost = f"not handed over: the transfer of request {rid} failed"
                 continue
         try:
             send_object(("done",), 0)
-        except HybridKVError:
-            peer = False
+        except HybridKVError as exc:
+            result.errors.append(str(exc))
+            lost = f"not handed over: the prefill process was lost after request {rid}"
     engine.run()
     result.completions = dict(engine.completions)
     result.hit_tokens = sum(c.num_cached_tokens for c in result.completions.values())
@@ -191,7 +259,10 @@ def run_disaggregated(
     of a lost peer); ``seed``: of the built-in models' random weights; ``prefill_tp`` /
     ``decode_tp``: the two instances' tensor-parallel sizes, as a sharded-cache emulation
     (:mod:`hybridkv.engine.tp_shards`: the bytes move between per-rank caches, the model
-    computes whole)."""
+    computes whole).  Raises :class:`~hybridkv.engine.tp_shards.TPSplitError` before any
+    process starts when a size does not split a model's caches (:func:`check_tp_sizes`)."""
+    for model in models:
+        check_tp_sizes(model, prefill_tp=prefill_tp, decode_tp=decode_tp)
     ctx = mp.get_context("spawn")
     box = ctx.Queue()
     port = free_port()

@@ -14,7 +14,8 @@ a local copy, or a receive over ``torch.distributed``
 prompt's end are copied from the received state, then the request joins the running set:
 the next step computes the first sampled token.  When the pull fails, the request is freed
 (the decode engine must publish blocks once computed, ``CacheConfig(publish="computed")``,
-so nothing it was receiving is ever a prefix hit) and queued again to be recomputed.
+so nothing it was receiving is ever a prefix hit) and queued again to be recomputed (the
+reason goes into ``reasons`` when the caller passes a dict).
 Finally the prefill side :func:`release`\\ s its blocks.
 """
 
@@ -28,8 +29,16 @@ import torch
 from hybridkv.cache import AllocationResult
 from hybridkv.engine.errors import EngineError
 from hybridkv.engine.llm_engine import LLMEngine, _Live
-from hybridkv.engine.tp_shards import Shard, gather_from_shards, scatter_to_shards, shard_caches
+from hybridkv.engine.tp_shards import (
+    Shard,
+    TPSplitError,
+    gather_from_shards,
+    request_tables,
+    scatter_to_shards,
+    shard_caches,
+)
 from hybridkv.errors import HybridKVError
+from hybridkv.storage import TransferError
 from hybridkv.storage.connector import Registration, register_storage
 from hybridkv.storage.transfer import copy_blocks
 from hybridkv.storage.transfer_plan import TransferPlan, plan_transfer
@@ -77,10 +86,14 @@ def export_request(engine: LLMEngine, request_id: str) -> Handover:
 def shard_handover(engine: LLMEngine, handover: Handover, shards: Sequence[Shard]) -> Handover:
     """``handover`` as a TP-``len(shards)`` prefill instance holds it: its tokens and state
     copied into the rank caches ``shards`` (:func:`~hybridkv.engine.tp_shards.shard_caches`
-    of the engine's layout, room for the prompt), which its bytes then come from."""
+    of the engine's layout, room for the prompt), which its bytes then come from.  Blocks a
+    sliding window has dropped from ``handover.tables`` are null in every rank's tables."""
     n = len(handover.prompt)
     scatter_to_shards(engine.storage, handover.registration, handover.tables, shards, (0, n))
-    return replace(handover, shards=tuple((s.registration, s.tables) for s in shards))
+    return replace(
+        handover,
+        shards=tuple((s.registration, request_tables(s, handover.tables)) for s in shards),
+    )
 
 
 def release(engine: LLMEngine, request_id: str) -> None:
@@ -96,6 +109,7 @@ def import_request(
     pull: Callable[[TransferPlan, int, Sequence[torch.Tensor]], None],
     eos_token_ids: Sequence[int] = (),
     decode_tp: int = 1,
+    reasons: dict[str, str] | None = None,
 ) -> bool:
     """Continue ``handover`` on ``engine`` (the decode side), generating up to
     ``max_tokens`` tokens in all (the prefill side's count).  ``pull(plan, source,
@@ -104,8 +118,9 @@ def import_request(
     instance, emulated (:mod:`hybridkv.engine.tp_shards`): every source is pulled into each
     rank's cache, then the ranks are assembled into the engine's.  Returns True when the
     request runs from the transferred data; False when it was queued to be recomputed
-    instead (the cache could not take it now, or the pull raised a :class:`HybridKVError`
-    or ``OSError``).
+    instead (the cache could not take it now, or planning or the pull raised a
+    :class:`HybridKVError` or ``OSError``); then, when ``reasons`` is given,
+    ``reasons[request_id]`` says why.
     """
     if engine.cache_config.publish != "computed":
         raise EngineError(
@@ -122,18 +137,30 @@ def import_request(
             engine._tier_store.apply(engine.manager.take_tier_ops())
         mine = {g: list(t) for g, t in enumerate(tables)}
         span = (hit, len(prompt))
+
+        def planned(i: int, dst: Registration, dst_tables: dict[int, list[int]]) -> TransferPlan:
+            reg, src_tables = handover.sources[i]
+            try:
+                return plan_transfer(reg, src_tables, dst, dst_tables, tokens=span, unsplit=i == 0)
+            except TransferError as exc:
+                raise TransferError(f"no transfer plan from the prefill side: {exc}") from exc
+
         if decode_tp == 1:
-            for i, (reg, src_tables) in enumerate(handover.sources):
-                plan = plan_transfer(reg, src_tables, own, mine, tokens=span, unsplit=i == 0)
+            for i in range(len(handover.sources)):
+                plan = planned(i, own, mine)
                 if plan.num_runs or i == 0:
                     pull(plan, i, storage.buffers)
         else:
-            ranks = shard_caches(engine.layout, decode_tp, len(prompt))
+            try:
+                ranks = shard_caches(engine.layout, decode_tp, len(prompt))
+            except TPSplitError as exc:
+                raise TPSplitError(
+                    f"the decode instance cannot hold it at tp {decode_tp}: {exc}"
+                ) from exc
             for rank in ranks:
-                for i, (reg, src_tables) in enumerate(handover.sources):
-                    plan = plan_transfer(
-                        reg, src_tables, rank.registration, rank.tables, tokens=span, unsplit=i == 0
-                    )
+                rank_tables = request_tables(rank, mine)  # not the blocks a window dropped
+                for i in range(len(handover.sources)):
+                    plan = planned(i, rank.registration, rank_tables)
                     if plan.num_runs:
                         pull(plan, i, rank.storage.buffers)
             gather_from_shards(ranks, storage, own, mine, span)
@@ -142,6 +169,10 @@ def import_request(
             dst = storage.descriptor(c.group_id, [c.dst])
             copy_blocks(src, storage.buffers, dst, storage.buffers)
 
+    reason = (
+        "the decode side's cache could not take it now (no room, or its own prefix hit "
+        "still loading from a lower tier)"
+    )
     try:
         seq = engine.scheduler.import_computed(
             rid,
@@ -151,9 +182,12 @@ def import_request(
             eos_token_ids=eos_token_ids,
             fill=fill,
         )
-    except (HybridKVError, OSError):
+    except (HybridKVError, OSError) as exc:
         seq = None
+        reason = str(exc) or type(exc).__name__
     if seq is None:  # recompute it from the prompt here
+        if reasons is not None:
+            reasons[rid] = reason
         engine.add_request(rid, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids)
         return False
     live = _Live(seq, prompt, tokens=list(handover.token_ids))
