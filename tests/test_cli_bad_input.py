@@ -47,16 +47,19 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["plan", "--memory", "1MiB"], "holds no request of max_model_len"),
     (
         ["plan", "--block-size", "100000"],
-        "reserved null chunk (its cache data alone is 3299082240 B); give at least that much "
+        "reserved null chunk (its cache data alone is 3299082240 B), 1.16 GiB more than given; "
+        "give at least that much "
         "memory, a shorter max_model_len, a smaller block_size or a smaller chunk_alignment",
     ),
     (
         ["plan", "--chunk-alignment", "3GiB"],
-        "one request needs 9 GiB (9663676416 B, 1 GiB more) including the reserved null chunk",
+        "one request needs 9 GiB (9663676416 B) including the reserved null chunk (its cache "
+        "data alone is 3299082240 B), 1 GiB more than given",
     ),
     (
         ["plan", "Llama-3.3-70B", "--memory", "40GiB"],
-        "one request needs 40 GiB (42954915840 B, 5 MiB more)",
+        "one request needs 40 GiB (42954915840 B) including the reserved null chunk (its cache "
+        "data alone is 42949672960 B), 5 MiB more than given",
     ),
     (["simulate", "--report", ""], "--report: give a directory to write the report to"),
     (["simulate", "--trace", ""], "trace: got an empty name; give a Mooncake-format trace"),

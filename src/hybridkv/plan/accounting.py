@@ -234,7 +234,7 @@ def too_small_error(
     return PlanError(
         f"memory_bytes: {format_bytes(memory_bytes)} ({memory_bytes} B) holds no request of "
         f"max_model_len {max_model_len} with the {strategy} strategy; one request needs "
-        f"{format_bytes(min_bytes)} ({min_bytes} B, {format_bytes(min_bytes - memory_bytes)} "
-        f"more) including the reserved null {unit} (its cache data alone is {data_bytes} B); "
-        f"give at least that much {lever}"
+        f"{format_bytes(min_bytes)} ({min_bytes} B) including the reserved null {unit} (its "
+        f"cache data alone is {data_bytes} B), {format_bytes(min_bytes - memory_bytes)} more "
+        f"than given; give at least that much {lever}"
     )
