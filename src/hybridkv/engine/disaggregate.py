@@ -37,6 +37,7 @@ from hybridkv.engine.handover import export_request, import_request, release, sh
 from hybridkv.engine.llm_engine import CacheConfig, Completion, LLMEngine
 from hybridkv.engine.tp_shards import Shard, check_tp, shard_caches
 from hybridkv.errors import HybridKVError
+from hybridkv.specs import CacheSpec
 from hybridkv.storage.transfer_plan import TransferPlan
 from hybridkv.storage.transport import (
     free_port,
@@ -74,18 +75,16 @@ def check_tp_sizes(model: str, *, prefill_tp: int, decode_tp: int) -> None:
     derives, which equals what the engine probes); a config it cannot derive is not checked
     here (the prefill process then announces each request it cannot hand over, and the
     decode process records why it recomputed it)."""
-    for field_name, tp in (("prefill_tp", prefill_tp), ("decode_tp", decode_tp)):
-        check_tp((), tp, field=field_name)  # a positive integer
-    if prefill_tp == decode_tp == 1:
-        return
-    from hybridkv.engine.model_source import model_config
-    from hybridkv.models import spec_from_config
+    specs: list[CacheSpec] = []  # none: only the sizes' positivity is checked
+    if (prefill_tp, decode_tp) != (1, 1):
+        from hybridkv.engine.model_source import model_config
+        from hybridkv.models import spec_from_config
 
-    try:
-        spec = spec_from_config(model_config(model).to_dict())
-    except HybridKVError:
-        return
-    specs = [c for layer in spec.layers for c in layer.caches]
+        try:
+            spec = spec_from_config(model_config(model).to_dict())
+            specs = [c for layer in spec.layers for c in layer.caches]
+        except HybridKVError:
+            pass
     for field_name, tp in (("prefill_tp", prefill_tp), ("decode_tp", decode_tp)):
         check_tp(specs, tp, field=field_name, model=str(model))
 

@@ -25,7 +25,7 @@ they start small and grow (:data:`FIRST_RUN_BYTES` doubling to :data:`RUN_BYTES`
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -135,7 +135,7 @@ class RowRuns:
             self.cap = min(2 * self.cap, RUN_BYTES)
 
 
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     """``rows`` as an index tensor on ``device`` (through pinned memory, queued on CUDA)."""
     if device.type != "cuda":
         return torch.tensor(rows, dtype=torch.int64)
@@ -155,7 +155,7 @@ def _views(
 
 
 def store_rows(
-    rows: BlockRows, table_id: int, picked: list[int], host: torch.Tensor, non_blocking: bool
+    rows: BlockRows, table_id: int, picked: Sequence[int], host: torch.Tensor, non_blocking: bool
 ) -> None:
     """Copy rows ``picked`` of table ``table_id``, in order, into ``host`` (flat bytes)."""
     table = rows.tables[table_id]
@@ -172,7 +172,7 @@ def store_rows(
 
 
 def load_rows(
-    rows: BlockRows, table_id: int, picked: list[int], host: torch.Tensor, non_blocking: bool
+    rows: BlockRows, table_id: int, picked: Sequence[int], host: torch.Tensor, non_blocking: bool
 ) -> None:
     """Copy ``host`` (flat bytes, rows in order) into rows ``picked`` of table ``table_id``."""
     table = rows.tables[table_id]

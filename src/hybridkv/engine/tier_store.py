@@ -398,7 +398,7 @@ class TierStore:
         """Copy device block ``op.block`` into ``out`` (packed)."""
         _, table, rows = self._place(op)
         if table >= 0:  # rows of one table (one, a cross-layer page-size block): one copy
-            store_rows(self._rows, table, list(rows), out, self._async)
+            store_rows(self._rows, table, rows, out, self._async)
         else:
             gather(self._desc_of(op), self.storage.buffers, out, non_blocking=self._async)
         self._unsynced = self._async
@@ -407,7 +407,7 @@ class TierStore:
         """Copy ``packed`` into device block ``op.block``."""
         _, table, rows = self._place(op)
         if table >= 0:
-            load_rows(self._rows, table, list(rows), packed, self._async)
+            load_rows(self._rows, table, rows, packed, self._async)
         else:
             scatter(self._desc_of(op), self.storage.buffers, packed, non_blocking=self._async)
 

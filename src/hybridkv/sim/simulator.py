@@ -389,7 +389,9 @@ def simulate(
             continue
         steps += 1
         moved = {"host": 0, "disk": 0}
+        new_tokens: dict[str, int] = {}
         for item in out.scheduled:
+            new_tokens[item.request_id] = item.num_new_tokens
             if item.num_cached_tokens and item.request_id not in admitted_hits:
                 admitted_hits[item.request_id] = item.num_cached_tokens
                 if item.allocation.loads:
@@ -412,7 +414,6 @@ def simulate(
                 ]
         # Peaks as the step runs (before the update frees what finished in it): the memory
         # held, the requests running and what they need with this step's tokens computed.
-        new_tokens = {item.request_id: item.num_new_tokens for item in out.scheduled}
         peak_running = max(peak_running, sched.num_running)
         peak_used = max(peak_used, int(pool.usage * total_bytes))
         peak_need = max(
