@@ -59,6 +59,7 @@ def check_arena(pool: ArenaPool) -> None:
                     raise InvariantError(f"group {g}: block {b} in the {name} queue wrongly")
                 if (hashes[b] is None) != (name == "uncached"):
                     raise InvariantError(f"group {g}: block {b} in the wrong free queue")
+    pool.fill.check(pool.owner, pool.free_uncached)
     _check_loan(pool, 0, "null", free_set)
     for c in range(1, pool.whole_chunks):
         _check_chunk(pool, c, free_set)

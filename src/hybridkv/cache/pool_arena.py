@@ -27,7 +27,9 @@ evict rejoin it with stamp 0, at the evict-first end.  ``g``'s cached LRU and th
 LRU are kept in stamp order (non-decreasing / increasing).  Group ``g`` takes a block from, in
 order:
 
-1. an uncached free block of one of its active chunks;
+1. an uncached free block of its active chunk with the most referenced blocks (ties: the
+   chunk waiting longest at that count; :mod:`~hybridkv.cache.arena_packing`), so referenced
+   blocks pack and sparse chunks drain for groups that need whole chunks;
 2. a free chunk (carved for ``g``);
 3. whichever is older: its least recently used cached block in an active chunk, or the
    least-recently idled chunk of *any* group.  Its own idle chunk is reopened (its cached
@@ -73,6 +75,7 @@ from typing import Any, ClassVar
 
 from hybridkv.cache.arena_fits import ArenaFits
 from hybridkv.cache.arena_invariants import check_arena
+from hybridkv.cache.arena_packing import FillIndex
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, chance_caps
 from hybridkv.errors import InvariantError, PlanError
@@ -148,6 +151,10 @@ class ArenaPool(ArenaFits):
         self.chunk_cached_free = [0] * nc  # free blocks holding a hash, per chunk
         self.free_chunks = list(range(whole - 1, 0, -1))  # pop() gives the lowest first
         self.used = [0] * self.num_groups
+        #: Free uncached blocks by chunk, chunks by referenced blocks: where ``allocate``
+        #: takes a group's next uncached block (the fullest active chunk, see
+        #: :mod:`~hybridkv.cache.arena_packing`).
+        self.fill = FillIndex(nc, self.bpc, self.chunk_refd)
         self._pin_loans()
         self._usable_bytes = (
             (whole - 1) * self.chunk_bytes
@@ -164,7 +171,9 @@ class ArenaPool(ArenaFits):
             g = host.group_id
             self.owner[c] = g
             self.chunk_refd[c] = 1  # the phantom reference: never idle, free or reclaimed
-            self.free_uncached[g].update(dict.fromkeys(range(host.end - 1, host.first - 1, -1)))
+            ids = range(host.end - 1, host.first - 1, -1)
+            self.free_uncached[g].update(dict.fromkeys(ids))
+            self.fill.add_range(g, c, ids)
 
     # -- second chance ------------------------------------------------------------------------
     def chunk_hit(self, c: int) -> bool:
@@ -211,7 +220,9 @@ class ArenaPool(ArenaFits):
     def _carve(self, g: int, c: int) -> None:
         self.owner[c] = g
         f = self.first[g][c]
-        self.free_uncached[g].update(dict.fromkeys(range(f + self.bpc[g] - 1, f - 1, -1)))
+        ids = range(f + self.bpc[g] - 1, f - 1, -1)
+        self.free_uncached[g].update(dict.fromkeys(ids))
+        self.fill.add_range(g, c, ids)
 
     def _activate(self, g: int, c: int, exclude: int) -> None:
         """Idle chunk ``c`` becomes active: its free blocks (but ``exclude``) join g's queues,
@@ -223,6 +234,7 @@ class ArenaPool(ArenaFits):
                 continue
             if hashes[x] is None:
                 fu[x] = None
+                self.fill.add(g, c, x)
             else:
                 self.clock += 1
                 fc[x] = self.clock
@@ -277,6 +289,8 @@ class ArenaPool(ArenaFits):
         where_g: list[int] = []
         drain: list[int] = []  # cached blocks of an idle chunk this call reopened
         carved = 0  # blocks of the chunk this call carved last still in fu (spread)
+        carved_c = -1  # that chunk
+        fill = self.fill
         while len(out) < n:
             if bpc == 1 and not fu and not drain and self.free_chunks:
                 # One block per chunk: whole free chunks are the blocks, no carving (the
@@ -330,9 +344,12 @@ class ArenaPool(ArenaFits):
                 own = self.idle[g]
                 self._spare_idle(own if self.own_first and own else self.idle_all)
             if fu and not (spread and not carved and self.free_chunks):
-                b = fu.popitem()[0]
                 if carved:
+                    b = fill.take_from(g, carved_c)
                     carved -= 1
+                else:
+                    b = fill.take(g)
+                del fu[b]
             elif drain or (
                 fc
                 and not self.free_chunks
@@ -351,8 +368,9 @@ class ArenaPool(ArenaFits):
                 evicted.append(h)
                 where_g.append(b)
             elif self.free_chunks:
-                self._carve(g, self.free_chunks.pop())
-                carved = bpc  # on top of fu: the next pops take them
+                carved_c = self.free_chunks.pop()
+                self._carve(g, carved_c)
+                carved = bpc  # the next takes come from it
                 continue
             elif self.idle_all:
                 own = self.idle[g]
@@ -364,6 +382,7 @@ class ArenaPool(ArenaFits):
                     for x in range(f + bpc - 1, f - 1, -1):
                         if hashes[x] is None:
                             fu[x] = None
+                            fill.add(g, c, x)
                         else:
                             drain.append(x)  # high to low: pop() evicts the lowest first
                 else:
@@ -374,7 +393,10 @@ class ArenaPool(ArenaFits):
                 raise InvariantError(f"ArenaPool.allocate: group {g} out of blocks ({n} wanted)")
             refs[b] = 1
             hitg[b] = 0
-            crefd[b * bb // cb] += 1
+            c = b * bb // cb
+            crefd[c] += 1
+            if fill.at[c] >= 0:
+                fill.moved(g, c)
             out.append(b)
         for x in drain:  # left over: the chunk is active now, its cached blocks go first
             fc[x] = 0
@@ -390,6 +412,8 @@ class ArenaPool(ArenaFits):
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
         bb, cb = self.block_bytes[g], self.chunk_bytes
         hitg, chance = self.hit[g], self.caps[g]
+        fill = self.fill
+        at = fill.at
         for b in blocks:
             if hitg[b] < chance:
                 hitg[b] += 1
@@ -404,6 +428,8 @@ class ArenaPool(ArenaFits):
                     self._activate(g, c, b)
                 ccf[c] -= 1
                 crefd[c] += 1
+                if at[c] >= 0:
+                    fill.moved(g, c)
                 self.used[g] += 1
             refs[b] = r + 1
 
@@ -416,6 +442,8 @@ class ArenaPool(ArenaFits):
         fu, fc = self.free_uncached[g], self.free_cached[g]
         crefd, ccf = self.chunk_refd, self.chunk_cached_free
         bb, cb = self.block_bytes[g], self.chunk_bytes
+        fill = self.fill
+        at = fill.at
         for b in blocks:
             r = refs[b] - 1
             refs[b] = r
@@ -427,14 +455,18 @@ class ArenaPool(ArenaFits):
             crefd[c] = left
             cached = hashes[b] is not None
             if left:
+                if at[c] >= 0:
+                    fill.moved(g, c)
                 if cached:
                     self.clock += 1
                     fc[b] = self.clock
                     ccf[c] += 1
                 else:
                     fu[b] = None
+                    fill.add(g, c, b)
                 continue
             # No referenced block left: the chunk's other (free) blocks leave g's queues.
+            fill.clear(g, c)
             f = self.first[g][c]
             for x in range(f, f + bpc):
                 if x != b:
@@ -514,6 +546,7 @@ class ArenaPool(ArenaFits):
         self.chunk_refd[:] = [0] * nc
         self.chunk_cached_free[:] = [0] * nc
         self.free_chunks[:] = range(self.whole_chunks - 1, 0, -1)
+        self.fill.reset()
         self._pin_loans()
         return True
 
@@ -557,4 +590,5 @@ class ArenaPool(ArenaFits):
             list(self.free_chunks),
             list(self.used),
             [bytes(h) for h in self.hit],
+            self.fill.snapshot(),
         )

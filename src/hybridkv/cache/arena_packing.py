@@ -1,0 +1,144 @@
+"""Fullest-chunk-first placement for the ``arena`` pool: its free uncached blocks by chunk.
+
+A group with several blocks per chunk takes its next uncached free block from the active
+chunk holding the most referenced blocks (a slab allocator's "fullest partial slab first").
+Referenced blocks then pack into few chunks and the sparse chunks drain: their last
+references go, they turn idle or free, and a group that needs whole chunks (a state slot per
+chunk) finds one.  The pool's old order, the most recently freed block first, refilled the
+chunk a finished request had just thinned out, so on Qwen3-Next-80B-A3B at 8 GiB (Mooncake,
+500 requests) attention kept ~100 of 109 chunks active with thousands of free block slots
+and the state group preempted 2,049 times; fullest first, 252.
+
+:class:`FillIndex` keeps, per chunk, the stack of its free uncached blocks, and per group the
+chunks with at least one such block, bucketed by the chunk's referenced-block count
+(``ArenaPool.chunk_refd``).  A chunk's count moves by one per block, so every update is O(1)
+and finding the fullest bucket is O(1) amortised (the top pointer falls at most as far as it
+rose).  Within a bucket the chunk that has waited longest at its count goes first, and within
+a chunk the block freed last.  On that trace, taking the most recently refiled chunk instead
+left 1,242 preemptions, and the lowest-numbered one 972.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.errors import InvariantError
+
+__all__ = ["FillIndex"]
+
+
+class FillIndex:
+    """Free uncached blocks by chunk, chunks by referenced blocks, for every group."""
+
+    __slots__ = ("_buckets", "_top", "at", "blocks", "refd")
+
+    def __init__(self, num_chunks: int, bpc: Sequence[int], refd: list[int]) -> None:
+        #: ``refd``: the pool's referenced-blocks-per-chunk list (shared, not copied).
+        self.refd = refd
+        #: ``blocks[c]``: chunk ``c``'s free uncached blocks, the next to take last.
+        self.blocks: list[list[int]] = [[] for _ in range(num_chunks)]
+        #: ``at[c]``: the bucket chunk ``c`` is filed in (its count then), -1 when not filed.
+        self.at = [-1] * num_chunks
+        # A filed chunk has a free block, so at most bpc - 1 referenced ones plus the phantom
+        # reference of a loan (chunk 0, the tail): counts 0..bpc.
+        self._buckets: list[list[dict[int, None]]] = [[{} for _ in range(n + 1)] for n in bpc]
+        self._top = [0] * len(bpc)
+
+    def add(self, g: int, c: int, b: int) -> None:
+        """Block ``b`` of group ``g``'s chunk ``c`` is free and uncached."""
+        self.blocks[c].append(b)
+        if self.at[c] < 0:
+            self._file(g, c)
+
+    def add_range(self, g: int, c: int, blocks: range) -> None:
+        """:meth:`add` of every block of ``blocks``, the last taken first."""
+        self.blocks[c].extend(blocks)
+        if self.at[c] < 0 and self.blocks[c]:
+            self._file(g, c)
+
+    def _file(self, g: int, c: int) -> None:
+        r = self.refd[c]
+        self._buckets[g][r][c] = None
+        self.at[c] = r
+        if r > self._top[g]:
+            self._top[g] = r
+
+    def moved(self, g: int, c: int) -> None:
+        """Chunk ``c``'s referenced count changed: refile it (a no-op when not filed)."""
+        old = self.at[c]
+        if old < 0:
+            return
+        r = self.refd[c]
+        if r != old:
+            bucket = self._buckets[g]
+            del bucket[old][c]
+            bucket[r][c] = None
+            self.at[c] = r
+            if r > self._top[g]:
+                self._top[g] = r
+
+    def take(self, g: int) -> int:
+        """Remove and return a free uncached block of ``g``'s fullest chunk.  The caller
+        raises that chunk's count and calls :meth:`moved`."""
+        bucket = self._buckets[g]
+        top = self._top[g]
+        while not bucket[top]:
+            if not top:
+                raise InvariantError(f"FillIndex.take: group {g} has no free uncached block")
+            top -= 1
+        self._top[g] = top
+        c = next(iter(bucket[top]))
+        return self._pop(g, c)
+
+    def take_from(self, g: int, c: int) -> int:
+        """Remove and return a free uncached block of chunk ``c`` (a chunk just carved)."""
+        return self._pop(g, c)
+
+    def _pop(self, g: int, c: int) -> int:
+        stack = self.blocks[c]
+        b = stack.pop()
+        if not stack:
+            del self._buckets[g][self.at[c]][c]
+            self.at[c] = -1
+        return b
+
+    def clear(self, g: int, c: int) -> None:
+        """Chunk ``c`` leaves ``g``'s queues (idle, reset): forget its free blocks."""
+        if self.at[c] >= 0:
+            del self._buckets[g][self.at[c]][c]
+            self.at[c] = -1
+        self.blocks[c].clear()
+
+    def reset(self) -> None:
+        for stack in self.blocks:
+            stack.clear()
+        self.at[:] = [-1] * len(self.at)
+        for buckets in self._buckets:
+            for bucket in buckets:
+                bucket.clear()
+        self._top[:] = [0] * len(self._top)
+
+    def check(self, owner: Sequence[int], free_uncached: Sequence[dict[int, None]]) -> None:
+        """Raise :class:`InvariantError` unless the index holds exactly each group's free
+        uncached blocks, each chunk filed once, in the bucket of its current count."""
+        for g, fu in enumerate(free_uncached):
+            held = [b for c, stack in enumerate(self.blocks) if owner[c] == g for b in stack]
+            if len(held) != len(fu) or set(held) != fu.keys():
+                raise InvariantError(f"group {g}: fill index blocks differ from the free queue")
+            for r, bucket in enumerate(self._buckets[g]):
+                for c in bucket:
+                    if owner[c] != g or self.at[c] != r or self.refd[c] != r:
+                        raise InvariantError(f"group {g}: chunk {c} filed wrongly at count {r}")
+                if r > self._top[g] and bucket:
+                    raise InvariantError(f"group {g}: chunk filed above the top {self._top[g]}")
+        for c, stack in enumerate(self.blocks):
+            if bool(stack) != (self.at[c] >= 0):
+                raise InvariantError(f"chunk {c}: filed {self.at[c]} with {len(stack)} blocks")
+
+    def snapshot(self) -> tuple[object, ...]:
+        return (
+            [list(s) for s in self.blocks],
+            list(self.at),
+            [[list(b) for b in bs] for bs in self._buckets],
+            list(self._top),
+        )

@@ -1,0 +1,101 @@
+"""Fullest-chunk-first placement in the arena (:mod:`hybridkv.cache.arena_packing`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.cache.arena_packing import FillIndex
+from hybridkv.cache.events import EventLog
+from hybridkv.cache.pool_arena import ArenaPool
+from hybridkv.errors import InvariantError
+from hybridkv.specs import DType, StateMixer, StateSpec, StateTensor
+from test_cache_factories import arena, full, groups
+
+
+def _big_state() -> StateSpec:
+    """A 512-byte state slot: four 128-byte attention blocks (block size 4) per chunk."""
+    tensor = StateTensor(name="ssm", shape=(256,), dtype=DType.FP16)
+    return StateSpec(mixer=StateMixer.MAMBA2, tensors=(tensor,))
+
+
+def _pool() -> ArenaPool:
+    pool = ArenaPool(
+        arena(groups(full(), _big_state()), 5, blocks_per_chunk=1), EventLog(enabled=False)
+    )
+    assert pool.bpc == [4, 1] and pool.chunk_bytes == 512
+    assert pool.allocate(0, 3) == [1, 2, 3]  # chunk 0's loan past the null block, held
+    return pool
+
+
+def test_a_freed_slot_of_the_fullest_chunk_is_refilled_so_the_sparse_chunk_drains() -> None:
+    pool = _pool()
+    assert pool.allocate(0, 4) == [4, 5, 6, 7]  # chunk 1
+    assert pool.allocate(0, 4) == [8, 9, 10, 11]  # chunk 2
+    pool.release(0, [7])  # chunk 1: 3 referenced
+    pool.release(0, [11, 10])  # chunk 2: 2 referenced, its slots freed last
+    # The most recently freed slot would be 10 (chunk 2); the fullest chunk's is 7.
+    assert pool.allocate(0, 1) == [7]
+    pool.check_invariants()
+    pool.release(0, [8, 9])  # chunk 2's last references: it returns to the arena
+    assert pool.chunk_owner(2) is None and sorted(pool.free_chunks) == [2, 3, 4]
+    nothing = [None, None]
+    assert pool.fits(nothing, nothing, nothing, [0, 3])  # a state slot per free chunk
+    assert pool.allocate(1, 3) == [2, 3, 4]
+    pool.check_invariants()
+
+
+def test_the_next_block_comes_from_the_chunk_with_most_references() -> None:
+    pool = _pool()
+    assert pool.allocate(0, 12) == list(range(4, 16))  # chunks 1, 2, 3
+    pool.release(0, [4, 5, 6])  # chunk 1: 1 referenced
+    pool.release(0, [13])  # chunk 3: 3 referenced
+    pool.release(0, [8, 9])  # chunk 2: 2 referenced
+    # fullest first (chunk 3), then chunk 2, then chunk 1; in a chunk, the slot freed last
+    assert pool.allocate(0, 6) == [13, 9, 8, 6, 5, 4]
+    assert [pool.chunk_refd[c] for c in (1, 2, 3)] == [4, 4, 4]
+    pool.check_invariants()
+
+
+def test_a_spread_allocation_still_fills_the_chunk_it_carved() -> None:
+    pool = _pool()
+    assert pool.allocate(0, 4) == [4, 5, 6, 7]  # chunk 1
+    pool.release(0, [5])  # a hole in chunk 1 (3 referenced)
+    # spreading: a whole free chunk before the hole, its blocks in order
+    assert pool.allocate_spread(0, 3) == [8, 9, 10]
+    assert list(pool.free_uncached[0]) == [5, 11]
+    pool.check_invariants()
+
+
+def test_fill_index_buckets_ties_top_and_check() -> None:
+    refd = [0, 0, 0, 0]
+    fill = FillIndex(4, [3], refd)
+    refd[1] = 1
+    fill.add_range(0, 1, range(5, 3, -1))  # chunk 1 (1 referenced): blocks 4, 5 free
+    refd[2] = 1
+    fill.add(0, 2, 6)  # chunk 2 (1 referenced), filed after chunk 1
+    assert fill.at == [-1, 1, 1, -1]
+    assert fill.take(0) == 4  # a tie: the chunk filed first, its last-added block first
+    refd[1] = 2
+    fill.moved(0, 1)
+    assert fill.take(0) == 5  # chunk 1 is now the fullest; then it has no free block
+    refd[1] = 3
+    fill.moved(0, 1)  # not filed any more: nothing to move
+    assert fill.at == [-1, -1, 1, -1]
+    refd[2] = 0
+    fill.moved(0, 2)  # the top falls back to chunk 2's bucket when taking
+    owner = [-1, 0, 0, -1]
+    fill.check(owner, [{6: None}])
+    assert fill.take(0) == 6 and fill.at == [-1] * 4
+    with pytest.raises(InvariantError, match="no free uncached block"):
+        fill.take(0)
+    fill.add(0, 3, 9)
+    with pytest.raises(InvariantError, match="differ from the free queue"):
+        fill.check([-1, 0, 0, 0], [{}])
+    refd[3] = 2  # changed without moved(): filed in the wrong bucket
+    with pytest.raises(InvariantError, match="filed wrongly"):
+        fill.check([-1, 0, 0, 0], [{9: None}])
+    fill.clear(0, 3)
+    fill.check([-1, 0, 0, 0], [{}])
+    fill.add(0, 3, 9)
+    fill.reset()
+    assert fill.at == [-1] * 4 and fill.blocks == [[], [], [], []]
