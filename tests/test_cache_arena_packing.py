@@ -66,7 +66,7 @@ def test_a_spread_allocation_still_fills_the_chunk_it_carved() -> None:
     pool.check_invariants()
 
 
-def test_fill_index_buckets_ties_top_and_check() -> None:
+def test_fill_index_buckets_ties_and_check() -> None:
     refd = [0, 0, 0, 0]
     fill = FillIndex(4, [3], refd)
     refd[1] = 1
@@ -82,7 +82,7 @@ def test_fill_index_buckets_ties_top_and_check() -> None:
     fill.moved(0, 1)  # not filed any more: nothing to move
     assert fill.at == [-1, -1, 1, -1]
     refd[2] = 0
-    fill.moved(0, 2)  # the top falls back to chunk 2's bucket when taking
+    fill.moved(0, 2)  # the only filed chunk, now in bucket 0
     owner = [-1, 0, 0, -1]
     fill.check(owner, [{6: None}])
     assert fill.take(0) == 6 and fill.at == [-1] * 4
@@ -96,6 +96,9 @@ def test_fill_index_buckets_ties_top_and_check() -> None:
         fill.check([-1, 0, 0, 0], [{9: None}])
     fill.clear(0, 3)
     fill.check([-1, 0, 0, 0], [{}])
+    fill._mask[0] = 1  # a stale bit for an empty bucket
+    with pytest.raises(InvariantError, match="mask bit"):
+        fill.check([-1, 0, 0, 0], [{}])
     fill.add(0, 3, 9)
     fill.reset()
     assert fill.at == [-1] * 4 and fill.blocks == [[], [], [], []]

@@ -11,11 +11,11 @@ and the state group preempted 2,049 times; fullest first, 252.
 
 :class:`FillIndex` keeps, per chunk, the stack of its free uncached blocks, and per group the
 chunks with at least one such block, bucketed by the chunk's referenced-block count
-(``ArenaPool.chunk_refd``).  A chunk's count moves by one per block, so every update is O(1)
-and finding the fullest bucket is O(1) amortised (the top pointer falls at most as far as it
-rose).  Within a bucket the chunk that has waited longest at its count goes first, and within
-a chunk the block freed last.  On that trace, taking the most recently refiled chunk instead
-left 1,242 preemptions, and the lowest-numbered one 972.
+(``ArenaPool.chunk_refd``), with a bit mask of the non-empty buckets per group: every update
+is O(1), and the fullest bucket is the mask's highest bit (``int.bit_length``, one C call).
+Within a bucket the chunk that has waited longest at its count goes first, and within a chunk
+the block freed last.  On that trace, taking the most recently refiled chunk instead left
+1,242 preemptions, and the lowest-numbered one 972.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ __all__ = ["FillIndex"]
 class FillIndex:
     """Free uncached blocks by chunk, chunks by referenced blocks, for every group."""
 
-    __slots__ = ("_buckets", "_top", "at", "blocks", "refd")
+    __slots__ = ("_buckets", "_mask", "at", "blocks", "refd")
 
     def __init__(self, num_chunks: int, bpc: Sequence[int], refd: list[int]) -> None:
         #: ``refd``: the pool's referenced-blocks-per-chunk list (shared, not copied).
@@ -42,7 +42,8 @@ class FillIndex:
         # A filed chunk has a free block, so at most bpc - 1 referenced ones plus the phantom
         # reference of a loan (chunk 0, the tail): counts 0..bpc.
         self._buckets: list[list[dict[int, None]]] = [[{} for _ in range(n + 1)] for n in bpc]
-        self._top = [0] * len(bpc)
+        #: ``_mask[g]``: bit ``r`` set when group ``g``'s bucket ``r`` holds a chunk.
+        self._mask = [0] * len(bpc)
 
     def add(self, g: int, c: int, b: int) -> None:
         """Block ``b`` of group ``g``'s chunk ``c`` is free and uncached."""
@@ -60,8 +61,7 @@ class FillIndex:
         r = self.refd[c]
         self._buckets[g][r][c] = None
         self.at[c] = r
-        if r > self._top[g]:
-            self._top[g] = r
+        self._mask[g] |= 1 << r
 
     def moved(self, g: int, c: int) -> None:
         """Chunk ``c``'s referenced count changed: refile it (a no-op when not filed)."""
@@ -70,24 +70,26 @@ class FillIndex:
             return
         r = self.refd[c]
         if r != old:
-            bucket = self._buckets[g]
-            del bucket[old][c]
-            bucket[r][c] = None
+            self._unfile(g, c)
+            self._buckets[g][r][c] = None
             self.at[c] = r
-            if r > self._top[g]:
-                self._top[g] = r
+            self._mask[g] |= 1 << r
+
+    def _unfile(self, g: int, c: int) -> None:
+        r = self.at[c]
+        bucket = self._buckets[g][r]
+        del bucket[c]
+        if not bucket:
+            self._mask[g] &= ~(1 << r)
+        self.at[c] = -1
 
     def take(self, g: int) -> int:
         """Remove and return a free uncached block of ``g``'s fullest chunk.  The caller
         raises that chunk's count and calls :meth:`moved`."""
-        bucket = self._buckets[g]
-        top = self._top[g]
-        while not bucket[top]:
-            if not top:
-                raise InvariantError(f"FillIndex.take: group {g} has no free uncached block")
-            top -= 1
-        self._top[g] = top
-        c = next(iter(bucket[top]))
+        mask = self._mask[g]
+        if not mask:
+            raise InvariantError(f"FillIndex.take: group {g} has no free uncached block")
+        c = next(iter(self._buckets[g][mask.bit_length() - 1]))
         return self._pop(g, c)
 
     def take_from(self, g: int, c: int) -> int:
@@ -98,15 +100,13 @@ class FillIndex:
         stack = self.blocks[c]
         b = stack.pop()
         if not stack:
-            del self._buckets[g][self.at[c]][c]
-            self.at[c] = -1
+            self._unfile(g, c)
         return b
 
     def clear(self, g: int, c: int) -> None:
         """Chunk ``c`` leaves ``g``'s queues (idle, reset): forget its free blocks."""
         if self.at[c] >= 0:
-            del self._buckets[g][self.at[c]][c]
-            self.at[c] = -1
+            self._unfile(g, c)
         self.blocks[c].clear()
 
     def reset(self) -> None:
@@ -116,7 +116,7 @@ class FillIndex:
         for buckets in self._buckets:
             for bucket in buckets:
                 bucket.clear()
-        self._top[:] = [0] * len(self._top)
+        self._mask[:] = [0] * len(self._mask)
 
     def check(self, owner: Sequence[int], free_uncached: Sequence[dict[int, None]]) -> None:
         """Raise :class:`InvariantError` unless the index holds exactly each group's free
@@ -129,8 +129,8 @@ class FillIndex:
                 for c in bucket:
                     if owner[c] != g or self.at[c] != r or self.refd[c] != r:
                         raise InvariantError(f"group {g}: chunk {c} filed wrongly at count {r}")
-                if r > self._top[g] and bucket:
-                    raise InvariantError(f"group {g}: chunk filed above the top {self._top[g]}")
+                if bool(bucket) != bool(self._mask[g] >> r & 1):
+                    raise InvariantError(f"group {g}: bucket {r}'s mask bit is wrong")
         for c, stack in enumerate(self.blocks):
             if bool(stack) != (self.at[c] >= 0):
                 raise InvariantError(f"chunk {c}: filed {self.at[c]} with {len(stack)} blocks")
@@ -140,5 +140,5 @@ class FillIndex:
             [list(s) for s in self.blocks],
             list(self.at),
             [[list(b) for b in bs] for bs in self._buckets],
-            list(self._top),
+            list(self._mask),
         )
