@@ -81,6 +81,35 @@ def test_a_prefilled_request_decodes_exactly_on_another_layout(name: str) -> Non
         assert pulled[3] < pulled[0]  # 15 tokens vs 30
 
 
+def test_window_blocks_the_prefill_side_dropped_are_not_needed() -> None:
+    """lfm3 (short conv + sliding window 8 + full): the prefill side computes each prompt in
+    two chunks (a state checkpoint at the last aligned boundary), and its second chunk
+    releases the first chunk's window blocks.  The decode side frees those positions too
+    (``KVCacheManager.drop_unread``: no query after the prompt reads them), so every request
+    decodes from the transferred data (it used to fail the transfer plan and recompute)."""
+    pre, dec = _engines("lfm3")
+    dropped = 0
+
+    def pull(plan: TransferPlan, source: int, buffers: Sequence[torch.Tensor]) -> None:
+        plan.copy(pre.storage.buffers, buffers)
+
+    for i, prompt in enumerate(PROMPTS):
+        rid = f"r{i}"
+        pre.add_request(rid, prompt, max_tokens=1, hold=True)
+        pre.run()
+        handover = export_request(pre, rid)
+        dropped += sum(table.count(0) for table in handover.sources[0][1].values())
+        reasons: dict[str, str] = {}
+        assert import_request(dec, handover, max_tokens=6, pull=pull, reasons=reasons), reasons
+        release(pre, rid)
+        dec.manager.check_invariants()
+        dec.run()
+    assert dropped >= len(PROMPTS)  # every prompt had window blocks dropped at the source
+    done = [dec.completions[f"r{i}"] for i in range(len(PROMPTS))]
+    assert verify_completions(_reference("lfm3"), done).ok
+    dec.check_invariants()
+
+
 def test_a_failed_pull_is_recomputed_never_read() -> None:
     pre, dec = _engines("llama")
     pre.add_request("r0", PROMPTS[0], max_tokens=1, hold=True)

@@ -392,6 +392,29 @@ class KVCacheManager:
         """The block pool (read-only use: ref counts, hashes, chunk owners for storage)."""
         return self._coord.pool
 
+    def drop_unread(self, request_id: str, num_tokens: int) -> int:
+        """Tokens ``[0, num_tokens)`` of ``request_id`` were computed elsewhere and are being
+        imported (a disaggregated prefill's handover): in windowed groups (sliding window,
+        local chunks), null the blocks its allocation took fresh that no query at a position
+        >= ``num_tokens`` reads, and free them unpublished, as a prefix hit of ``num_tokens``
+        tokens would not have held them.  Call it after that allocation and before its data
+        is written; the import then fills what the tables still hold.  Blocks already
+        published (``publish="scheduled"``) or hit are kept.  Returns how many blocks were
+        freed.  Raises :class:`UnknownRequestError` for a request holding no blocks and
+        :class:`RequestLengthError` for ``num_tokens`` outside ``[num_computed_tokens,
+        allocated slots]``, changing nothing."""
+        rs = self._coord.requests.get(request_id)
+        if rs is None:
+            raise UnknownRequestError(f"drop_unread: request {request_id!r} holds no blocks")
+        n = _count("drop_unread: num_tokens", num_tokens)
+        if not rs.request.num_computed_tokens <= n <= rs.num_slots:
+            raise RequestLengthError(
+                f"drop_unread: num_tokens {n} outside [{rs.request.num_computed_tokens}, "
+                f"{rs.num_slots}] (computed tokens, allocated slots) of {request_id!r}"
+            )
+        managers = self._coord.managers
+        return sum(len(m.drop_unread(st, n)) for m, st in zip(managers, rs.groups, strict=True))
+
     def has_blocks(self, request_id: str) -> bool:
         """True while ``request_id`` holds blocks (allocated, not freed or preempted)."""
         return request_id in self._coord.requests

@@ -219,6 +219,9 @@ class Scheduler:
             del self.seqs[request_id]
             return None
         req.num_computed_tokens = cached
+        # Window blocks before the prompt's last window: the other instance may have dropped
+        # them already, and no query here reads them.
+        mgr.drop_unread(request_id, n)
         try:
             fill(mgr.get_block_ids(request_id), cached, res)
         except BaseException:

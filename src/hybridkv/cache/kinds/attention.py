@@ -335,6 +335,18 @@ class _WindowedManager(_AttentionManager):
         if blocks:
             self.pool.refresh(self.group_id, blocks)
 
+    def drop_unread(self, st: GroupState, num_tokens: int) -> list[int]:
+        # Fresh blocks only: those below num_cached came with the hit (cached data, maybe a
+        # lower tier's load in flight) and leave through the normal release.
+        table = st.table
+        lo = max(st.released, st.num_cached)
+        hi = min(self.first_kept_block(num_tokens), len(table))
+        out = [b for b in table[lo:hi] if b]
+        if out:
+            table[lo:hi] = [0] * (hi - lo)
+            self.pool.release(self.group_id, out)
+        return out
+
     def check_request(self, st: GroupState, request: Request) -> None:
         super().check_request(st, request)
         if any(st.table[self.sink_blocks : st.released]):

@@ -334,6 +334,12 @@ class KindManager(ABC):
         its junction and its computed end.
         """
 
+    def drop_unread(self, st: GroupState, num_tokens: int) -> list[int]:
+        """Null and free (unpublished) the blocks ``st`` took fresh at its allocation that no
+        query at a position >= ``num_tokens`` reads; returns them.  Only windowed kinds have
+        such blocks (see :meth:`KVCacheManager.drop_unread`)."""
+        return []
+
     @abstractmethod
     def held_blocks(self, st: GroupState) -> list[int]:
         """Every block ``st`` references (one entry per reference)."""
