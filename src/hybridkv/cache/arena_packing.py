@@ -84,8 +84,8 @@ class FillIndex:
         self.at[c] = -1
 
     def take(self, g: int) -> int:
-        """Remove and return a free uncached block of ``g``'s fullest chunk.  The caller
-        raises that chunk's count and calls :meth:`moved`."""
+        """Remove and return a free uncached block of ``g``'s fullest chunk, filing the chunk
+        one count up: the caller raises that chunk's count by one (no :meth:`moved`)."""
         mask = self._mask[g]
         if not mask:
             raise InvariantError(f"FillIndex.take: group {g} has no free uncached block")
@@ -93,14 +93,24 @@ class FillIndex:
         return self._pop(g, c)
 
     def take_from(self, g: int, c: int) -> int:
-        """Remove and return a free uncached block of chunk ``c`` (a chunk just carved)."""
+        """:meth:`take` from chunk ``c`` (a chunk just carved)."""
         return self._pop(g, c)
 
     def _pop(self, g: int, c: int) -> int:
         stack = self.blocks[c]
         b = stack.pop()
-        if not stack:
-            self._unfile(g, c)
+        r = self.at[c]
+        buckets = self._buckets[g]
+        bucket = buckets[r]
+        del bucket[c]
+        if not bucket:
+            self._mask[g] &= ~(1 << r)
+        if stack:  # one count up, at the end of its new bucket (as moved() would file it)
+            buckets[r + 1][c] = None
+            self.at[c] = r + 1
+            self._mask[g] |= 2 << r
+        else:
+            self.at[c] = -1
         return b
 
     def clear(self, g: int, c: int) -> None:

@@ -291,6 +291,7 @@ class ArenaPool(ArenaFits):
         carved = 0  # blocks of the chunk this call carved last still in fu (spread)
         carved_c = -1  # that chunk
         fill = self.fill
+        at = fill.at
         while len(out) < n:
             if bpc == 1 and not fu and not drain and self.free_chunks:
                 # One block per chunk: whole free chunks are the blocks, no carving (the
@@ -394,8 +395,10 @@ class ArenaPool(ArenaFits):
             refs[b] = 1
             hitg[b] = 0
             c = b * bb // cb
-            crefd[c] += 1
-            if fill.at[c] >= 0:
+            r = crefd[c] + 1
+            crefd[c] = r
+            filed = at[c]
+            if filed >= 0 and filed != r:  # a block taken from fu is filed there already
                 fill.moved(g, c)
             out.append(b)
         for x in drain:  # left over: the chunk is active now, its cached blocks go first

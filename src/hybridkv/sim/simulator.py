@@ -221,7 +221,8 @@ def group_label(plan: Plan, g: int) -> str:
         detail = f"({spec.window})"
     elif hasattr(spec, "chunk_size"):
         detail = f"({spec.chunk_size})"
-    return f"g{g}:{spec.kind.value}{detail}x{group.num_members}"
+    n = group.num_members
+    return f"g{g}:{spec.kind.value}{detail}, {n} layer{'s' if n != 1 else ''}"
 
 
 def _need_function(model: ModelSpec) -> Callable[[int], int]:
