@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.cache.arena_packing import FillIndex
+from hybridkv.cache.arena_packing import FillIndex, NoFill
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_arena import ArenaPool
 from hybridkv.errors import InvariantError
@@ -64,6 +64,21 @@ def test_a_spread_allocation_still_fills_the_chunk_it_carved() -> None:
     assert pool.allocate_spread(0, 3) == [8, 9, 10]
     assert list(pool.free_uncached[0]) == [5, 11]
     pool.check_invariants()
+
+
+def test_only_layouts_with_a_whole_chunk_group_pack() -> None:
+    assert _pool().packs
+    # 4 and 2 blocks per chunk: no group needs a whole chunk, the block freed last goes first
+    pool = ArenaPool(arena(groups(full(), (full(), 8)), 4), EventLog(enabled=False))
+    assert not pool.packs and isinstance(pool.fill, NoFill)
+    assert pool.allocate(0, 2) == [2, 3]  # chunk 0's loan
+    assert pool.allocate(0, 8) == [4, 5, 6, 7, 8, 9, 10, 11]  # chunks 1 and 2
+    pool.release(0, [5])  # chunk 1: 3 referenced
+    pool.release(0, [9, 10])  # chunk 2: 2 referenced, freed last
+    assert pool.allocate(0, 1) == [10]
+    pool.check_invariants()
+    with pytest.raises(InvariantError, match="does not pack"):
+        pool.fill.take(0)
 
 
 def test_fill_index_buckets_ties_and_check() -> None:

@@ -60,8 +60,7 @@ def test_the_tail_past_the_last_chunk_is_lent_to_the_tail_host() -> None:
     pool = ArenaPool(layout, EventLog(enabled=True))
     assert [pool.chunk_owner(c) for c in range(4)] == [0, None, None, 0]
     assert pool.num_free(0) == 2 + 3 + 2 * 4 and pool.num_free(1) == 2 * 2
-    # the loans first (chunk 0's, filed first, then the tail's), then chunk 1
-    assert pool.allocate(0, 6) == [2, 3, 12, 13, 14, 4]
+    assert pool.allocate(0, 6) == [12, 13, 14, 2, 3, 4]  # the loans first, then chunk 1
     pool.cache(0, 12, 112)
     pool.release(0, [12, 13])  # the tail never goes idle: 112 waits in group 0's LRU
     assert pool.chunk_owner(3) == 0 and list(pool.free_cached[0]) == [12]

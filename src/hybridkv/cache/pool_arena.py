@@ -75,7 +75,7 @@ from typing import Any, ClassVar
 
 from hybridkv.cache.arena_fits import ArenaFits
 from hybridkv.cache.arena_invariants import check_arena
-from hybridkv.cache.arena_packing import FillIndex
+from hybridkv.cache.arena_packing import FillIndex, NoFill
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, chance_caps
 from hybridkv.errors import InvariantError, PlanError
@@ -153,8 +153,10 @@ class ArenaPool(ArenaFits):
         self.used = [0] * self.num_groups
         #: Free uncached blocks by chunk, chunks by referenced blocks: where ``allocate``
         #: takes a group's next uncached block (the fullest active chunk, see
-        #: :mod:`~hybridkv.cache.arena_packing`).
-        self.fill = FillIndex(nc, self.bpc, self.chunk_refd)
+        #: :mod:`~hybridkv.cache.arena_packing`), in layouts where a group needs whole chunks
+        #: (one block per chunk) next to groups with several; otherwise the block freed last.
+        self.packs = 1 in self.bpc and max(self.bpc) > 1
+        self.fill = (FillIndex if self.packs else NoFill)(nc, self.bpc, self.chunk_refd)
         self._pin_loans()
         self._usable_bytes = (
             (whole - 1) * self.chunk_bytes
@@ -292,6 +294,7 @@ class ArenaPool(ArenaFits):
         carved_c = -1  # that chunk
         fill = self.fill
         at = fill.at
+        packs = self.packs
         while len(out) < n:
             if bpc == 1 and not fu and not drain and self.free_chunks:
                 # One block per chunk: whole free chunks are the blocks, no carving (the
@@ -345,12 +348,16 @@ class ArenaPool(ArenaFits):
                 own = self.idle[g]
                 self._spare_idle(own if self.own_first and own else self.idle_all)
             if fu and not (spread and not carved and self.free_chunks):
-                if carved:
+                if not packs:
+                    b = fu.popitem()[0]  # the carved chunk's blocks are the last added
+                elif carved:
                     b = fill.take_from(g, carved_c)
-                    carved -= 1
+                    del fu[b]
                 else:
                     b = fill.take(g)
-                del fu[b]
+                    del fu[b]
+                if carved:
+                    carved -= 1
             elif drain or (
                 fc
                 and not self.free_chunks
