@@ -117,3 +117,21 @@ def test_fill_index_buckets_ties_and_check() -> None:
     fill.add(0, 3, 9)
     fill.reset()
     assert fill.at == [-1] * 4 and fill.blocks == [[], [], [], []]
+
+
+def test_among_equally_full_chunks_the_one_filed_first_goes_first() -> None:
+    refd = [0, 1, 1]
+    fill = FillIndex(3, [4], refd)
+    fill.add(0, 1, 10)  # chunk 1 filed first
+    fill.add(0, 2, 20)
+    refd[1] = 2
+    fill.moved(0, 1)
+    refd[1] = 1
+    fill.moved(0, 1)  # back at count 1, after chunk 2 in the bucket's own order
+    fill.check([-1, 0, 0], [{10: None, 20: None}])
+    assert fill.take(0) == 10  # still chunk 1: it has had a free block longest
+    before = fill.snapshot()
+    fill.check([-1, 0, 0], [{20: None}])
+    assert fill.snapshot() == before  # check reads only
+    fill.add(0, 1, 11)  # filed again: now the newest
+    assert fill.take(0) == 20 and fill.take(0) == 11
