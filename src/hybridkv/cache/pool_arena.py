@@ -27,9 +27,10 @@ evict rejoin it with stamp 0, at the evict-first end.  ``g``'s cached LRU and th
 LRU are kept in stamp order (non-decreasing / increasing).  Group ``g`` takes a block from, in
 order:
 
-1. an uncached free block of its active chunk with the most referenced blocks (ties: the
-   chunk waiting longest at that count; :mod:`~hybridkv.cache.arena_packing`), so referenced
-   blocks pack and sparse chunks drain for groups that need whole chunks;
+1. an uncached free block: where a group needs whole chunks (one block per chunk) next to
+   groups with several, of its active chunk with the most referenced blocks (ties: the chunk
+   with free blocks longest; :mod:`~hybridkv.cache.arena_packing`), so referenced blocks pack
+   and sparse chunks drain for that group; in other layouts, the block freed last;
 2. a free chunk (carved for ``g``);
 3. whichever is older: its least recently used cached block in an active chunk, or the
    least-recently idled chunk of *any* group.  Its own idle chunk is reopened (its cached
