@@ -70,12 +70,12 @@ class FillIndex:
     def _file(self, g: int, c: int) -> None:
         self._n += 1
         self.seq[c] = self._n
-        r = self.refd[c]
-        self._put(g, r, c)
-        self.at[c] = r
-        self._mask[g] |= 1 << r
+        self._put(g, self.refd[c], c)
 
     def _put(self, g: int, r: int, c: int) -> None:
+        """File chunk ``c`` (not filed) in ``g``'s bucket ``r``."""
+        self.at[c] = r
+        self._mask[g] |= 1 << r
         bucket = self._buckets[g][r]
         bucket[c] = None
         heap = self._heaps[g][r]
@@ -92,8 +92,6 @@ class FillIndex:
         if r != old:
             self._unfile(g, c)
             self._put(g, r, c)
-            self.at[c] = r
-            self._mask[g] |= 1 << r
 
     def _unfile(self, g: int, c: int) -> None:
         r = self.at[c]
@@ -127,18 +125,9 @@ class FillIndex:
         stack = self.blocks[c]
         b = stack.pop()
         r = self.at[c]
-        buckets = self._buckets[g]
-        bucket = buckets[r]
-        del bucket[c]
-        if not bucket:
-            self._mask[g] &= ~(1 << r)
-            self._heaps[g][r].clear()
+        self._unfile(g, c)
         if stack:  # one count up (what moved() would do after the caller's count)
             self._put(g, r + 1, c)
-            self.at[c] = r + 1
-            self._mask[g] |= 2 << r
-        else:
-            self.at[c] = -1
         return b
 
     def clear(self, g: int, c: int) -> None:

@@ -157,7 +157,11 @@ class ArenaPool(ArenaFits):
         #: :mod:`~hybridkv.cache.arena_packing`), in layouts where a group needs whole chunks
         #: (one block per chunk) next to groups with several; otherwise the block freed last.
         self.packs = 1 in self.bpc and max(self.bpc) > 1
-        self.fill = (FillIndex if self.packs else NoFill)(nc, self.bpc, self.chunk_refd)
+        self.fill = (
+            FillIndex(nc, self.bpc, self.chunk_refd)
+            if self.packs
+            else NoFill(nc, (), self.chunk_refd)  # no buckets: it files nothing
+        )
         self._pin_loans()
         self._usable_bytes = (
             (whole - 1) * self.chunk_bytes
@@ -351,11 +355,8 @@ class ArenaPool(ArenaFits):
             if fu and not (spread and not carved and self.free_chunks):
                 if not packs:
                     b = fu.popitem()[0]  # the carved chunk's blocks are the last added
-                elif carved:
-                    b = fill.take_from(g, carved_c)
-                    del fu[b]
                 else:
-                    b = fill.take(g)
+                    b = fill.take_from(g, carved_c) if carved else fill.take(g)
                     del fu[b]
                 if carved:
                     carved -= 1
