@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,14 +36,22 @@ from hybridkv.storage.disk_slots import DiskSlots, checksum
 __all__ = ["DiskTier"]
 
 Key = tuple[int, int]
-#: A queued write (key, tag, bytes, the CUDA event the bytes are ready at) or drop (no bytes).
-_Item = tuple[Key, int, torch.Tensor | None, torch.cuda.Event | None]
+#: A queued write (key, tag, bytes, the CUDA event the bytes are ready at, the tensor to give
+#: back once it is written: the run's staging tensor on its last entry, else None) or drop
+#: (no bytes).
+_Item = tuple[Key, int, torch.Tensor | None, torch.cuda.Event | None, torch.Tensor | None]
+#: Where a queued write's checksum comes from: the run's checksum job and the entry's index.
+_Sum = tuple["cf.Future[list[int]]", int]
 
 
-def _checksum_when_ready(data: torch.Tensor, ready: torch.cuda.Event | None) -> int:
+def _nth(job: cf.Future[list[int]], index: int) -> int:
+    return job.result()[index]
+
+
+def _checksums_when_ready(parts: list[torch.Tensor], ready: torch.cuda.Event | None) -> list[int]:
     if ready is not None:
         ready.synchronize()
-    return checksum(data.numpy().data)
+    return [checksum(p.numpy().data) for p in parts]
 
 
 class DiskTier:
@@ -120,15 +129,42 @@ class DiskTier:
         ``ready``: a CUDA event recorded after the (asynchronous) copy that fills ``data``; the
         threads wait for it before they read the bytes.  A write that fails stores nothing:
         the entry then reads as bad."""
-        self._batch.append((key, tag, data, ready))
+        self.write_run([(key, tag)], [data.numel()], data, ready)
+
+    def write_run(
+        self,
+        entries: Sequence[tuple[Key, int]],
+        sizes: Sequence[int],
+        data: torch.Tensor,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
+        """Queue consecutive byte ranges of ``data`` (a CPU uint8 tensor from :meth:`buffer`,
+        owned by the tier now: reused once every range is written) as entries: the ``i``-th
+        ``(key, tag)`` of ``entries`` gets the next ``sizes[i]`` bytes.  One checksum job and
+        one wait for ``ready`` serve the whole run, so many small blocks cost the step little
+        more than one.  Each entry is written, committed or failed on its own, as by
+        :meth:`write`."""
+        if not entries:
+            self.give(data)
+            return
+        if len(entries) != len(sizes) or sum(sizes) > data.numel():
+            raise ValueError(
+                f"disk write run: {len(entries)} entries, {len(sizes)} sizes, "
+                f"{sum(sizes)} bytes of a {data.numel()}-byte buffer"
+            )
+        last, start = len(sizes) - 1, 0
+        for i, ((key, tag), size) in enumerate(zip(entries, sizes, strict=True)):
+            part = data[start : start + size]
+            start += size
+            self._batch.append((key, tag, part, ready, data if i == last else None))
+            self._touch(key)
         self._batch_bytes += data.numel()
-        self._touch(key)
         if self._batch_bytes >= self.batch_bytes:  # let the writer start on what is ready
             self.commit()
 
     def drop(self, key: Key) -> None:
         """Queue the removal of entry ``key`` (nothing when it is not stored)."""
-        self._batch.append((key, 0, None, None))
+        self._batch.append((key, 0, None, None, None))
         self._touch(key)
 
     def clear(self) -> None:
@@ -161,13 +197,21 @@ class DiskTier:
             done, size = self._queue.popleft()
             done.result()
             self._queued_bytes -= size
-        # Checksums on the hasher thread while the writer writes the payloads before them.
-        sums = [
-            None
-            if item is None or item[2] is None
-            else self._hasher.submit(_checksum_when_ready, item[2], item[3])
-            for item in self._batch
-        ]
+        # Checksums on the hasher thread while the writer writes the payloads before them: one
+        # job per run of writes (write_run: one buffer, one ready event).
+        sums: list[_Sum | None] = [None] * len(self._batch)
+        run: list[torch.Tensor] = []
+        at: list[int] = []
+        for i, item in enumerate(self._batch):
+            if item is None or item[2] is None:
+                continue
+            run.append(item[2])
+            at.append(i)
+            if item[4] is not None:  # the run's last write
+                sums_job = self._hasher.submit(_checksums_when_ready, run, item[3])
+                for k, j in enumerate(at):
+                    sums[j] = (sums_job, k)
+                run, at = [], []
         job = self._writer.submit(self._run_batch, self._batch, sums)
         self._queue.append((job, nbytes))
         self._queued_bytes += nbytes
@@ -191,24 +235,23 @@ class DiskTier:
         self._clearing = None
         return True
 
-    def _run_batch(
-        self,
-        batch: list[_Item | None],
-        sums: list[cf.Future[int] | None],
-    ) -> object:
+    def _run_batch(self, batch: list[_Item | None], sums: list[_Sum | None]) -> object:
         slots = self.slots
+        waited = None
         for item, digest in zip(batch, sums, strict=True):
             if item is None:
                 slots.clear()
                 continue
-            key, tag, data, ready = item
+            key, tag, data, ready, owner = item
             if data is None or digest is None:
                 slots.drop(key)
-            else:
-                if ready is not None:
-                    ready.synchronize()
-                slots.write(key, tag, data.numpy().data, digest.result)
-                self.give(data)
+                continue
+            if ready is not None and ready is not waited:
+                ready.synchronize()
+                waited = ready
+            slots.write(key, tag, data.numpy().data, partial(_nth, *digest))
+            if owner is not None:
+                self.give(owner)
         return None
 
     def flush(self) -> None:

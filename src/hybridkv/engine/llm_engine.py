@@ -79,7 +79,7 @@ from hybridkv.engine.models import TINY_MODELS, load_model
 from hybridkv.engine.probe import probe_model, probe_model_spec, with_attention_sinks
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.speculative import SpeculativeConfig, accept_greedy
-from hybridkv.engine.tier_store import fingerprint, open_tiers, tier_specs
+from hybridkv.engine.tier_setup import fingerprint, open_tiers, tier_specs
 from hybridkv.engine.views import StorageViews
 from hybridkv.errors import InvariantError
 from hybridkv.plan import Plan

@@ -26,83 +26,39 @@ a thread of its own); a copy that fails (a write that failed, a truncated
 file, a flipped byte, a slot a killed process left half written) is discarded from the
 manager, whose next lookup misses it, and a request whose reads are in flight waits while
 the others run.  The ``load`` later copies the checked staging bytes to the device.
+
+Consecutive disk stores of blocks whose ranges are rows of one table (every page-size group)
+are gathered in runs, one staging buffer, copy, ready event and checksum job a run
+(:meth:`~hybridkv.engine.disk_tier.DiskTier.write_run`), and on CUDA consecutive disk loads
+go to their rows by one indexed scatter a run, as host runs do
+(:mod:`~hybridkv.engine.host_runs`): per block the step then pays a few microseconds of
+Python, not a copy call, an event and a thread hand-off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 
 from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
-from hybridkv.cache.tiers import TierOp, TierSpec
+from hybridkv.cache.tiers import TierOp
 from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.errors import EngineError
-from hybridkv.engine.host_runs import BlockRows, RowRuns, load_rows, store_rows
+from hybridkv.engine.host_runs import (
+    FIRST_RUN_BYTES,
+    RUN_BYTES,
+    BlockRows,
+    RowRuns,
+    load_rows,
+    store_rows,
+)
 from hybridkv.errors import InvariantError
-from hybridkv.plan.layout import MemoryLayout
 from hybridkv.storage import KVCacheStorage
-from hybridkv.storage.disk_slots import FORMAT_VERSION, DiskSlots
+from hybridkv.storage.disk_slots import DiskSlots
 from hybridkv.storage.transfer import TransferDescriptor, gather, scatter
 
-__all__ = ["TierStore", "fingerprint", "open_tiers", "tier_specs"]
-
-
-def tier_specs(host_bytes: int | None, disk_bytes: int | None) -> tuple[TierSpec, ...]:
-    """The lower tiers for a host size and a disk size (None or 0: no such tier)."""
-    specs = []
-    if host_bytes:
-        specs.append(TierSpec("host", host_bytes))
-    if disk_bytes:
-        specs.append(TierSpec("disk", disk_bytes))
-    return tuple(specs)
-
-
-def open_tiers(
-    storage: KVCacheStorage,
-    manager: KVCacheManager,
-    *,
-    host_bytes: int | None,
-    disk_dir: str | Path | None,
-    disk_bytes: int | None,
-    fingerprint: Mapping[str, Any],
-) -> TierStore | None:
-    """The tier storage for ``manager`` (built with :func:`tier_specs` of the same sizes), or
-    None without tiers.  A disk directory an earlier process left is reopened and its entries
-    adopted by the manager, oldest first (those that find no room are freed).  Raises
-    :class:`~hybridkv.storage.disk_slots.DiskCacheError` for a directory that cannot be used
-    (see :class:`~hybridkv.storage.disk_slots.DiskSlots`)."""
-    if not host_bytes and not disk_bytes:
-        return None
-    disk = None
-    if disk_dir is not None and disk_bytes:
-        sizes = [g.block_bytes for g in storage.layout.groups]
-        disk = DiskSlots(disk_dir, disk_bytes, fingerprint, sizes)
-        found = disk.recovered
-        if found:
-            taken = manager.adopt_tier_entries(
-                "disk", [(e.group_id, e.block_hash, e.tag) for e in found]
-            )
-            disk.keep_only((found[i].group_id, found[i].block_hash) for i in taken)
-    return TierStore(storage, host_bytes or 0, disk)
-
-
-def fingerprint(
-    model: str, dtype: torch.dtype, layout: MemoryLayout, hasher: str, **extra: Any
-) -> dict[str, Any]:
-    """What a disk cache's bytes depend on: the model (name, dtype, ``extra`` such as the
-    seed of a built-in model or the attention sinks), the layout's groups and packing, the
-    block hasher and the file format.  A directory made with another one is refused."""
-    return {
-        "model": model,
-        "dtype": str(dtype).removeprefix("torch."),
-        "layout": layout.to_dict(),
-        "hasher": hasher,
-        "format": FORMAT_VERSION,
-        **extra,
-    }
+__all__ = ["TierStore"]
 
 
 def _host_copy(op: TierOp) -> bool:
@@ -242,6 +198,18 @@ class TierStore:
                     self._load_run(run)
             elif op.op == "clear":
                 self._clear()
+            elif op.op == "store" and op.tier == "disk" and not op.dest:
+                j = i  # with the disk stores right after it
+                while j < n and (nxt := todo[j]).op == "store" and nxt.tier == "disk":
+                    j += 1
+                self._disk_store_run(todo[i - 1 : j])
+                i = j
+            elif op.op == "load" and op.tier == "disk" and self._async:
+                j = i  # with the disk loads right after it
+                while j < n and (nxt := todo[j]).op == "load" and nxt.tier == "disk":
+                    j += 1
+                self._disk_load_run(todo[i - 1 : j], loaded_from_disk)
+                i = j
             elif op.tier == "disk" or op.dest == "disk":
                 self._disk_op(op, loaded_from_disk)
             elif op.op == "load":
@@ -368,12 +336,7 @@ class TierStore:
             self._release(key)
             disk.write(key, op.tag, held)
         elif op.op == "load":
-            staged = disk.take(key)
-            if staged is None:
-                raise EngineError(
-                    f"tier store: the disk copy of group {op.group_id} block "
-                    f"{op.block_hash:#x} failed its check after the request was admitted"
-                )
+            staged = self._take_checked(op)
             self._scatter(op, staged)
             loaded.append(staged)  # given back once the copy ran
             self.loaded += 1
@@ -381,6 +344,94 @@ class TierStore:
             disk.drop(key)  # a copy whose write failed is not there: nothing to drop
         else:
             raise EngineError(f"tier store: unknown operation {op.op!r} on the disk tier")
+
+    def _disk_store_run(self, run: list[TierOp]) -> None:
+        """Disk stores: blocks whose byte ranges are rows of one table (see :meth:`_place`) go
+        in runs, each gathered into one staging buffer by one copy and queued with
+        :meth:`DiskTier.write_run` (one ready event, one checksum job); the others one by
+        one.  Runs start at :data:`FIRST_RUN_BYTES` and double up to the tier's batch size,
+        so the writer starts early."""
+        disk = self.disk
+        if disk is None:
+            raise EngineError("tier store: the engine stores no disk tier (store asked)")
+        places = self._places
+        cap = min(FIRST_RUN_BYTES, disk.batch_bytes)
+        ops: list[TierOp] = []
+        sizes: list[int] = []
+        rows: list[int] = []
+        table = nbytes = 0
+
+        def flush() -> None:
+            data = disk.buffer(1 << (nbytes - 1).bit_length())  # few sizes: spares reused
+            store_rows(self._rows, table, rows, data[:nbytes], self._async)
+            entries = [((o.group_id, o.block_hash), o.tag) for o in ops]
+            disk.write_run(entries, sizes, data, self._ready_event())
+            self.stored += len(ops)
+            self._unsynced = self._async
+
+        for op in run:
+            size, t, block_rows = places.get((op.group_id, op.block)) or self._place(op)
+            if ops and (t != table or nbytes + size > cap):
+                flush()
+                ops, sizes, rows, nbytes = [], [], [], 0
+                cap = min(2 * cap, disk.batch_bytes)
+            if t < 0:  # ranges that are not rows of one table: alone
+                self._disk_op(op, [])
+                continue
+            ops.append(op)
+            sizes.append(size)
+            rows.extend(block_rows)
+            table = t
+            nbytes += size
+        if ops:
+            flush()
+
+    def _disk_load_run(self, run: list[TierOp], loaded: list[torch.Tensor]) -> None:
+        """Disk loads on CUDA: the checked bytes of blocks whose ranges are rows of one table
+        go to one device staging tensor (a host-to-device copy each) and from there to their
+        rows by one indexed scatter a run, instead of an index upload and a scatter a block;
+        the others one by one.  Runs are capped at :data:`RUN_BYTES`."""
+        places = self._places
+        staged: list[tuple[torch.Tensor, int]] = []
+        rows: list[int] = []
+        table = nbytes = 0
+
+        def flush() -> None:
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.storage.device)
+            at = 0
+            for data, size in staged:
+                dev[at : at + size].copy_(data, non_blocking=True)
+                at += size
+            load_rows(self._rows, table, rows, dev, True)
+
+        for op in run:
+            size, t, block_rows = places.get((op.group_id, op.block)) or self._place(op)
+            if staged and (t != table or nbytes + size > RUN_BYTES):
+                flush()
+                staged, rows, nbytes = [], [], 0
+            if t < 0:  # ranges that are not rows of one table: alone
+                self._disk_op(op, loaded)
+                continue
+            data = self._take_checked(op)
+            loaded.append(data)  # given back once the copies ran
+            staged.append((data, size))
+            rows.extend(block_rows)
+            table = t
+            nbytes += size
+            self.loaded += 1
+        if staged:
+            flush()
+
+    def _take_checked(self, op: TierOp) -> torch.Tensor:
+        """The disk tier's checked bytes for ``op``'s load (raises when its check failed)."""
+        assert self.disk is not None
+        staged = self.disk.take((op.group_id, op.block_hash))
+        if staged is None:
+            raise EngineError(
+                f"tier store: the disk copy of group {op.group_id} block "
+                f"{op.block_hash:#x} failed its check after the request was admitted"
+            )
+        return staged
 
     def _clear(self) -> None:
         self._host_ready()  # no queued copy still writes a slot the clear frees

@@ -3,7 +3,7 @@
 The directory holds three files:
 
 * ``manifest.json``: the format version, the capacity, and the *fingerprint* of whoever made
-  it (model, dtype, layout, hasher: the engine's :func:`hybridkv.engine.tier_store.fingerprint`).
+  it (model, dtype, layout, hasher: the engine's :func:`hybridkv.engine.tier_setup.fingerprint`).
   A directory made by a different fingerprint or capacity is refused
   (:class:`DiskCacheError`), never read as this model's data.
 * ``blocks.bin``: the slots, preallocated (``posix_fallocate``) to the capacity plus one header

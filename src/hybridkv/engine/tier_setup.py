@@ -1,0 +1,76 @@
+"""Setting up an engine's lower cache tiers: the manager's tier specs for a host and a disk
+size, the disk directory's fingerprint (what its bytes depend on), and the
+:class:`~hybridkv.engine.tier_store.TierStore` over them, with what an earlier process left
+in the directory adopted."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.cache import KVCacheManager
+from hybridkv.cache.tiers import TierSpec
+from hybridkv.engine.tier_store import TierStore
+from hybridkv.plan.layout import MemoryLayout
+from hybridkv.storage import KVCacheStorage
+from hybridkv.storage.disk_slots import FORMAT_VERSION, DiskSlots
+
+__all__ = ["fingerprint", "open_tiers", "tier_specs"]
+
+
+def tier_specs(host_bytes: int | None, disk_bytes: int | None) -> tuple[TierSpec, ...]:
+    """The lower tiers for a host size and a disk size (None or 0: no such tier)."""
+    specs = []
+    if host_bytes:
+        specs.append(TierSpec("host", host_bytes))
+    if disk_bytes:
+        specs.append(TierSpec("disk", disk_bytes))
+    return tuple(specs)
+
+
+def open_tiers(
+    storage: KVCacheStorage,
+    manager: KVCacheManager,
+    *,
+    host_bytes: int | None,
+    disk_dir: str | Path | None,
+    disk_bytes: int | None,
+    fingerprint: Mapping[str, Any],
+) -> TierStore | None:
+    """The tier storage for ``manager`` (built with :func:`tier_specs` of the same sizes), or
+    None without tiers.  A disk directory an earlier process left is reopened and its entries
+    adopted by the manager, oldest first (those that find no room are freed).  Raises
+    :class:`~hybridkv.storage.disk_slots.DiskCacheError` for a directory that cannot be used
+    (see :class:`~hybridkv.storage.disk_slots.DiskSlots`)."""
+    if not host_bytes and not disk_bytes:
+        return None
+    disk = None
+    if disk_dir is not None and disk_bytes:
+        sizes = [g.block_bytes for g in storage.layout.groups]
+        disk = DiskSlots(disk_dir, disk_bytes, fingerprint, sizes)
+        found = disk.recovered
+        if found:
+            taken = manager.adopt_tier_entries(
+                "disk", [(e.group_id, e.block_hash, e.tag) for e in found]
+            )
+            disk.keep_only((found[i].group_id, found[i].block_hash) for i in taken)
+    return TierStore(storage, host_bytes or 0, disk)
+
+
+def fingerprint(
+    model: str, dtype: torch.dtype, layout: MemoryLayout, hasher: str, **extra: Any
+) -> dict[str, Any]:
+    """What a disk cache's bytes depend on: the model (name, dtype, ``extra`` such as the
+    seed of a built-in model or the attention sinks), the layout's groups and packing, the
+    block hasher and the file format.  A directory made with another one is refused."""
+    return {
+        "model": model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "layout": layout.to_dict(),
+        "hasher": hasher,
+        "format": FORMAT_VERSION,
+        **extra,
+    }

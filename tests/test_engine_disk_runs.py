@@ -1,0 +1,227 @@
+"""Disk stores in runs: TierStore gathers consecutive disk stores of row blocks into one
+staging buffer per run and queues it with DiskTier.write_run (one checksum job, one ready
+event); every entry still commits, fails or reads back on its own."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hybridkv.cache.tiers import TierOp
+from hybridkv.engine import disk_tier, tier_store
+from hybridkv.engine.disk_tier import DiskTier
+from hybridkv.engine.tier_store import TierStore
+from hybridkv.storage import KVCacheStorage, LayoutKind, gather
+from hybridkv.storage.disk_slots import HEADER_BYTES, DiskSlots
+from test_storage_factories import SPECS, build, group, mixed_groups, owned_ids, uniform_layout
+
+
+def _filled(storage: KVCacheStorage, seed: int = 3) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for buf in storage.buffers:
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
+
+
+def _bytes(storage: KVCacheStorage, g: int, b: int) -> torch.Tensor:
+    return gather(storage.descriptor(g, [b]), storage.buffers).clone()
+
+
+class DiskStores(RuleBasedStateMachine):
+    """Disk stores in batches (runs of several sizes, blocks of several ranges), loads into
+    other blocks, drops and clears; every entry reads back as the bytes its block held when
+    it was stored."""
+
+    kind = LayoutKind.CROSS_LAYER
+    strategy = "pools"
+
+    def __init__(self) -> None:
+        super().__init__()
+        groups = mixed_groups()
+        if self.strategy == "uniform":
+            layout = uniform_layout(groups, num_blocks=32)
+        else:
+            layout = build(self.strategy, groups)
+        self.storage = KVCacheStorage(layout, kind=self.kind)
+        _filled(self.storage, 11)
+        self.ids = {
+            g.group_id: owned_ids(layout, g.group_id, 0) + owned_ids(layout, g.group_id, 1)
+            for g in layout.groups
+        }
+        sizes = [g.block_bytes for g in layout.groups]
+        self.dir = Path(tempfile.mkdtemp())
+        slots = DiskSlots(self.dir, 64 * max(sizes), {"t": 1}, sizes)
+        self.store = TierStore(self.storage, 0, slots, readers=1)
+        assert self.store.disk is not None
+        self.store.disk.batch_bytes = 2 * max(sizes)  # runs grow to two blocks' bytes
+        self.held: dict[tuple[int, int], torch.Tensor] = {}
+        self.next_hash = 1
+
+    @rule(picks=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 99)), min_size=1, max_size=8))
+    def store_batch(self, picks: list[tuple[int, int]]) -> None:
+        ops = []
+        for g, i in picks:
+            b = self.ids[g][i % len(self.ids[g])]
+            h = self.next_hash
+            self.next_hash += 1
+            self.held[g, h] = _bytes(self.storage, g, b)
+            ops.append(TierOp("store", "disk", g, h, b))
+        self.store.apply(ops)
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def load_batch(self, data: st.DataObject, n: int) -> None:
+        keys = sorted(self.held)
+        picked = data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=n, unique=True))
+        ops, want = [], []
+        for g, h in picked:
+            b = data.draw(st.sampled_from(self.ids[g]))
+            if any(op.group_id == g and op.block == b for op in ops):
+                continue
+            ops.append(TierOp("load", "disk", g, h, b))
+            want.append((g, b, self.held[g, h]))
+        self.store.apply(ops)
+        for g, b, expected in want:
+            assert torch.equal(_bytes(self.storage, g, b), expected), (g, b)
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        g, h = data.draw(st.sampled_from(sorted(self.held)))
+        self.store.apply([TierOp("drop", "disk", g, h, 0)])
+        del self.held[g, h]
+
+    @rule()
+    def clear(self) -> None:
+        self.store.apply([TierOp("clear", "", 0, 0, 0)])
+        self.held.clear()
+
+    @invariant()
+    def entries_read_back(self) -> None:
+        disk = self.store.disk
+        assert disk is not None
+        disk.flush()
+        assert set(disk.slots.entries) == set(self.held)
+        for key, expected in self.held.items():
+            out = torch.empty(expected.numel(), dtype=torch.uint8)
+            assert disk.slots.read(key, out.numpy().data), key
+            assert torch.equal(out, expected), key
+
+    def teardown(self) -> None:
+        self.store.close()
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER])
+@pytest.mark.parametrize("strategy", ["pools", "uniform"])
+def test_disk_store_state_machine(
+    kind: LayoutKind, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tier_store, "FIRST_RUN_BYTES", 1)  # a first run of one block
+    machine = type("Machine", (DiskStores,), {"kind": kind, "strategy": strategy})
+    machine.TestCase.settings = settings(
+        max_examples=20,
+        stateful_step_count=20,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    machine.TestCase().runTest()
+
+
+def _one_group_store(tmp_path: Path, layers: int = 2) -> tuple[KVCacheStorage, TierStore, int]:
+    full = group(0, SPECS["full"], tuple(range(layers)))
+    layout = uniform_layout((full,), num_blocks=40)
+    storage = KVCacheStorage(layout, kind=LayoutKind.CROSS_LAYER)
+    _filled(storage)
+    size = full.block_bytes
+    store = TierStore(storage, 0, DiskSlots(tmp_path, 64 * size, {"t": 2}, [size]), readers=0)
+    return storage, store, size
+
+
+def test_disk_stores_go_in_runs_that_double(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage, store, size = _one_group_store(tmp_path)
+    disk = store.disk
+    assert disk is not None
+    monkeypatch.setattr(tier_store, "FIRST_RUN_BYTES", 2 * size)
+    disk.batch_bytes = 8 * size
+    runs: list[list[int]] = []
+    real = DiskTier.write_run
+
+    def spy(self: DiskTier, entries: Any, sizes: Any, data: Any, ready: Any = None) -> None:
+        runs.append([h for (_, h), _ in entries])
+        real(self, entries, sizes, data, ready)
+
+    monkeypatch.setattr(DiskTier, "write_run", spy)
+    blocks = list(range(1, 21))
+    store.apply([TierOp("store", "disk", 0, 100 + b, b) for b in blocks])
+    # runs of 2, 4, 8 blocks, then capped at the tier's batch size (8 blocks' bytes)
+    assert [len(r) for r in runs] == [2, 4, 8, 6]
+    assert [h for r in runs for h in r] == [100 + b for b in blocks]
+    disk.flush()
+    for b in blocks:
+        out = torch.empty(size, dtype=torch.uint8)
+        assert disk.slots.read((0, 100 + b), out.numpy().data)
+        assert torch.equal(out, _bytes(storage, 0, b))
+    assert store.stored == 20
+    store.close()
+
+
+def test_a_run_is_one_checksum_job_and_a_failed_entry_is_only_that_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage, store, _ = _one_group_store(tmp_path)
+    disk = store.disk
+    assert disk is not None
+    jobs = []
+    real_sums = disk_tier._checksums_when_ready
+
+    def counted(parts: list[torch.Tensor], ready: Any) -> list[int]:
+        jobs.append(len(parts))
+        return real_sums(parts, ready)
+
+    monkeypatch.setattr(disk_tier, "_checksums_when_ready", counted)
+    real_pwrite = os.pwrite
+    payloads = [0]
+
+    def flaky(fd: int, data: Any, offset: int) -> int:
+        if len(data) > HEADER_BYTES:
+            payloads[0] += 1
+            if payloads[0] == 2:  # the second entry's payload fails
+                raise OSError(5, "Input/output error")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", flaky)
+    store.apply([TierOp("store", "disk", 0, 200 + b, b) for b in (5, 6, 7)])
+    disk.flush()
+    assert jobs == [3]
+    assert disk.slots.write_errors == 1
+    assert set(disk.slots.entries) == {(0, 205), (0, 207)}
+    for key, b, ok in (((0, 205), 5, True), ((0, 206), 6, False), ((0, 207), 7, True)):
+        assert disk.read_state(key) is ok
+        if ok:
+            got = disk.take(key)
+            assert got is not None and torch.equal(got, _bytes(storage, 0, b))
+            disk.give(got)
+    store.close()
+
+
+def test_write_run_refuses_bad_arguments_and_queues_nothing(tmp_path: Path) -> None:
+    slots = DiskSlots(tmp_path, 1 << 16, {"t": 3}, [64])
+    tier = DiskTier(slots, readers=0)
+    data = tier.buffer(128)
+    with pytest.raises(ValueError, match="2 entries, 1 sizes"):
+        tier.write_run([((0, 1), 0), ((0, 2), 0)], [64], data)
+    with pytest.raises(ValueError, match="192 bytes of a 128-byte buffer"):
+        tier.write_run([((0, 1), 0), ((0, 2), 0)], [64, 128], data)
+    assert tier._batch == [] and tier._gen == {}
+    tier.write_run([], [], data)  # nothing to write: the buffer goes back to the spares
+    assert tier.buffer(128) is data
+    tier.close()
