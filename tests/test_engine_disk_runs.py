@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
 
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine import disk_tier, tier_store
@@ -21,7 +20,8 @@ from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather
 from hybridkv.storage.disk_slots import HEADER_BYTES, DiskSlots
-from test_storage_factories import SPECS, build, group, mixed_groups, owned_ids, uniform_layout
+from test_engine_tier_store_stateful import HostTier
+from test_storage_factories import SPECS, group, uniform_layout
 
 
 def _filled(storage: KVCacheStorage, seed: int = 3) -> None:
@@ -34,77 +34,32 @@ def _bytes(storage: KVCacheStorage, g: int, b: int) -> torch.Tensor:
     return gather(storage.descriptor(g, [b]), storage.buffers).clone()
 
 
-class DiskStores(RuleBasedStateMachine):
-    """Disk stores in batches (runs of several sizes, blocks of several ranges), loads into
-    other blocks, drops and clears; every entry reads back as the bytes its block held when
-    it was stored."""
+class DiskStores(HostTier):
+    """The host tier's machine (stores in batches, loads into other blocks, drops, clears)
+    on a disk tier instead, its runs growing to two blocks' bytes; every entry reads back as
+    the bytes its block held when it was stored."""
 
-    kind = LayoutKind.CROSS_LAYER
-    strategy = "pools"
+    tier = "disk"
 
     def __init__(self) -> None:
         super().__init__()
-        groups = mixed_groups()
-        if self.strategy == "uniform":
-            layout = uniform_layout(groups, num_blocks=32)
-        else:
-            layout = build(self.strategy, groups)
-        self.storage = KVCacheStorage(layout, kind=self.kind)
-        _filled(self.storage, 11)
-        self.ids = {
-            g.group_id: owned_ids(layout, g.group_id, 0) + owned_ids(layout, g.group_id, 1)
-            for g in layout.groups
-        }
-        sizes = [g.block_bytes for g in layout.groups]
+        self.store.close()
+        sizes = [g.block_bytes for g in self.storage.layout.groups]
         self.dir = Path(tempfile.mkdtemp())
         slots = DiskSlots(self.dir, 64 * max(sizes), {"t": 1}, sizes)
         self.store = TierStore(self.storage, 0, slots, readers=1)
         assert self.store.disk is not None
-        self.store.disk.batch_bytes = 2 * max(sizes)  # runs grow to two blocks' bytes
-        self.held: dict[tuple[int, int], torch.Tensor] = {}
-        self.next_hash = 1
-
-    @rule(picks=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 99)), min_size=1, max_size=8))
-    def store_batch(self, picks: list[tuple[int, int]]) -> None:
-        ops = []
-        for g, i in picks:
-            b = self.ids[g][i % len(self.ids[g])]
-            h = self.next_hash
-            self.next_hash += 1
-            self.held[g, h] = _bytes(self.storage, g, b)
-            ops.append(TierOp("store", "disk", g, h, b))
-        self.store.apply(ops)
-
-    @precondition(lambda self: bool(self.held))
-    @rule(data=st.data(), n=st.integers(1, 4))
-    def load_batch(self, data: st.DataObject, n: int) -> None:
-        keys = sorted(self.held)
-        picked = data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=n, unique=True))
-        ops, want = [], []
-        for g, h in picked:
-            b = data.draw(st.sampled_from(self.ids[g]))
-            if any(op.group_id == g and op.block == b for op in ops):
-                continue
-            ops.append(TierOp("load", "disk", g, h, b))
-            want.append((g, b, self.held[g, h]))
-        self.store.apply(ops)
-        for g, b, expected in want:
-            assert torch.equal(_bytes(self.storage, g, b), expected), (g, b)
-
-    @precondition(lambda self: bool(self.held))
-    @rule(data=st.data())
-    def drop(self, data: st.DataObject) -> None:
-        g, h = data.draw(st.sampled_from(sorted(self.held)))
-        self.store.apply([TierOp("drop", "disk", g, h, 0)])
-        del self.held[g, h]
+        self.store.disk.batch_bytes = 2 * max(sizes)
 
     @rule()
-    def clear(self) -> None:
-        self.store.apply([TierOp("clear", "", 0, 0, 0)])
-        self.held.clear()
+    def missing_load_changes_nothing(self) -> None:
+        before = [buf.clone() for buf in self.storage.buffers]
+        with pytest.raises(Exception, match="failed its check"):
+            self.store.apply([TierOp("load", "disk", 0, 10**9, self.ids[0][0])])
+        assert all(torch.equal(a, c) for a, c in zip(before, self.storage.buffers, strict=True))
 
     @invariant()
-    def entries_read_back(self) -> None:
+    def slots_and_bytes_check_out(self) -> None:
         disk = self.store.disk
         assert disk is not None
         disk.flush()

@@ -22,6 +22,7 @@ from test_storage_factories import build, mixed_groups, owned_ids, uniform_layou
 class HostTier(RuleBasedStateMachine):
     kind = LayoutKind.CROSS_LAYER
     strategy = "pools"
+    tier = "host"  # the tier the operations name (a subclass tests the disk tier's runs)
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,7 +56,7 @@ class HostTier(RuleBasedStateMachine):
             h = self.next_hash
             self.next_hash += 1
             self.held[g, h] = self._bytes(g, b)
-            ops.append(TierOp("store", "host", g, h, b))
+            ops.append(TierOp("store", self.tier, g, h, b))
         self.store.apply(ops)
 
     @precondition(lambda self: bool(self.held))
@@ -68,7 +69,7 @@ class HostTier(RuleBasedStateMachine):
             b = data.draw(st.sampled_from(self.ids[g]))
             if any(op.group_id == g and op.block == b for op in ops):
                 continue  # one load per block in a batch
-            ops.append(TierOp("load", "host", g, h, b))
+            ops.append(TierOp("load", self.tier, g, h, b))
             want.append((g, b, self.held[g, h]))
         self.store.apply(ops)
         for g, b, data_ in want:
@@ -78,7 +79,7 @@ class HostTier(RuleBasedStateMachine):
     @rule(data=st.data())
     def drop(self, data: st.DataObject) -> None:
         g, h = data.draw(st.sampled_from(sorted(self.held)))
-        self.store.apply([TierOp("drop", "host", g, h, 0)])
+        self.store.apply([TierOp("drop", self.tier, g, h, 0)])
         del self.held[g, h]
 
     @rule()
