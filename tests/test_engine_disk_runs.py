@@ -17,6 +17,7 @@ from hypothesis.stateful import invariant, rule
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine import disk_tier, tier_store
 from hybridkv.engine.disk_tier import DiskTier
+from hybridkv.engine.errors import EngineError
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather
 from hybridkv.storage.disk_slots import HEADER_BYTES, DiskSlots
@@ -172,11 +173,41 @@ def test_write_run_refuses_bad_arguments_and_queues_nothing(tmp_path: Path) -> N
     slots = DiskSlots(tmp_path, 1 << 16, {"t": 3}, [64])
     tier = DiskTier(slots, readers=0)
     data = tier.buffer(128)
-    with pytest.raises(ValueError, match="2 entries, 1 sizes"):
-        tier.write_run([((0, 1), 0), ((0, 2), 0)], [64], data)
-    with pytest.raises(ValueError, match="192 bytes of a 128-byte buffer"):
-        tier.write_run([((0, 1), 0), ((0, 2), 0)], [64, 128], data)
-    assert tier._batch == [] and tier._gen == {}
+    tier.staged[0, 1] = tier.buffer(64)  # a checked copy a bad call must not drop
+    bad: list[tuple[Any, Any, str]] = [
+        ([((0, 1), 0), ((0, 2), 0)], [64], "2 entries"),
+        ([((0, 1), 0), ((0, 2), 0)], [-64, 192], "sizes \\[-64, 192\\]"),
+        ([((0, 1), 0), ((0, 2),)], [64, 64], "1 malformed"),
+        ([((0, 1), 0), ((0, 2), 0)], [64, 128], "192 bytes of a 128-byte buffer"),
+    ]
+    for entries, sizes, match in bad:
+        with pytest.raises(ValueError, match=match):
+            tier.write_run(entries, sizes, data)
+    assert tier._batch == [] and tier._gen == {} and (0, 1) in tier.staged
     tier.write_run([], [], data)  # nothing to write: the buffer goes back to the spares
     assert tier.buffer(128) is data
     tier.close()
+
+
+def test_spare_buffers_stay_within_their_bound(tmp_path: Path) -> None:
+    slots = DiskSlots(tmp_path, 1 << 16, {"t": 4}, [64])
+    tier = DiskTier(slots, readers=0, max_pending_bytes=256, batch_bytes=128)
+    assert tier.max_spare_bytes == 512
+    made = [tier.buffer(n) for n in (64, 128, 256, 256, 64)]
+    for t in made:
+        tier.give(t)
+    # 64 + 128 + 256 kept (448 bytes); the second 256 would pass 512: freed; the last 64 kept
+    assert tier.spare_bytes == 512
+    assert tier.buffer(256) is made[2] and tier.spare_bytes == 256
+    assert tier.buffer(256) is not made[3]  # it was freed, a new one is made
+    tier.close()
+
+
+def test_a_disk_load_run_without_a_disk_tier_is_an_engine_error() -> None:
+    full = group(0, SPECS["full"], (0, 1))
+    storage = KVCacheStorage(uniform_layout((full,), num_blocks=8), kind=LayoutKind.CROSS_LAYER)
+    store = TierStore(storage, 1 << 16)
+    store._async = True  # the CUDA path, which sends disk loads in runs
+    with pytest.raises(EngineError, match="stores no disk tier"):
+        store.apply([TierOp("load", "disk", 0, 5, 1)])
+    store.close()

@@ -24,6 +24,7 @@ buffers), so they overlap each other and the model's step.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
@@ -103,22 +104,36 @@ class DiskTier:
         self._clear_queued = False
         self._clearing: cf.Future[object] | None = None
         #: Host tensors free for reuse, by size: steady-state reads and writes allocate none.
+        #: At most ``max_spare_bytes`` are kept (runs come in several sizes, each of which
+        #: would otherwise keep its own peak: pinned memory on CUDA); the rest are freed.
         self._spare: dict[int, list[torch.Tensor]] = {}
+        self._spare_bytes = 0
+        self._spare_lock = threading.Lock()
+        self.max_spare_bytes = max_pending_bytes + 2 * batch_bytes
 
     def buffer(self, size: int) -> torch.Tensor:
         """A host uint8 tensor of ``size`` bytes to fill (hand it to :meth:`write`, or back
         with :meth:`give`)."""
-        spare = self._spare.get(size)
-        if spare:
-            try:
+        with self._spare_lock:
+            spare = self._spare.get(size)
+            if spare:
+                self._spare_bytes -= size
                 return spare.pop()
-            except IndexError:  # another thread took the last one
-                pass
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, data: torch.Tensor) -> None:
-        """Return a tensor from :meth:`buffer` or :meth:`take` once its bytes are used."""
-        self._spare.setdefault(data.numel(), []).append(data)
+        """Return a tensor from :meth:`buffer` or :meth:`take` once its bytes are used (kept
+        for reuse while the spares stay within ``max_spare_bytes``, else freed)."""
+        size = data.numel()
+        with self._spare_lock:
+            if self._spare_bytes + size <= self.max_spare_bytes:
+                self._spare.setdefault(size, []).append(data)
+                self._spare_bytes += size
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the tensors kept for reuse."""
+        return self._spare_bytes
 
     # -- writer queue ---------------------------------------------------------------------------
     def write(
@@ -144,14 +159,18 @@ class DiskTier:
         one wait for ``ready`` serve the whole run, so many small blocks cost the step little
         more than one.  Each entry is written, committed or failed on its own, as by
         :meth:`write`."""
+        bad = [e for e in entries if not (len(e) == 2 and len(e[0]) == 2)]
+        if bad or len(entries) != len(sizes) or any(n < 0 for n in sizes):
+            raise ValueError(
+                f"disk write run: entries must be ((group, hash), tag) with one size >= 0 "
+                f"each; got {len(entries)} entries ({len(bad)} malformed) and sizes "
+                f"{list(sizes)[:8]}"
+            )
+        if sum(sizes) > data.numel():
+            raise ValueError(f"disk write run: {sum(sizes)} bytes of a {data.numel()}-byte buffer")
         if not entries:
             self.give(data)
             return
-        if len(entries) != len(sizes) or sum(sizes) > data.numel():
-            raise ValueError(
-                f"disk write run: {len(entries)} entries, {len(sizes)} sizes, "
-                f"{sum(sizes)} bytes of a {data.numel()}-byte buffer"
-            )
         last, start = len(sizes) - 1, 0
         for i, ((key, tag), size) in enumerate(zip(entries, sizes, strict=True)):
             part = data[start : start + size]

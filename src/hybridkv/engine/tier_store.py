@@ -391,6 +391,8 @@ class TierStore:
         go to one device staging tensor (a host-to-device copy each) and from there to their
         rows by one indexed scatter a run, instead of an index upload and a scatter a block;
         the others one by one.  Runs are capped at :data:`RUN_BYTES`."""
+        if self.disk is None:
+            raise EngineError("tier store: the engine stores no disk tier (load asked)")
         places = self._places
         staged: list[tuple[torch.Tensor, int]] = []
         rows: list[int] = []
