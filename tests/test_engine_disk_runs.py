@@ -137,13 +137,13 @@ def test_a_run_is_one_checksum_job_and_a_failed_entry_is_only_that_miss(
     disk = store.disk
     assert disk is not None
     jobs = []
-    real_sums = disk_tier._checksums_when_ready
+    real_sums = disk_tier._checksums_into
 
-    def counted(parts: list[torch.Tensor], ready: Any) -> list[int]:
+    def counted(parts: list[torch.Tensor], ready: Any, sums: Any) -> None:
         jobs.append(len(parts))
-        return real_sums(parts, ready)
+        real_sums(parts, ready, sums)
 
-    monkeypatch.setattr(disk_tier, "_checksums_when_ready", counted)
+    monkeypatch.setattr(disk_tier, "_checksums_into", counted)
     real_pwrite = os.pwrite
     payloads = [0]
 

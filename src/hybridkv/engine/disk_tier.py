@@ -27,7 +27,6 @@ import concurrent.futures as cf
 import threading
 from collections import deque
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -41,18 +40,23 @@ Key = tuple[int, int]
 #: back once it is written: the run's staging tensor on its last entry, else None) or drop
 #: (no bytes).
 _Item = tuple[Key, int, torch.Tensor | None, torch.cuda.Event | None, torch.Tensor | None]
-#: Where a queued write's checksum comes from: the run's checksum job and the entry's index.
-_Sum = tuple["cf.Future[list[int]]", int]
 
 
-def _nth(job: cf.Future[list[int]], index: int) -> int:
-    return job.result()[index]
-
-
-def _checksums_when_ready(parts: list[torch.Tensor], ready: torch.cuda.Event | None) -> list[int]:
-    if ready is not None:
-        ready.synchronize()
-    return [checksum(p.numpy().data) for p in parts]
+def _checksums_into(
+    parts: list[torch.Tensor], ready: torch.cuda.Event | None, sums: list[cf.Future[int]]
+) -> None:
+    """Fill ``sums[i]`` with the checksum of ``parts[i]``, in order, once ``ready`` is done (one
+    hasher job a run; each entry's header waits for its own checksum only)."""
+    try:
+        if ready is not None:
+            ready.synchronize()
+        for part, fut in zip(parts, sums, strict=True):
+            fut.set_result(checksum(part.numpy().data))
+    except BaseException as exc:
+        for fut in sums:
+            if not fut.done():
+                fut.set_exception(exc)
+        raise
 
 
 class DiskTier:
@@ -218,19 +222,19 @@ class DiskTier:
             self._queued_bytes -= size
         # Checksums on the hasher thread while the writer writes the payloads before them: one
         # job per run of writes (write_run: one buffer, one ready event).
-        sums: list[_Sum | None] = [None] * len(self._batch)
+        sums: list[cf.Future[int] | None] = [None] * len(self._batch)
         run: list[torch.Tensor] = []
-        at: list[int] = []
+        futs: list[cf.Future[int]] = []
         for i, item in enumerate(self._batch):
             if item is None or item[2] is None:
                 continue
+            fut: cf.Future[int] = cf.Future()
+            sums[i] = fut
             run.append(item[2])
-            at.append(i)
+            futs.append(fut)
             if item[4] is not None:  # the run's last write
-                sums_job = self._hasher.submit(_checksums_when_ready, run, item[3])
-                for k, j in enumerate(at):
-                    sums[j] = (sums_job, k)
-                run, at = [], []
+                self._hasher.submit(_checksums_into, run, item[3], futs)
+                run, futs = [], []
         job = self._writer.submit(self._run_batch, self._batch, sums)
         self._queue.append((job, nbytes))
         self._queued_bytes += nbytes
@@ -254,7 +258,7 @@ class DiskTier:
         self._clearing = None
         return True
 
-    def _run_batch(self, batch: list[_Item | None], sums: list[_Sum | None]) -> object:
+    def _run_batch(self, batch: list[_Item | None], sums: list[cf.Future[int] | None]) -> object:
         slots = self.slots
         waited = None
         for item, digest in zip(batch, sums, strict=True):
@@ -268,7 +272,7 @@ class DiskTier:
             if ready is not None and ready is not waited:
                 ready.synchronize()
                 waited = ready
-            slots.write(key, tag, data.numpy().data, partial(_nth, *digest))
+            slots.write(key, tag, data.numpy().data, digest.result)
             if owner is not None:
                 self.give(owner)
         return None
