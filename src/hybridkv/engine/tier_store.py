@@ -61,6 +61,15 @@ from hybridkv.storage.transfer import TransferDescriptor, gather, scatter
 __all__ = ["TierStore"]
 
 
+def _run_end(todo: list[TierOp], start: int, kind: str, tier: str) -> int:
+    """The index past the operations from ``start`` on that are ``kind`` on ``tier`` (no
+    destination): the rest of a run the operation before ``start`` opened."""
+    j, n = start, len(todo)
+    while j < n and (nxt := todo[j]).op == kind and nxt.tier == tier and not nxt.dest:
+        j += 1
+    return j
+
+
 def _host_copy(op: TierOp) -> bool:
     """Whether ``op`` copies a block between the device and the host tier."""
     return op.tier == "host" and op.op in ("store", "load") and not op.dest
@@ -188,28 +197,22 @@ class TierStore:
             op = todo[i]
             i += 1
             if _host_copy(op):  # with the host copies of the same kind right after it
-                kind, j = op.op, i
-                while j < n and (nxt := todo[j]).op == kind and nxt.tier == "host" and not nxt.dest:
-                    j += 1
+                j = _run_end(todo, i, op.op, "host")
                 run, i = todo[i - 1 : j], j
-                if kind == "store":
+                if op.op == "store":
                     self._store_run(run)
                 else:
                     self._load_run(run)
             elif op.op == "clear":
                 self._clear()
             elif op.op == "store" and op.tier == "disk" and not op.dest:
-                j = i  # with the disk stores right after it
-                while j < n and (nxt := todo[j]).op == "store" and nxt.tier == "disk":
-                    j += 1
-                self._disk_store_run(todo[i - 1 : j])
-                i = j
+                j = _run_end(todo, i, "store", "disk")
+                run, i = todo[i - 1 : j], j
+                self._disk_store_run(run)
             elif op.op == "load" and op.tier == "disk" and self._async:
-                j = i  # with the disk loads right after it
-                while j < n and (nxt := todo[j]).op == "load" and nxt.tier == "disk":
-                    j += 1
-                self._disk_load_run(todo[i - 1 : j], loaded_from_disk)
-                i = j
+                j = _run_end(todo, i, "load", "disk")
+                run, i = todo[i - 1 : j], j
+                self._disk_load_run(run, loaded_from_disk)
             elif op.tier == "disk" or op.dest == "disk":
                 self._disk_op(op, loaded_from_disk)
             elif op.op == "load":
