@@ -1,6 +1,8 @@
 """Disk stores in runs: TierStore gathers consecutive disk stores of row blocks into one
 staging buffer per run and queues it with DiskTier.write_run (one checksum job, one ready
-event); every entry still commits, fails or reads back on its own."""
+event), or, for a cache in host memory, queues the blocks' own bytes with
+DiskTier.write_borrowed (no staging copy; apply waits for them); every entry still commits,
+fails or reads back on its own."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class DiskStores(HostTier):
     the bytes its block held when it was stored."""
 
     tier = "disk"
+    borrow = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,6 +52,7 @@ class DiskStores(HostTier):
         self.dir = Path(tempfile.mkdtemp())
         slots = DiskSlots(self.dir, 64 * max(sizes), {"t": 1}, sizes)
         self.store = TierStore(self.storage, 0, slots, readers=1)
+        self.store._borrow = self.borrow
         assert self.store.disk is not None
         self.store.disk.batch_bytes = 2 * max(sizes)
 
@@ -74,13 +78,15 @@ class DiskStores(HostTier):
         self.store.close()
 
 
+@pytest.mark.parametrize("borrow", [False, True], ids=["staged", "borrowed"])
 @pytest.mark.parametrize("kind", [LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER])
 @pytest.mark.parametrize("strategy", ["pools", "uniform"])
 def test_disk_store_state_machine(
-    kind: LayoutKind, strategy: str, monkeypatch: pytest.MonkeyPatch
+    kind: LayoutKind, strategy: str, borrow: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tier_store, "FIRST_RUN_BYTES", 1)  # a first run of one block
-    machine = type("Machine", (DiskStores,), {"kind": kind, "strategy": strategy})
+    attrs = {"kind": kind, "strategy": strategy, "borrow": borrow}
+    machine = type("Machine", (DiskStores,), attrs)
     machine.TestCase.settings = settings(
         max_examples=20,
         stateful_step_count=20,
@@ -90,13 +96,22 @@ def test_disk_store_state_machine(
     machine.TestCase().runTest()
 
 
-def _one_group_store(tmp_path: Path, layers: int = 2) -> tuple[KVCacheStorage, TierStore, int]:
+def _one_group_store(
+    tmp_path: Path,
+    layers: int = 2,
+    *,
+    borrow: bool = False,
+    kind: LayoutKind = LayoutKind.CROSS_LAYER,
+) -> tuple[KVCacheStorage, TierStore, int]:
+    """A disk tier over one full-attention group; stores through staging copies (as on
+    CUDA) unless ``borrow``."""
     full = group(0, SPECS["full"], tuple(range(layers)))
     layout = uniform_layout((full,), num_blocks=40)
-    storage = KVCacheStorage(layout, kind=LayoutKind.CROSS_LAYER)
+    storage = KVCacheStorage(layout, kind=kind)
     _filled(storage)
     size = full.block_bytes
     store = TierStore(storage, 0, DiskSlots(tmp_path, 64 * size, {"t": 2}, [size]), readers=0)
+    store._borrow = borrow
     return storage, store, size
 
 

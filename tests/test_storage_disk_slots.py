@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hybridkv.storage.disk_slots import HEADER_BYTES, DiskCacheError, DiskSlots
+from hybridkv.storage.disk_slots import HEADER_BYTES, DiskCacheError, DiskSlots, checksum
 
 FP = {"model": "m", "layout": {"groups": [1, 2]}}
 SIZES = [96, 256]
@@ -203,6 +203,87 @@ def test_a_full_file_refuses_the_write(tmp_path: Path) -> None:
     assert s.write((0, 2), 0, memoryview(payload(2, 256)))
 
 
+def _run(fn: Any, n: int) -> list[Any]:
+    return [fn(i) for i in range(n)]
+
+
+def _run_backwards(fn: Any, n: int) -> list[Any]:
+    """As ``write_many``'s threads may: the payloads in another order than the slots."""
+    out: list[Any] = [None] * n
+    for i in reversed(range(n)):
+        out[i] = fn(i)
+    return out
+
+
+def test_write_many_ends_as_writes_one_by_one(tmp_path: Path) -> None:
+    one, many = slots(tmp_path / "one"), slots(tmp_path / "many")
+    one.write((0, 9), 0, memoryview(payload(9, 96)))
+    many.write((0, 9), 0, memoryview(payload(9, 96)))
+    items = [((0, 1), 2, memoryview(payload(1, 96))), ((1, 2), 0, memoryview(payload(2, 256)))]
+    items += [((0, 9), 1, [memoryview(payload(3, 96))[:40], memoryview(payload(3, 96))[40:]])]
+    assert [one.write(*item) for item in items] == [True, True, True]
+    assert many.write_many(items, _run_backwards) == [True, True, True]
+    assert one.entries == many.entries  # offsets, tags, stamps
+    assert read(many, (0, 9), 96) == payload(3, 96)  # the rewrite, from two pieces
+    many.close()
+    assert [(e.block_hash, e.stamp) for e in slots(tmp_path / "many").recovered] == [
+        (1, 1),
+        (2, 2),
+        (9, 3),
+    ]
+
+
+def test_write_many_fails_only_the_entry_whose_payload_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = slots(tmp_path)
+    real = os.pwrite
+
+    def flaky(fd: int, data: Any, offset: int) -> int:
+        if bytes(data) == payload(2, 96):
+            raise OSError(5, "Input/output error")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", flaky)
+    items = [((0, k), 0, memoryview(payload(k, 96))) for k in (1, 2, 3)]
+    assert s.write_many(items, _run) == [True, False, True]
+    monkeypatch.undo()
+    assert set(s.entries) == {(0, 1), (0, 3)} and s.write_errors == 1
+    assert read(s, (0, 2), 96) is None
+    failed = s.entries[0, 1].offset + 256  # the slot between the two committed ones
+    assert s.write((0, 5), 0, memoryview(payload(5, 96)))  # reuses the failed entry's slot
+    assert s.entries[0, 5].offset == failed and read(s, (0, 5), 96) == payload(5, 96)
+
+
+def test_write_many_with_a_repeated_key_writes_in_order(tmp_path: Path) -> None:
+    s = slots(tmp_path)
+    items = [((0, 1), 0, memoryview(payload(k, 96))) for k in (1, 2)]
+    assert s.write_many(items, _run_backwards) == [True, True]
+    assert len(s) == 1 and read(s, (0, 1), 96) == payload(2, 96)
+
+
+def test_a_payload_in_pieces_survives_short_writes_and_many_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = slots(tmp_path, capacity=1 << 16)
+    data = payload(7, 256) * 24  # 6 KiB in 1,536 pieces of 4 bytes: two pwritev calls at least
+    pieces = [memoryview(data)[i : i + 4] for i in range(0, len(data), 4)]
+    calls: list[int] = []
+
+    def short(fd: int, views: list[memoryview], offset: int) -> int:
+        calls.append(len(views))
+        return os.pwrite(fd, b"".join(views)[:1000], offset)  # at most 1,000 bytes a call
+
+    monkeypatch.setattr(os, "pwritev", short)
+    s2 = DiskSlots(tmp_path / "big", 1 << 16, FP, [len(data)])
+    assert s2.write((0, 1), 0, pieces)
+    monkeypatch.undo()
+    assert len(calls) >= 7 and max(calls) <= 1024
+    assert read(s2, (0, 1), len(data)) == data
+    assert checksum(pieces) == checksum(memoryview(data))
+    s.close()
+
+
 class DiskSlotsMachine(RuleBasedStateMachine):
     """Writes, drops, damage and reopens against a dict of what must read back."""
 
@@ -223,6 +304,26 @@ class DiskSlotsMachine(RuleBasedStateMachine):
             self.model[group, h] = data
         else:
             self.model.pop((group, h), None)
+
+    @rule(
+        keys=st.lists(st.tuples(st.integers(0, 1), st.integers(-3, 3)), min_size=1, max_size=5),
+        cuts=st.integers(1, 4),
+        backwards=st.booleans(),
+    )
+    def write_many(self, keys: list[tuple[int, int]], cuts: int, backwards: bool) -> None:
+        items = []
+        for key in keys:
+            self.counter += 1
+            data = payload(self.counter, SIZES[key[0]])
+            step = -(-len(data) // cuts)  # in pieces: one pwritev
+            pieces = [memoryview(data[i : i + step]) for i in range(0, len(data), step)]
+            items.append((key, 0, pieces, data))
+        done = self.s.write_many([i[:3] for i in items], _run_backwards if backwards else _run)
+        for (key, _, _, data), ok in zip(items, done, strict=True):
+            if ok:
+                self.model[key] = data
+            else:
+                self.model.pop(key, None)
 
     @rule(data=st.data())
     @precondition(lambda self: self.model)

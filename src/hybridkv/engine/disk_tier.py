@@ -17,6 +17,12 @@ threads, so the step neither writes nor reads the disk.
   queued is read only after the write is done.  A result that raced a drop or a rewrite of
   its key (a newer generation) is thrown away and read again.
 
+A cache in host memory needs no staging copy: :meth:`DiskTier.write_borrowed` queues the
+blocks' own bytes, which the writer and the hasher thread then write and checksum between
+them (:meth:`~hybridkv.storage.disk_slots.DiskSlots.write_many`: every payload, each
+checksummed right after it is written while its bytes are in cache, then the headers), and
+:meth:`DiskTier.settle` waits for them before the caller changes that memory.
+
 Reads and writes both release the GIL (``pread``/``pwrite`` and zlib's CRC-32 on large
 buffers), so they overlap each other and the model's step.
 """
@@ -26,7 +32,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,14 +42,21 @@ from hybridkv.storage.disk_slots import DiskSlots, checksum
 __all__ = ["DiskTier"]
 
 Key = tuple[int, int]
-#: A queued write (key, tag, bytes, the CUDA event the bytes are ready at, the tensor to give
-#: back once it is written: the run's staging tensor on its last entry, else None) or drop
-#: (no bytes).
-_Item = tuple[Key, int, torch.Tensor | None, torch.cuda.Event | None, torch.Tensor | None]
+#: A write's payload: bytes of a staging tensor the tier owns, or borrowed pieces of the
+#: caller's memory (:meth:`DiskTier.write_borrowed`).
+_Payload = torch.Tensor | tuple[memoryview, ...]
+#: A queued write (key, tag, payload, the CUDA event the bytes are ready at, the tensor to
+#: give back once it is written: a staging run's tensor on its last entry, else None, and
+#: whether it ends its run: one checksum job a run) or drop (no payload).
+_Item = tuple[Key, int, _Payload | None, torch.cuda.Event | None, torch.Tensor | None, bool]
+
+
+def _view(data: _Payload) -> memoryview | tuple[memoryview, ...]:
+    return data.numpy().data if isinstance(data, torch.Tensor) else data
 
 
 def _checksums_into(
-    parts: list[torch.Tensor], ready: torch.cuda.Event | None, sums: list[cf.Future[int]]
+    parts: list[_Payload], ready: torch.cuda.Event | None, sums: list[cf.Future[int]]
 ) -> None:
     """Fill ``sums[i]`` with the checksum of ``parts[i]``, in order, once ``ready`` is done (one
     hasher job a run; each entry's header waits for its own checksum only)."""
@@ -51,7 +64,7 @@ def _checksums_into(
         if ready is not None:
             ready.synchronize()
         for part, fut in zip(parts, sums, strict=True):
-            fut.set_result(checksum(part.numpy().data))
+            fut.set_result(checksum(_view(part)))
     except BaseException as exc:
         for fut in sums:
             if not fut.done():
@@ -113,6 +126,8 @@ class DiskTier:
         self._spare: dict[int, list[torch.Tensor]] = {}
         self._spare_bytes = 0
         self._spare_lock = threading.Lock()
+        #: Borrowed payloads queued and maybe not yet written (:meth:`settle` waits).
+        self._borrowed = False
         self.max_spare_bytes = max_pending_bytes + 2 * batch_bytes
 
     def buffer(self, size: int) -> torch.Tensor:
@@ -179,15 +194,47 @@ class DiskTier:
         for i, ((key, tag), size) in enumerate(zip(entries, sizes, strict=True)):
             part = data[start : start + size]
             start += size
-            self._batch.append((key, tag, part, ready, data if i == last else None))
+            self._batch.append((key, tag, part, ready, data if i == last else None, i == last))
             self._touch(key)
         self._batch_bytes += data.numel()
         if self._batch_bytes >= self.batch_bytes:  # let the writer start on what is ready
             self.commit()
 
+    def write_borrowed(
+        self, entries: Sequence[tuple[Key, int]], payloads: Sequence[Sequence[memoryview]]
+    ) -> None:
+        """Queue a run of entries whose bytes the writer reads from the caller's memory: the
+        ``i``-th ``(key, tag)`` of ``entries`` gets the concatenation of ``payloads[i]``
+        (written by one ``pwritev``, checksummed as one payload), with no staging copy.  The
+        caller must leave that memory unchanged until :meth:`settle` returns.  For a cache
+        that lives in host memory, where the staging copy would cost as much memory traffic
+        as the write itself.  One checksum job a run, as :meth:`write_run`."""
+        bad = [e for e in entries if not (len(e) == 2 and len(e[0]) == 2)]
+        if bad or len(entries) != len(payloads):
+            raise ValueError(
+                f"disk borrowed run: entries must be ((group, hash), tag) with one payload "
+                f"each; got {len(entries)} entries ({len(bad)} malformed) and "
+                f"{len(payloads)} payloads"
+            )
+        last = len(entries) - 1
+        for i, ((key, tag), pieces) in enumerate(zip(entries, payloads, strict=True)):
+            part = tuple(pieces)
+            self._batch.append((key, tag, part, None, None, i == last))
+            self._batch_bytes += sum(v.nbytes for v in part)
+            self._touch(key)
+        self._borrowed = self._borrowed or bool(entries)
+        if self._batch_bytes >= self.batch_bytes:
+            self.commit()
+
+    def settle(self) -> None:
+        """Wait until every borrowed payload (:meth:`write_borrowed`) is written, so the
+        caller may change that memory again (nothing to wait for when none is queued)."""
+        if self._borrowed:
+            self.flush()
+
     def drop(self, key: Key) -> None:
         """Queue the removal of entry ``key`` (nothing when it is not stored)."""
-        self._batch.append((key, 0, None, None, None))
+        self._batch.append((key, 0, None, None, None, False))
         self._touch(key)
 
     def clear(self) -> None:
@@ -223,18 +270,20 @@ class DiskTier:
         # Checksums on the hasher thread while the writer writes the payloads before them: one
         # job per run of writes (write_run: one buffer, one ready event).
         sums: list[cf.Future[int] | None] = [None] * len(self._batch)
-        run: list[torch.Tensor] = []
+        run: list[_Payload] = []
         futs: list[cf.Future[int]] = []
         for i, item in enumerate(self._batch):
-            if item is None or item[2] is None:
-                continue
+            if item is None or not isinstance(item[2], torch.Tensor):
+                continue  # a clear, a drop, or borrowed bytes (checksummed as written)
             fut: cf.Future[int] = cf.Future()
             sums[i] = fut
             run.append(item[2])
             futs.append(fut)
-            if item[4] is not None:  # the run's last write
+            if item[5]:  # the run's last write
                 self._hasher.submit(_checksums_into, run, item[3], futs)
                 run, futs = [], []
+        if run:  # a run whose last write is not queued yet (none is, today): its own job
+            self._hasher.submit(_checksums_into, run, None, futs)
         job = self._writer.submit(self._run_batch, self._batch, sums)
         self._queue.append((job, nbytes))
         self._queued_bytes += nbytes
@@ -261,27 +310,66 @@ class DiskTier:
     def _run_batch(self, batch: list[_Item | None], sums: list[cf.Future[int] | None]) -> object:
         slots = self.slots
         waited = None
-        for item, digest in zip(batch, sums, strict=True):
+        i, n = 0, len(batch)
+        while i < n:
+            item, digest = batch[i], sums[i]
+            i += 1
             if item is None:
                 slots.clear()
                 continue
-            key, tag, data, ready, owner = item
-            if data is None or digest is None:
+            key, tag, data, ready, owner, _ = item
+            if data is None:
                 slots.drop(key)
                 continue
+            if isinstance(data, tuple):  # borrowed bytes, with the borrowed writes after them
+                j = i
+                while j < n and (nxt := batch[j]) is not None and isinstance(nxt[2], tuple):
+                    j += 1
+                run: list[tuple[Key, int, tuple[memoryview, ...]]] = []
+                for it in batch[i - 1 : j]:
+                    assert it is not None and isinstance(it[2], tuple)
+                    run.append((it[0], it[1], it[2]))
+                slots.write_many(run, self._on_two_threads)
+                i = j
+                continue
+            assert digest is not None
             if ready is not None and ready is not waited:
                 ready.synchronize()
                 waited = ready
-            slots.write(key, tag, data.numpy().data, digest.result)
+            slots.write(key, tag, _view(data), digest.result)
             if owner is not None:
                 self.give(owner)
         return None
+
+    def _on_two_threads(
+        self, fn: Callable[[int], int | OSError | None], n: int
+    ) -> list[int | OSError | None]:
+        """``[fn(i) for i in range(n)]``, shared between this (the writer) thread and the
+        hasher thread, each taking the next ``i`` when done with its last."""
+        results: list[int | OSError | None] = [None] * n
+        todo = iter(range(n))
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    i = next(todo, -1)
+                if i < 0:
+                    return
+                results[i] = fn(i)
+
+        helper = self._hasher.submit(work) if n > 1 else None
+        work()
+        if helper is not None:
+            helper.result()
+        return results
 
     def flush(self) -> None:
         """Wait until every queued write, drop and clear is done."""
         self.commit()
         while self._queue:
             self._queue.popleft()[0].result()
+        self._borrowed = False
         self._queued_bytes = 0
         self._writing.clear()
         self._clearing = None

@@ -32,7 +32,11 @@ are gathered in runs, one staging buffer, copy, ready event and checksum job a r
 (:meth:`~hybridkv.engine.disk_tier.DiskTier.write_run`), and on CUDA consecutive disk loads
 go to their rows by one indexed scatter a run, as host runs do
 (:mod:`~hybridkv.engine.host_runs`): per block the step then pays a few microseconds of
-Python, not a copy call, an event and a thread hand-off.
+Python, not a copy call, an event and a thread hand-off.  A cache in host memory stages
+nothing: its disk stores hand the writer the blocks' own byte ranges
+(:meth:`~hybridkv.engine.disk_tier.DiskTier.write_borrowed`), and :meth:`TierStore.apply`
+waits for those writes before a load writes the storage and before it returns (the staging
+copy would cost as much memory traffic as the write to the page cache).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from hybridkv.engine.host_runs import (
     load_rows,
     store_rows,
 )
+from hybridkv.engine.host_slots import HostSlots
 from hybridkv.errors import InvariantError
 from hybridkv.storage import KVCacheStorage
 from hybridkv.storage.disk_slots import DiskSlots
@@ -73,32 +78,6 @@ def _run_end(todo: list[TierOp], start: int, kind: str, tier: str) -> int:
 def _host_copy(op: TierOp) -> bool:
     """Whether ``op`` copies a block between the device and the host tier."""
     return op.tier == "host" and op.op in ("store", "load") and not op.dest
-
-
-class _Slots:
-    """Byte slots of one buffer: bump allocation plus a free list per slot size."""
-
-    def __init__(self, capacity: int, pin: bool) -> None:
-        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
-        self.top = 0
-        self.free: dict[int, list[int]] = {}
-
-    def take(self, size: int) -> int:
-        """A free slot's offset, or -1 when there is no room."""
-        spare = self.free.get(size)
-        if spare:
-            return spare.pop()
-        if self.top + size > self.buffer.numel():
-            return -1
-        self.top += size
-        return self.top - size
-
-    def give(self, offset: int, size: int) -> None:
-        self.free.setdefault(size, []).append(offset)
-
-    def reset(self) -> None:
-        self.top = 0
-        self.free.clear()
 
 
 class TierStore:
@@ -133,7 +112,7 @@ class TierStore:
         #: recorded after them: given back to the disk tier once it completed.
         self._held: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
         self.disk = None if disk is None else DiskTier(disk, readers=readers, pin=self._pin)
-        self._slots = _Slots(host_bytes, self._pin) if host_bytes else None
+        self._slots = HostSlots(host_bytes, self._pin) if host_bytes else None
         #: One-block transfer descriptors, built once per ``(group, block)``.
         self._descs: dict[tuple[int, int], TransferDescriptor] = {}
         #: The storage's blocks as rows of its buffers.
@@ -141,6 +120,12 @@ class TierStore:
         #: ``(bytes, table id, rows)`` of each ``(group, block)``, built once; table id -1
         #: for a block of several byte ranges.
         self._places: dict[tuple[int, int], tuple[int, int, tuple[int, ...]]] = {}
+        #: Disk stores of a cache in host memory are written from the storage itself
+        #: (:meth:`_disk_store_borrowed`); False: through staging copies, as on CUDA.
+        self._borrow = storage.device.type == "cpu"
+        #: The storage buffers' bytes and each ``(group, block)``'s ranges of them, built once.
+        self._flat: list[memoryview] | None = None
+        self._views: dict[tuple[int, int], tuple[tuple[memoryview, ...], int]] = {}
         #: Blocks copied device -> tier and tier -> device so far.
         self.stored = self.loaded = 0
 
@@ -202,6 +187,7 @@ class TierStore:
                 if op.op == "store":
                     self._store_run(run)
                 else:
+                    self._settle()
                     self._load_run(run)
             elif op.op == "clear":
                 self._clear()
@@ -214,6 +200,8 @@ class TierStore:
                 run, i = todo[i - 1 : j], j
                 self._disk_load_run(run, loaded_from_disk)
             elif op.tier == "disk" or op.dest == "disk":
+                if op.op == "load":
+                    self._settle()
                 self._disk_op(op, loaded_from_disk)
             elif op.op == "load":
                 self._tier(op.tier)  # not a tier this store keeps: raises
@@ -232,6 +220,13 @@ class TierStore:
                 self._give_back(loaded_from_disk)
         if self.disk is not None:
             self.disk.commit()
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the disk writes that read the storage itself (a cache in host memory:
+        :meth:`_disk_store_borrowed`) before anything changes it."""
+        if self.disk is not None:
+            self.disk.settle()
 
     def _store_run(self, run: list[TierOp]) -> None:
         """Host stores: blocks bound for adjacent host slots go as one run
@@ -357,6 +352,9 @@ class TierStore:
         disk = self.disk
         if disk is None:
             raise EngineError("tier store: the engine stores no disk tier (store asked)")
+        if self._borrow:
+            self._disk_store_borrowed(disk, run)
+            return
         places = self._places
         cap = min(FIRST_RUN_BYTES, disk.batch_bytes)
         ops: list[TierOp] = []
@@ -388,6 +386,41 @@ class TierStore:
             nbytes += size
         if ops:
             flush()
+
+    def _disk_store_borrowed(self, disk: DiskTier, run: list[TierOp]) -> None:
+        """Disk stores of a cache in host memory: the writer reads each block's byte ranges
+        from the storage itself (:meth:`DiskTier.write_borrowed`, one ``pwritev`` a block),
+        in runs that grow as in :meth:`_disk_store_run`; :meth:`apply` waits for them
+        before anything writes the storage (a load) and before it returns.  A staging copy
+        would cost as much memory traffic as the write itself."""
+        cap = min(FIRST_RUN_BYTES, disk.batch_bytes)
+        entries: list[tuple[tuple[int, int], int]] = []
+        payloads: list[tuple[memoryview, ...]] = []
+        nbytes = 0
+        for n, op in enumerate(run, 1):
+            views, size = self._views_of(op)
+            entries.append(((op.group_id, op.block_hash), op.tag))
+            payloads.append(views)
+            nbytes += size
+            if nbytes >= cap or n == len(run):
+                disk.write_borrowed(entries, payloads)
+                self.stored += len(entries)
+                entries, payloads, nbytes = [], [], 0
+                cap = min(2 * cap, disk.batch_bytes)
+
+    def _views_of(self, op: TierOp) -> tuple[tuple[memoryview, ...], int]:
+        """Device block ``op.block``'s byte ranges as views of the (host) storage buffers, in
+        packed order, and their total bytes.  Built once per block."""
+        key = (op.group_id, op.block)
+        found = self._views.get(key)
+        if found is None:
+            if self._flat is None:
+                self._flat = [b.numpy().data for b in self.storage.buffers]
+            flat = self._flat
+            ranges = self._desc(op.group_id, op.block).ranges
+            views = tuple(flat[r.buffer_id][r.offset : r.offset + r.length] for r in ranges)
+            found = self._views[key] = (views, sum(r.length for r in ranges))
+        return found
 
     def _disk_load_run(self, run: list[TierOp], loaded: list[torch.Tensor]) -> None:
         """Disk loads on CUDA: the checked bytes of blocks whose ranges are rows of one table
@@ -545,21 +578,7 @@ class TierStore:
             if spans:
                 raise InvariantError("tier store: slot entries without a host buffer")
             return
-        for size, free in slots.free.items():
-            if len(set(free)) != len(free):
-                raise InvariantError(f"tier store: a free {size} B slot is listed twice")
-            spans += [(offset, size, f"free slot of {size} B") for offset in free]
-        end = 0
-        last = "the buffer's start"
-        for offset, size, what in sorted(spans):
-            if offset < end:
-                raise InvariantError(f"tier store: {what} at {offset} overlaps {last}")
-            end, last = offset + size, what
-        if end > slots.top or slots.top > slots.buffer.numel():
-            raise InvariantError(
-                f"tier store: slots reach byte {end}, bump mark {slots.top}, buffer "
-                f"{slots.buffer.numel()} B"
-            )
+        slots.check(spans)
 
     def num_bytes(self) -> int:
         """Bytes the host entries hold (staged disk copies included)."""

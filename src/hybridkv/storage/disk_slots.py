@@ -72,6 +72,8 @@ _EMPTY, _COMMITTED = 0, 1
 # signed LE: a SHA-256 hash or a negative builtin one)
 _HEAD = struct.Struct("<8sQIIqQQ33s")
 _HCRC = struct.Struct("<I")
+#: Pieces one ``pwritev`` takes at most (the POSIX minimum of ``IOV_MAX``, 1024 on Linux).
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 _MANIFEST = "manifest.json"
 _DATA = "blocks.bin"
 _LOCK = "lock"
@@ -92,6 +94,10 @@ class SlotEntry(NamedTuple):
     size: int
     offset: int
     stamp: int
+
+
+def _nbytes(data: memoryview | Sequence[memoryview]) -> int:
+    return data.nbytes if isinstance(data, memoryview) else sum(v.nbytes for v in data)
 
 
 def _stride(size: int) -> int:
@@ -272,37 +278,98 @@ class DiskSlots:
         self,
         key: tuple[int, int],
         tag: int,
-        data: memoryview,
+        data: memoryview | Sequence[memoryview],
         checksum_of: Callable[[], int] | None = None,
     ) -> bool:
-        """Store ``data`` (contiguous bytes) as entry ``key`` with admission ``tag``.
+        """Store ``data`` (contiguous bytes, or pieces whose concatenation is the payload,
+        written by one ``pwritev``) as entry ``key`` with admission ``tag``.
         ``checksum_of``: returns :func:`checksum` of ``data``, called after the payload is
         written (so another thread can compute it meanwhile); None: computed here.  Returns
         False, storing nothing, when no slot is left for its size or the write fails (the
         entry then reads as missing)."""
-        size = data.nbytes
+        size = _nbytes(data)
         if key in self.entries:
             self.drop(key)
         offset = self._take(size)
         if offset is None:
             self.no_room += 1
             return False
-        g, h = key
-        stamp = self._stamp
         try:
             self._pwrite(data, offset + HEADER_BYTES)  # the payload, then its header
             crc = checksum_of() if checksum_of is not None else checksum(data)
+        except OSError as exc:
+            self._failed(key, tag, size, offset, exc)
+            return False
+        return self._commit(key, tag, size, offset, crc)
+
+    def write_many(
+        self,
+        items: Sequence[tuple[tuple[int, int], int, memoryview | Sequence[memoryview]]],
+        run: Callable[[Callable[[int], int | OSError | None], int], list[int | OSError | None]],
+    ) -> list[bool]:
+        """Store ``items`` (``(key, tag, data)``, as :meth:`write` takes them) with the same
+        outcome as writing them one by one, in order (entries, stamps, failures), but every
+        payload first and every header after: slots are taken in order, then
+        ``run(payload, n)`` returns ``[payload(i) for i in range(n)]`` (each writes item
+        ``i``'s payload and returns its checksum; ``run`` may spread them over threads), then
+        the headers go out in order.  Keys repeated in ``items`` are written one by one."""
+        keys = [key for key, _, _ in items]
+        if len(set(keys)) != len(keys):
+            return [self.write(key, tag, data) for key, tag, data in items]
+        offsets: list[int | None] = []
+        for key, _, data in items:
+            if key in self.entries:
+                self.drop(key)
+            offset = self._take(_nbytes(data))
+            if offset is None:
+                self.no_room += 1
+            offsets.append(offset)
+
+        def payload(i: int) -> int | OSError | None:
+            offset = offsets[i]
+            if offset is None:
+                return None
+            data = items[i][2]
+            try:
+                self._pwrite(data, offset + HEADER_BYTES)
+            except OSError as exc:
+                return exc
+            return checksum(data)  # right after the write: the bytes are still in cache
+
+        sums = run(payload, len(items))
+        done = []
+        for (key, tag, data), offset, crc in zip(items, offsets, sums, strict=True):
+            if offset is None:
+                done.append(False)
+            elif isinstance(crc, OSError):
+                self._failed(key, tag, _nbytes(data), offset, crc)
+                done.append(False)
+            else:
+                assert crc is not None
+                done.append(self._commit(key, tag, _nbytes(data), offset, crc))
+        return done
+
+    def _commit(self, key: tuple[int, int], tag: int, size: int, offset: int, crc: int) -> bool:
+        """Write the header of a slot whose payload is out; the entry exists once it is."""
+        g, h = key
+        stamp = self._stamp
+        try:
             self._pwrite(_header(g, h, tag, size, stamp, crc, _COMMITTED), offset)
         except OSError as exc:
-            logger.warning("disk cache: writing group %d block %#x failed: %s", g, h, exc)
-            self.write_errors += 1
-            with contextlib.suppress(OSError):
-                self._pwrite(_header(g, h, tag, size, 0, 0, _EMPTY), offset)
-            self._free.setdefault(size, []).append(offset)
+            self._failed(key, tag, size, offset, exc)
             return False
         self._stamp += 1
         self.entries[key] = SlotEntry(g, h, tag, size, offset, stamp)
         return True
+
+    def _failed(self, key: tuple[int, int], tag: int, size: int, offset: int, exc: OSError) -> None:
+        """A write of ``key`` into the slot at ``offset`` failed: mark it empty and free it."""
+        g, h = key
+        logger.warning("disk cache: writing group %d block %#x failed: %s", g, h, exc)
+        self.write_errors += 1
+        with contextlib.suppress(OSError):
+            self._pwrite(_header(g, h, tag, size, 0, 0, _EMPTY), offset)
+        self._free.setdefault(size, []).append(offset)
 
     def read(self, key: tuple[int, int], out: memoryview) -> bool:
         """Read entry ``key`` into ``out`` (its size) and check it: the header must name
@@ -370,7 +437,12 @@ class DiskSlots:
         offset, self._top = self._top, end
         return offset
 
-    def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
+    def _pwrite(self, data: bytes | memoryview | Sequence[memoryview], offset: int) -> None:
+        if not isinstance(data, bytes | memoryview):
+            if len(data) != 1:
+                self._pwritev(data, offset)
+                return
+            data = data[0]
         view = memoryview(data).cast("B")
         while view.nbytes:
             n = os.pwrite(self._fd, view, offset)
@@ -379,10 +451,33 @@ class DiskSlots:
             view = view[n:]
             offset += n
 
+    def _pwritev(self, pieces: Sequence[memoryview], offset: int) -> None:
+        """Write ``pieces`` back to back from ``offset``: one ``pwritev`` per at most
+        ``IOV_MAX`` of them, resumed after a short write."""
+        views = [memoryview(v).cast("B") for v in pieces]
+        views = [v for v in views if v.nbytes]
+        at = 0
+        while at < len(views):
+            n = os.pwritev(self._fd, views[at : at + _IOV_MAX], offset)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            offset += n
+            while at < len(views) and n >= views[at].nbytes:
+                n -= views[at].nbytes
+                at += 1
+            if n:
+                views[at] = views[at][n:]
 
-def checksum(data: memoryview) -> int:
-    """The payload checksum a slot header carries (XXH3-64)."""
-    return xxhash.xxh3_64_intdigest(data)
+
+def checksum(data: memoryview | Sequence[memoryview]) -> int:
+    """The payload checksum a slot header carries (XXH3-64), of ``data`` or of the
+    concatenation of its pieces (the same value: the hash is streamed over them)."""
+    if isinstance(data, memoryview):
+        return xxhash.xxh3_64_intdigest(data)
+    state = xxhash.xxh3_64()
+    for piece in data:
+        state.update(piece)
+    return state.intdigest()
 
 
 def _parse(raw: bytes) -> tuple[int, int, int, int, int, int, int] | None:
