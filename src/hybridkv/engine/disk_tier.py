@@ -46,9 +46,14 @@ Key = tuple[int, int]
 #: caller's memory (:meth:`DiskTier.write_borrowed`).
 _Payload = torch.Tensor | tuple[memoryview, ...]
 #: A queued write (key, tag, payload, the CUDA event the bytes are ready at, the tensor to
-#: give back once it is written: a staging run's tensor on its last entry, else None, and
-#: whether it ends its run: one checksum job a run) or drop (no payload).
-_Item = tuple[Key, int, _Payload | None, torch.cuda.Event | None, torch.Tensor | None, bool]
+#: give back once it is written: a staging run's tensor on its last entry, which so ends the
+#: run's checksum job, else None) or drop (no payload).
+_Item = tuple[Key, int, _Payload | None, torch.cuda.Event | None, torch.Tensor | None]
+
+
+def _malformed(entries: Sequence[tuple[Key, int]]) -> int:
+    """How many of ``entries`` are not ``((group, hash), tag)``."""
+    return sum(1 for e in entries if not (len(e) == 2 and len(e[0]) == 2))
 
 
 def _view(data: _Payload) -> memoryview | tuple[memoryview, ...]:
@@ -178,11 +183,11 @@ class DiskTier:
         one wait for ``ready`` serve the whole run, so many small blocks cost the step little
         more than one.  Each entry is written, committed or failed on its own, as by
         :meth:`write`."""
-        bad = [e for e in entries if not (len(e) == 2 and len(e[0]) == 2)]
+        bad = _malformed(entries)
         if bad or len(entries) != len(sizes) or any(n < 0 for n in sizes):
             raise ValueError(
                 f"disk write run: entries must be ((group, hash), tag) with one size >= 0 "
-                f"each; got {len(entries)} entries ({len(bad)} malformed) and sizes "
+                f"each; got {len(entries)} entries ({bad} malformed) and sizes "
                 f"{list(sizes)[:8]}"
             )
         if sum(sizes) > data.numel():
@@ -194,7 +199,7 @@ class DiskTier:
         for i, ((key, tag), size) in enumerate(zip(entries, sizes, strict=True)):
             part = data[start : start + size]
             start += size
-            self._batch.append((key, tag, part, ready, data if i == last else None, i == last))
+            self._batch.append((key, tag, part, ready, data if i == last else None))
             self._touch(key)
         self._batch_bytes += data.numel()
         if self._batch_bytes >= self.batch_bytes:  # let the writer start on what is ready
@@ -209,17 +214,16 @@ class DiskTier:
         caller must leave that memory unchanged until :meth:`settle` returns.  For a cache
         that lives in host memory, where the staging copy would cost as much memory traffic
         as the write itself.  One checksum job a run, as :meth:`write_run`."""
-        bad = [e for e in entries if not (len(e) == 2 and len(e[0]) == 2)]
+        bad = _malformed(entries)
         if bad or len(entries) != len(payloads):
             raise ValueError(
                 f"disk borrowed run: entries must be ((group, hash), tag) with one payload "
-                f"each; got {len(entries)} entries ({len(bad)} malformed) and "
+                f"each; got {len(entries)} entries ({bad} malformed) and "
                 f"{len(payloads)} payloads"
             )
-        last = len(entries) - 1
-        for i, ((key, tag), pieces) in enumerate(zip(entries, payloads, strict=True)):
+        for (key, tag), pieces in zip(entries, payloads, strict=True):
             part = tuple(pieces)
-            self._batch.append((key, tag, part, None, None, i == last))
+            self._batch.append((key, tag, part, None, None))
             self._batch_bytes += sum(v.nbytes for v in part)
             self._touch(key)
         self._borrowed = self._borrowed or bool(entries)
@@ -234,7 +238,7 @@ class DiskTier:
 
     def drop(self, key: Key) -> None:
         """Queue the removal of entry ``key`` (nothing when it is not stored)."""
-        self._batch.append((key, 0, None, None, None, False))
+        self._batch.append((key, 0, None, None, None))
         self._touch(key)
 
     def clear(self) -> None:
@@ -279,11 +283,9 @@ class DiskTier:
             sums[i] = fut
             run.append(item[2])
             futs.append(fut)
-            if item[5]:  # the run's last write
+            if item[4] is not None:  # the run's last write
                 self._hasher.submit(_checksums_into, run, item[3], futs)
                 run, futs = [], []
-        if run:  # a run whose last write is not queued yet (none is, today): its own job
-            self._hasher.submit(_checksums_into, run, None, futs)
         job = self._writer.submit(self._run_batch, self._batch, sums)
         self._queue.append((job, nbytes))
         self._queued_bytes += nbytes
@@ -317,7 +319,7 @@ class DiskTier:
             if item is None:
                 slots.clear()
                 continue
-            key, tag, data, ready, owner, _ = item
+            key, tag, data, ready, owner = item
             if data is None:
                 slots.drop(key)
                 continue
