@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridkv.engine import host_runs
-from hybridkv.engine.host_runs import BlockRows, RowRuns, load_rows, store_rows
+from hybridkv.engine.host_runs import BlockRows, RowRuns, load_rows, spans, store_rows
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -115,3 +115,46 @@ def test_store_and_load_rows_move_exactly_the_blocks(device: str, length: int) -
     assert torch.equal(one, rows.tables[0][4].cpu())
     load_rows(rows, 0, [5], one, non_blocking=False)
     assert torch.equal(rows.tables[0][5].cpu(), one)
+
+
+def test_spans_cut_rows_into_arithmetic_progressions() -> None:
+    assert spans([]) == []
+    assert spans([7]) == [(0, 1, 7, 1)]
+    # a per-layer block (rows 3, 13, 23, 33), then another, then rows that go down
+    assert spans([3, 13, 23, 33, 5, 15, 25, 35, 9, 4, 2]) == [
+        (0, 4, 3, 10),
+        (4, 4, 5, 10),
+        (8, 1, 9, 1),  # 9 -> 4 goes down: 9 alone
+        (9, 1, 4, 1),
+        (10, 1, 2, 1),
+    ]
+    assert spans([1, 2, 3, 10, 11]) == [(0, 3, 1, 1), (3, 2, 10, 1)]
+    assert spans([4, 4]) == [(0, 1, 4, 1), (1, 1, 4, 1)]  # no step of 0
+
+
+@pytest.mark.parametrize("path", ["rows", "stretches", "index"])
+@pytest.mark.parametrize("length", [64, 30])
+def test_cpu_loads_by_row_stretch_or_index_write_exactly_the_rows(
+    monkeypatch: pytest.MonkeyPatch, path: str, length: int
+) -> None:
+    """Loads of per-layer-like blocks (rows at one stride), of single rows and of rows going
+    down, by a copy a row, by strided copies of stretches and by the indexed scatter alike,
+    write exactly the picked rows and nothing else."""
+    monkeypatch.setattr(host_runs, "CPU_WIDE_ROW", 0 if path == "rows" else 1 << 40)
+    monkeypatch.setattr(host_runs, "CPU_WIDE_SPAN", 0 if path == "stretches" else 1 << 40)
+    gen = torch.Generator().manual_seed(9)
+    buf = torch.randint(0, 256, (200 * length,), dtype=torch.uint8, generator=gen)
+    before = buf.clone()
+    rows = BlockRows((buf,))
+    table, _ = rows.place(0, 0, length)
+    per_layer = [b + 50 * k for b in (7, 2, 11) for k in range(4)]  # 3 blocks of 4 rows
+    picked = [*per_layer, 199, 120, 121, 122, 60, 59]
+    host = torch.randint(0, 256, (len(picked) * length,), dtype=torch.uint8, generator=gen)
+    load_rows(rows, table, picked, host, non_blocking=False)
+    want = before.view(200, length).clone()
+    for k, r in enumerate(picked):
+        want[r] = host[k * length : (k + 1) * length]
+    assert torch.equal(buf.view(200, length), want)
+    out = torch.empty_like(host)
+    store_rows(rows, table, picked, out, non_blocking=False)
+    assert torch.equal(out, host)

@@ -14,9 +14,14 @@ merged into runs: blocks whose host slots are adjacent, of one such table, up to
   device-to-host copy, a load one host-to-device copy plus one indexed scatter kernel, both
   over 8-byte words (each block's index list travels to the device from pinned memory,
   queued like the copies);
-* on the CPU, a store is one indexed gather straight into the host slots (a row copy each),
-  a load one multi-tensor copy into the rows, or for rows under :data:`CPU_WIDE_ROW` one
-  indexed scatter over 8-byte words (the CPU's indexed scatter of bytes is slow).
+* on the CPU, a store is one indexed gather straight into the host slots (a row copy each,
+  on all of torch's threads), over 8-byte words for rows under :data:`CPU_BYTE_GATHER`
+  (over bytes those ran at half the speed).  A load of rows of :data:`CPU_WIDE_ROW` or more
+  is one multi-tensor copy, a row each; of narrower rows, one multi-tensor copy into the
+  run's stretches of rows in arithmetic progression (a per-layer block's ranges are one
+  such stretch: one strided copy, on all threads), or, where the stretches average under
+  :data:`CPU_WIDE_SPAN` bytes, one indexed scatter over 8-byte words (single-threaded, but
+  without a copy call per stretch).
 
 Runs are issued as they close, so the first copies overlap the host's walk over the rest;
 they start small and grow (:data:`FIRST_RUN_BYTES` doubling to :data:`RUN_BYTES`).
@@ -30,12 +35,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = [
+    "CPU_BYTE_GATHER",
     "CPU_WIDE_ROW",
+    "CPU_WIDE_SPAN",
     "FIRST_RUN_BYTES",
     "RUN_BYTES",
     "BlockRows",
     "RowRuns",
     "load_rows",
+    "spans",
     "store_rows",
 ]
 
@@ -46,10 +54,20 @@ __all__ = [
 FIRST_RUN_BYTES = 1 << 20
 #: Bytes one run carries at most (and so the staging tensor on CUDA).
 RUN_BYTES = 16 << 20
-#: On the CPU, loads of rows under this many bytes go by one indexed scatter over 8-byte
-#: words, longer rows by one multi-tensor copy (2-core VM: 32 KiB rows 8.0 vs 4.8 GB/s,
-#: 256 KiB rows 9.3 vs 12.0 GB/s).
+#: On the CPU, loads of rows of at least this many bytes copy each row on its own (one
+#: multi-tensor copy): a row is one long copy already, and two of them as one strided view
+#: copied slower (2-core VM, 256 KiB rows: 9.4-9.8 vs 6.5-7.4 GB/s).
 CPU_WIDE_ROW = 128 << 10
+#: On the CPU, a load of narrower rows whose stretches of rows (rows in arithmetic progression, see
+#: :func:`spans`) average at least this many bytes copies each stretch as one strided view
+#: (torch spreads a copy of 256 KiB or more over its threads); below it, one indexed
+#: scatter over 8-byte words (one thread).  2-core VM, 64 MiB scattered: stretches of
+#: 1 MiB 13.4 vs 8.0 GB/s, of 256 KiB 6.0 vs 7.2, of 64 KiB 5.0 vs 7.6.
+CPU_WIDE_SPAN = 512 << 10
+#: On the CPU, a store gathers rows under this many bytes over 8-byte words, longer rows
+#: over bytes (2-core VM, 128 MiB of rows: 32 KiB 11.5 vs 6.6 GB/s, 128 KiB 13.9 vs 9.4,
+#: 256 KiB 7.9 vs 10.0, 2 MiB 13.2 vs 12.3; a plain copy 11-16).
+CPU_BYTE_GATHER = 256 << 10
 
 
 class BlockRows:
@@ -143,6 +161,29 @@ def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     return staged.to(device, non_blocking=True)
 
 
+def spans(picked: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """``picked`` cut into stretches ``(index of its first entry, entries, first row, step)``
+    of rows in arithmetic progression with a positive step, each as long as it can be
+    (greedily, from the start): a per-layer block's rows (its ranges, layer after layer, at
+    one stride through the buffer) are one stretch."""
+    out: list[tuple[int, int, int, int]] = []
+    n = len(picked)
+    i = 0
+    while i < n:
+        first = picked[i]
+        if i + 1 == n or (step := picked[i + 1] - first) <= 0:
+            out.append((i, 1, first, 1))
+            i += 1
+            continue
+        j, last = i + 2, picked[i + 1]
+        while j < n and picked[j] - last == step:
+            last = picked[j]
+            j += 1
+        out.append((i, j - i, first, step))
+        i = j
+    return out
+
+
 def _views(
     rows: BlockRows, table_id: int, n: int, host: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +206,11 @@ def store_rows(
         return
     index = _index(picked, table.device)
     if table.device.type != "cuda":  # one row copy each, straight into the host bytes
-        torch.index_select(table, 0, index, out=host.view(n, -1))
+        if table.shape[1] >= CPU_BYTE_GATHER:
+            torch.index_select(table, 0, index, out=host.view(n, -1))
+            return
+        src, dst = _views(rows, table_id, n, host)
+        torch.index_select(src, 0, index, out=dst)
         return
     src, dst = _views(rows, table_id, n, host)
     dst.copy_(torch.index_select(src, 0, index), non_blocking=non_blocking)
@@ -182,11 +227,21 @@ def load_rows(
         return
     dst, src = _views(rows, table_id, n, host)
     if table.device.type != "cuda":
-        if dst.dtype == torch.int64 and width < CPU_WIDE_ROW:
+        if width >= CPU_WIDE_ROW:  # one multi-tensor copy, a row each
+            dsts = [rows.view(table_id, r) for r in picked]
+            torch._foreach_copy_(dsts, list(host.view(n, width).unbind(0)))
+            return
+        found = spans(picked)
+        if dst.dtype == torch.int64 and n * width < CPU_WIDE_SPAN * len(found):
             dst.index_put_((_index(picked, table.device),), src)
             return
-        dsts = [rows.view(table_id, r) for r in picked]  # one multi-tensor copy, a row each
-        torch._foreach_copy_(dsts, list(host.view(n, width).unbind(0)))
+        words = dst.shape[1]  # a row in dst's elements (8-byte words or bytes)
+        base = dst.storage_offset()
+        views = [
+            dst.as_strided((count, words), (step * words, 1), base + first * words)
+            for _, count, first, step in found
+        ]  # one multi-tensor copy, a strided copy a stretch
+        torch._foreach_copy_(views, [src[at : at + count] for at, count, _, _ in found])
         return
     index = _index(picked, table.device)
     dst.index_copy_(0, index, src.to(table.device, non_blocking=non_blocking))
