@@ -113,6 +113,7 @@ class HybridCoordinator:
         tiers: Sequence[TierSpec] = (),
         tier_ops: bool = False,
         tier_admission: str = "yield",
+        tier_write_through: str | None = None,
     ) -> None:
         if tier_admission not in TIER_ADMISSION:
             raise PlanError(
@@ -204,7 +205,9 @@ class HybridCoordinator:
                 events=events,
                 block_sizes=[g.block_size for g in layout.groups],
             )
-            self.bridge = TierBridge(self.tiers, self.managers, self.admission, tier_admission)
+            self.bridge = TierBridge(
+                self.tiers, self.managers, self.admission, tier_admission, tier_write_through
+            )
             events.set_eviction_sink(self.bridge.evicted)
             for m in self.managers:
                 m.hit_map = self.tiers.view(m.group_id, m.map)

@@ -98,6 +98,11 @@ class KVCacheManager:
     reason the checkpoint admission would not save now skips the host tier (to the disk tier,
     if any, else dropped); ``"all"``: it goes to the top tier as any block (see
     :data:`hybridkv.cache.admission.TIER_ADMISSION`).
+    ``tier_write_through``: the name of a tier (``host`` or ``disk``) that also takes every
+    block the device publishes, once the step computing it ran (:meth:`write_through`; the
+    scheduler calls it after each step), not only when the device evicts it: evictions then
+    find most blocks stored already, and a disk tier holds a process's prefixes even if it
+    ends without :meth:`persist_to_tier`.  None (default): write-back on eviction only.
     """
 
     #: Skip planning an allocation that provably changes nothing (see
@@ -122,6 +127,7 @@ class KVCacheManager:
         tiers: Sequence[TierSpec] = (),
         tier_ops: bool = False,
         tier_admission: str = "yield",
+        tier_write_through: str | None = None,
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -130,6 +136,11 @@ class KVCacheManager:
         second_chance = check_chances(second_chance)  # here too: before any typed (compiled) call
         if window_chances is not None:
             window_chances = check_chances(window_chances, "window_chances")
+        if tier_write_through is not None and not tiers:
+            raise PlanError(
+                f"tier_write_through: {tier_write_through!r} names a tier, but this cache has "
+                "no lower tiers (give tiers=[TierSpec(...)])"
+            )
         self.layout = layout
         self.hasher = make_hasher(hasher) if isinstance(hasher, str) else hasher
         self.max_model_len = max_model_len
@@ -147,6 +158,7 @@ class KVCacheManager:
             tiers=tuple(tiers),
             tier_ops=tier_ops,
             tier_admission=tier_admission,
+            tier_write_through=tier_write_through,
         )
         self.group_hit_stats = bool(group_hit_stats)
         self._stats = StatsCollector(len(layout.groups) if group_hit_stats else 0)
@@ -451,6 +463,15 @@ class KVCacheManager:
         (empty without tiers or ``tier_ops``); run them before the step's model pass."""
         tiers = self._coord.tiers
         return [] if tiers is None else tiers.take_ops()
+
+    def write_through(self) -> int:
+        """The steps scheduled so far ran: store the blocks they published in the
+        ``tier_write_through`` tier (operations for :meth:`take_tier_ops`).  Returns how many
+        blocks were offered to it (0 without write-through)."""
+        bridge = self._coord.bridge
+        if bridge is None or bridge.write_through is None:
+            return 0
+        return bridge.flush_through()
 
     def retain_hit(self, request: Request) -> int:
         """``request`` joined a waiting queue: make the lower-tier entries its prefix hit

@@ -17,6 +17,7 @@ from hybridkv.cache.kinds import GroupState, KindManager
 from hybridkv.cache.request import Request
 from hybridkv.cache.tiers import TierStack
 from hybridkv.cache.types import BlockHash, BlockId, TierLoad
+from hybridkv.errors import PlanError
 
 __all__ = ["LoadSpots", "TierBridge"]
 
@@ -33,11 +34,53 @@ class TierBridge:
         managers: Sequence[KindManager],
         admission: CheckpointAdmission | None,
         tier_admission: str,
+        write_through: str | None = None,
     ) -> None:
         self.tiers = tiers
         self.managers = list(managers)
         self.admission = admission
         self.tier_admission = tier_admission
+        #: The tier every published block is also stored in once its step ran (None: blocks
+        #: go down only when the device evicts them), and the publications not yet stored.
+        self.write_through = write_through
+        self.published: list[tuple[int, list[tuple[int, int, int]]]] = []
+        if write_through is not None:
+            names = [t.name for t in tiers.tiers]
+            if write_through not in names:
+                raise PlanError(
+                    f"tier_write_through: {write_through!r} is not a tier of this cache; "
+                    f"valid: {', '.join(names)}"
+                )
+            for m in self.managers:
+                m.through = self.published
+
+    def flush_through(self) -> int:
+        """Store every block published since the last call in the write-through tier, in
+        publication order, as if the device evicted it (a checkpoint keeps its reason; the
+        ``yield`` rule routes checkpoints to the host tier as at eviction).  Call once the
+        steps that compute them ran: the stores copy the device blocks.  A block no longer
+        cached under its hash (taken back, or evicted and so written back already) is
+        skipped; one a tier already holds is refreshed there.  Returns how many blocks were
+        offered."""
+        pending, self.published[:] = list(self.published), []
+        level = [t.name for t in self.tiers.tiers].index(self.write_through or "")
+        offered = 0
+        for g, items in pending:
+            m = self.managers[g]
+            held = m.map
+            kept = [(h, b) for _, b, h in items if held.get(h) == b]
+            if not kept:
+                continue
+            hashes = [h for h, _ in kept]
+            blocks = [b for _, b in kept]
+            offered += len(kept)
+            if level == 0:
+                self.evicted(g, hashes, blocks)
+            else:
+                reasons = getattr(m, "reasons", None)
+                tags = None if reasons is None else [reasons[b] for b in blocks]
+                self.tiers.evicted(g, hashes, blocks, tags, level=level)
+        return offered
 
     def evicted(self, group_id: int, hashes: Sequence[int], blocks: Sequence[int]) -> None:
         """Device evictions go down a tier; a state checkpoint keeps its admission reason.

@@ -272,6 +272,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "front, plus a 128-byte header per possible slot (default: none)",
     )
     parser.add_argument(
+        "--write-through",
+        choices=("host", "disk"),
+        default=None,
+        help="that tier (--host-memory, or --disk-cache) also takes every block a step "
+        "computes, when the step ends, not only what the tiers above evict: a disk cache then "
+        "keeps a run's prefixes even if it is killed (default: write-back on eviction only)",
+    )
+    parser.add_argument(
         "--disaggregate",
         action="store_true",
         help="prefill and decode in two processes (gloo): the prefill process computes each "

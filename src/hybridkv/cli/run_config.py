@@ -29,6 +29,7 @@ _FIELD_FLAGS = {
     "strategy": "--strategy",
     "host_memory_bytes": "--host-memory",
     "disk_memory_bytes": "--disk-memory",
+    "write_through": "--write-through",
 }
 
 
@@ -123,6 +124,12 @@ def configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
             else ("--disk-memory", "--disk-cache DIR")
         )
         raise RunInputError(f"{given}: a disk tier also needs {missing}")
+    if args.write_through == "host" and host is None:
+        raise RunInputError("--write-through host: needs a host tier (--host-memory SIZE)")
+    if args.write_through == "disk" and disk is None:
+        raise RunInputError(
+            "--write-through disk: needs a disk tier (--disk-cache DIR --disk-memory SIZE)"
+        )
     if args.disk_cache is not None:
         _check_disk_dir(args.disk_cache)
     if memory is None and args.num_blocks is None:
@@ -140,6 +147,7 @@ def configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
             host_memory_bytes=host,
             disk_cache_dir=args.disk_cache,
             disk_memory_bytes=disk,
+            write_through=args.write_through,
         )
         scheduler = SchedulerConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs)
     except HybridKVError as exc:

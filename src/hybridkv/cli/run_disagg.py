@@ -48,6 +48,7 @@ def run_disaggregated(
             ("--speculate", args.speculate),
             ("--host-memory", args.host_memory),
             ("--disk-cache", args.disk_cache),
+            ("--write-through", args.write_through),
             ("--attention-sinks", args.attention_sinks),
             ("--device cuda", args.device != "cpu"),
         )

@@ -58,9 +58,13 @@ class CacheConfig:
     :mod:`hybridkv.engine.tier_store`).  ``disk_cache_dir`` with ``disk_memory_bytes``: a
     disk tier below (checksummed slots in a preallocated file in that directory, reused by
     the next engine of the same model and layout: a prefix cache that outlives the process;
-    :mod:`hybridkv.storage.disk_slots`).  Raises :class:`~hybridkv.errors.PlanError` when
-    both budgets are given, a count is not positive (negative where 0 is allowed),
-    ``publish`` is unknown, or only one of the two disk fields is given.
+    :mod:`hybridkv.storage.disk_slots`).  ``write_through``: ``"host"`` or ``"disk"``: that
+    tier also takes every block the device publishes, once the step computing it ran, not
+    only what the device evicts (a disk tier then keeps a process's prefixes even if it
+    ends without :meth:`~hybridkv.engine.llm_engine.LLMEngine.close`).  Raises
+    :class:`~hybridkv.errors.PlanError` when both budgets are given, a count is not positive
+    (negative where 0 is allowed), ``publish`` is unknown, only one of the two disk fields
+    is given, or ``write_through`` names a tier the config does not have.
     """
 
     strategy: str = "arena"
@@ -76,6 +80,7 @@ class CacheConfig:
     host_memory_bytes: int | None = None
     disk_cache_dir: str | Path | None = None
     disk_memory_bytes: int | None = None
+    write_through: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -105,6 +110,15 @@ class CacheConfig:
                 f"CacheConfig.publish: unknown mode {self.publish!r}; valid: "
                 f"{', '.join(PUBLISH_MODES)}"
             )
+        if self.write_through is not None:
+            have = {"host": self.host_memory_bytes, "disk": self.disk_memory_bytes}
+            if have.get(self.write_through) is None:
+                tiers = ", ".join(n for n, size in have.items() if size is not None) or "none"
+                raise PlanError(
+                    f"CacheConfig.write_through: {self.write_through!r} is not a tier of this "
+                    f"cache (its tiers: {tiers}); valid: 'host' with host_memory_bytes, 'disk' "
+                    "with disk_cache_dir and disk_memory_bytes"
+                )
         if self.memory_bytes is not None and self.num_blocks is not None:
             raise PlanError(
                 f"CacheConfig: give memory_bytes ({self.memory_bytes}) or num_blocks "

@@ -203,6 +203,7 @@ class LLMEngine:
             group_hit_stats=True,  # EngineStats.group_hit_tokens
             tiers=tier_specs(cache.host_memory_bytes, cache.disk_memory_bytes),
             tier_ops=True,
+            tier_write_through=cache.write_through,
         )
         self._tier_store = open_tiers(
             self.storage,
@@ -395,6 +396,8 @@ class LLMEngine:
             c["passes"] += rewinds
         self._model_seconds += time.perf_counter() - model_start
         outputs = self.scheduler.update(out, sampled)
+        if self._tier_store is not None and self.cache_config.write_through is not None:
+            self._tier_store.apply(self.manager.take_tier_ops())  # what the step published
         for o in outputs:
             rows = result.position_logits.get(o.request_id)
             if rows is None:

@@ -531,6 +531,7 @@ class Scheduler:
                     num_output_tokens=seq.num_output_tokens,
                 )
             )
+        self.manager.write_through()  # the step ran: what it published can be stored below
         return results
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:

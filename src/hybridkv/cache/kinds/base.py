@@ -140,6 +140,10 @@ class KindManager(ABC):
         #: over it and the lower tiers (tier-only hashes map to the load marker ``-1``).
         self.hit_map: Any = self.map
         self.block_bytes = group.block_bytes
+        #: With a write-through tier: every publication ``(group, items)`` is appended here
+        #: (:meth:`~hybridkv.cache.tier_bridge.TierBridge.flush_through` stores the blocks
+        #: once their step ran).
+        self.through: list[tuple[int, list[tuple[int, int, int]]]] | None = None
         self._configure()
 
     def present(self, hashes: Sequence[int]) -> bytes:
@@ -295,6 +299,8 @@ class KindManager(ABC):
 
     def _publish(self, items: list[tuple[int, int, int]], request: Request) -> None:
         self.pool.cache_many(self.group_id, items)
+        if self.through is not None:
+            self.through.append((self.group_id, items))
         if self.admission is not None:
             self.admission.published(len(items) * self.block_bytes)
         if self.events.enabled:
