@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from hybridkv.cache import KVCacheManager, TierSpec
-from hybridkv.cache.tiers import TierOp
+from hybridkv.cache.tiers import TierOp, TierStack
 from hybridkv.errors import PlanError
 from hybridkv.plan import MemoryLayout
 from test_cache_factories import admit, full, groups, layout_for, pools, state, tokens
@@ -171,3 +171,77 @@ def test_write_through_keeps_every_tier_consistent(
                 held[op.tier].discard(op.block_hash)
         stats = mgr.tier_stats()
         assert {t: len(h) for t, h in held.items()} == {t: stats[t]["blocks"] for t in held}
+
+
+def _ops(stack: TierStack) -> list[tuple[str, str, int]]:
+    return [(op.op, op.tier, op.block_hash) for op in stack.take_ops()]
+
+
+def test_cold_copies_take_only_free_or_cold_room_and_go_first() -> None:
+    stack = TierStack([TierSpec("host", 4 * 10), TierSpec("disk", 100)], [10], record_ops=True)
+    stack.evicted(0, (1, 2), (11, 12))  # write-back: warm
+    stack.evicted(0, (3, 4), (13, 14), cold=True)  # write-through copies: cold
+    assert _ops(stack) == [("store", "host", h) for h in (1, 2, 3, 4)]
+    stack.evicted(0, (5,), (15,), cold=True)  # full: the oldest cold copy makes way, dropped
+    assert _ops(stack) == [("drop", "host", 3), ("store", "host", 5)]
+    stack.evicted(0, (6,), (16,))  # a warm entry: cold copies go first, and are not moved down
+    assert _ops(stack) == [("drop", "host", 4), ("store", "host", 6)]
+    host = stack.tiers[0]
+    assert (list(host.cold), list(host.lru)) == ([(0, 5)], [(0, 1), (0, 2), (0, 6)])
+    stack.evicted(0, (5,), (15,))  # the device evicts a block with a cold copy: it warms
+    assert _ops(stack) == []
+    assert (list(host.cold), list(host.lru)) == ([], [(0, 1), (0, 2), (0, 6), (0, 5)])
+    stack.evicted(0, (7,), (17,), cold=True)  # all warm: no room for a cold copy
+    assert _ops(stack) == [] and stack.where(0, 7) is None
+    stack.evicted(0, (8,), (18,))  # warm pressure moves the oldest warm entry down
+    assert _ops(stack) == [("move", "host", 1), ("store", "host", 8)]
+    assert stack.where(0, 1) == "disk"
+    stack.check_invariants()
+
+
+def test_a_hit_or_a_refresh_warms_a_cold_copy() -> None:
+    stack = TierStack([TierSpec("host", 40)], [10])
+    stack.evicted(0, (1, 2), (11, 12), cold=True)
+    assert stack.load_hash(0, 2) == "host"
+    host = stack.tiers[0]
+    assert (list(host.cold), list(host.lru)) == ([(0, 1)], [(0, 2)])
+    assert stack.refresh(0, [1]) == 1
+    assert (list(host.cold), list(host.lru)) == ([], [(0, 2), (0, 1)])
+    assert stack.stats()["host"]["cold_blocks"] == 0
+    stack.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    hst.lists(
+        hst.tuples(hst.integers(0, 3), hst.integers(1, 24), hst.booleans()), min_size=1, max_size=30
+    )
+)
+def test_write_through_leaves_the_warm_entries_and_hits_of_write_back(
+    script: list[tuple[int, int, bool]],
+) -> None:
+    """On attention-only layouts the cold copies change nothing write-back decides: the same
+    script gives the same hits and, tier by tier, the same warm entries in the same order."""
+    layout = layout_for("pools", groups((full(), 6)), 6)
+    bb = layout.groups[0].block_bytes
+    specs = (TierSpec("host", 3 * bb), TierSpec("disk", 5 * bb))
+    mgrs = [_mgr(layout, through, *specs) for through in (None, "host", "disk")]
+    for n, (family, length, computed) in enumerate(script):
+        hits = []
+        for mgr in mgrs:
+            req = mgr.make_request(f"r{n}", tokens(length, 1000 * family))
+            hit, res = admit(mgr, req)
+            hits.append(None if res is None else hit.num_computed_tokens)
+            if res is not None:
+                if computed:
+                    req.num_computed_tokens = req.num_tokens
+                mgr.free(req.request_id)
+            mgr.write_through()
+            mgr.check_invariants()
+        assert hits[1:] == hits[:1] * 2
+        warm = []
+        for mgr in mgrs:
+            tiers = mgr._coord.tiers
+            assert tiers is not None
+            warm.append([list(t.lru) for t in tiers.tiers])
+        assert warm[1:] == warm[:1] * 2

@@ -114,6 +114,27 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         "--host-memory: a host tier of 1000 B holds no block",
     ),
     (["simulate", "--report", "{tmp}/a_file.txt/sub"], "--report: cannot create directory"),
+    (
+        ["simulate", "--write-through", "host"],
+        "--write-through host: needs a host tier in every run (--host-memory SIZE, not 0); got "
+        "none",
+    ),
+    (
+        ["simulate", "--write-through", "host", "--host-memory", "0,1GiB", "--strategy", "arena"],
+        "got --host-memory 0,1GiB",
+    ),
+    (
+        ["simulate", "--write-through", "disk", "--host-memory", "1GiB"],
+        "--write-through disk: needs a disk tier in every run (--disk-memory SIZE",
+    ),
+    (
+        ["run", "--write-through", "host"],
+        "--write-through host: needs a host tier (--host-memory SIZE)",
+    ),
+    (
+        ["run", "--write-through", "disk", "--host-memory", "1MiB"],
+        "--write-through disk: needs a disk tier (--disk-cache DIR --disk-memory SIZE)",
+    ),
 ]
 
 #: Arguments argparse itself refuses (one error line, exit 2), and the phrase it must hold.
@@ -123,6 +144,8 @@ ARGPARSE_ERRORS: list[tuple[list[str], str]] = [
     (["simulate", "--strategy", "bogus"], "invalid choice: 'bogus'"),
     (["simulate", "--window-retention", "some"], "invalid choice: 'some'"),
     (["simulate", "--publish", "later"], "invalid choice: 'later'"),
+    (["simulate", "--write-through", "gpu"], "invalid choice: 'gpu'"),
+    (["run", "--write-through", "gpu"], "invalid choice: 'gpu'"),
     (["simulate", "--requests", "ten"], "invalid int value: 'ten'"),
     (["simulate", "--second-chance", "two"], "invalid int value: 'two'"),
     (["models", "--tp", "two"], "invalid int value: 'two'"),

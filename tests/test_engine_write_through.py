@@ -52,7 +52,7 @@ def test_host_write_through_serves_the_same_hits_exactly(name: str) -> None:
         assert store is not None
         tiers = engine.manager._coord.tiers
         assert tiers is not None
-        assert store.host_keys() == set(tiers.tiers[0].lru)  # bytes for every entry
+        assert store.host_keys() == tiers.tiers[0].entries()  # bytes for every entry
         runs[through] = (engine.stats(), engine.manager.tier_stats()["host"])
     (back, back_host), (through_stats, through_host) = runs[None], runs["host"]
     want = 600 if name in STATE else 620

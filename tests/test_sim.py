@@ -14,7 +14,7 @@ from hybridkv.models import resolve_model
 from hybridkv.plan import Strategy
 from hybridkv.sim import ModelProfile, SimConfig, load_model_config, simulate
 from hybridkv.sim.report import COLUMNS, StrategyFailure, interpretation, write_report
-from hybridkv.sim.simulator import _need_function
+from hybridkv.sim.simulator import SimulationError, _need_function
 from hybridkv.workloads import SyntheticOptions, load_workload, synthetic_workload
 
 
@@ -227,6 +227,35 @@ def test_lower_tiers_serve_what_the_device_evicts() -> None:
     summary = host.summary()
     assert summary["tier_hit_rates"]["host"] == host.tier_hit_tokens["host"] / host.prompt_tokens
     assert summary["tiers"]["host"]["loaded_bytes"] > 0
+
+
+def test_write_through_keeps_write_backs_hits() -> None:
+    # the agent loops above with a 256 MiB host tier (it drops entries): write-through
+    # copies are cold, so they take only spare room and the hits equal write-back's
+    # (measured: 79.16% both; 7,627 -> 9,835 blocks stored)
+    model = resolve_model("gpt-oss-20b")
+    profile = ModelProfile.from_config(load_model_config("gpt-oss-20b"))
+    work = synthetic_workload("agent", SyntheticOptions(num_requests=60, seed=5))
+    runs = []
+    for through in (None, "host"):
+        cfg = SimConfig(
+            memory_bytes=700 << 20,
+            max_model_len=16384,
+            host_memory_bytes=256 << 20,
+            write_through=through,
+        )
+        runs.append(simulate(model, profile, work, cfg))
+    back, through = runs
+    assert through.cached_tokens == back.cached_tokens > 0
+    assert through.tier_hit_tokens == back.tier_hit_tokens
+    assert through.tiers["host"]["stored"] > back.tiers["host"]["stored"]
+    with pytest.raises(SimulationError, match="write_through: 'disk' is not a tier of this run"):
+        SimConfig(
+            memory_bytes=1 << 30,
+            max_model_len=4096,
+            host_memory_bytes=1 << 30,
+            write_through="disk",
+        )
 
 
 def test_load_seconds() -> None:

@@ -56,8 +56,10 @@ class TierBridge:
 
     def flush_through(self) -> int:
         """Store every block published since the last call in the write-through tier, in
-        publication order, as if the device evicted it (a checkpoint keeps its reason; the
-        ``yield`` rule routes checkpoints to the host tier as at eviction).  Call once the
+        publication order, as a cold copy (:mod:`hybridkv.cache.tiers`: it takes only room
+        that free bytes or other cold copies give, and warms when the device evicts the
+        block); a checkpoint keeps its reason, and the ``yield`` rule routes checkpoints as at
+        eviction.  Call once the
         steps that compute them ran: the stores copy the device blocks.  A block no longer
         cached under its hash (taken back, or evicted and so written back already) is
         skipped; one a tier already holds is refreshed there.  Returns how many blocks were
@@ -75,15 +77,19 @@ class TierBridge:
             blocks = [b for _, b in kept]
             offered += len(kept)
             if level == 0:
-                self.evicted(g, hashes, blocks)
+                self.evicted(g, hashes, blocks, cold=True)
             else:
                 reasons = getattr(m, "reasons", None)
                 tags = None if reasons is None else [reasons[b] for b in blocks]
-                self.tiers.evicted(g, hashes, blocks, tags, level=level)
+                self.tiers.evicted(g, hashes, blocks, tags, level=level, cold=True)
         return offered
 
-    def evicted(self, group_id: int, hashes: Sequence[int], blocks: Sequence[int]) -> None:
+    def evicted(
+        self, group_id: int, hashes: Sequence[int], blocks: Sequence[int], cold: bool = False
+    ) -> None:
         """Device evictions go down a tier; a state checkpoint keeps its admission reason.
+        ``cold``: write-through copies of blocks the device keeps (see
+        :mod:`hybridkv.cache.tiers`), routed the same way.
         With ``tier_admission="yield"`` a checkpoint whose reason the admission would not save
         now skips the host tier (it competes there with blocks that pay as on the device): it
         goes to the disk tier when there is one, else nowhere.  A disk tier alone takes
@@ -91,12 +97,12 @@ class TierBridge:
         tiers = self.tiers
         reasons = getattr(self.managers[group_id], "reasons", None)
         if reasons is None:
-            tiers.evicted(group_id, hashes, blocks)
+            tiers.evicted(group_id, hashes, blocks, cold=cold)
             return
         tags = [reasons[b] for b in blocks]
         adm = self.admission
         if adm is None or self.tier_admission != "yield" or tiers.tiers[0].name != "host":
-            tiers.evicted(group_id, hashes, blocks, tags)
+            tiers.evicted(group_id, hashes, blocks, tags, cold=cold)
             return
         host: tuple[list[int], list[int], list[int]] = ([], [], [])
         below: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -106,8 +112,8 @@ class TierBridge:
             dest[1].append(b)
             dest[2].append(t)
         if below[0] and len(tiers.tiers) > 1:
-            tiers.evicted(group_id, *below, level=1)
-        tiers.evicted(group_id, *host)
+            tiers.evicted(group_id, *below, level=1, cold=cold)
+        tiers.evicted(group_id, *host, cold=cold)
 
     def persist(self, tier: str) -> None:
         """Copy every cached device block and upper-tier entry into ``tier`` (see

@@ -14,6 +14,13 @@ load and store instructions say.
   once, and a :class:`TierLoad` in :attr:`~hybridkv.cache.types.AllocationResult.loads`; the
   runner must complete the copy before the step reads the block.  Tiers are inclusive: the
   entry stays where it was (refreshed), so evicting the device copy again writes nothing.
+* **Write-through copies** (``cold=True``: the manager's ``tier_write_through``) of blocks
+  the device still caches are *cold*: kept apart from the recency order and evicted before
+  any other entry (the oldest first), dropped rather than moved down (the device holds the
+  data), and stored only into room that cold entries or free bytes give, never in place of
+  an entry a device eviction, a load or a move put there.  A cold entry warms (joins the
+  recency order at its young end) when the device evicts its block, a hit reads it or an
+  upper tier moves it down, so the warm entries are exactly those write-back would hold.
 
 Example: two tiers, one block of group 0 (1 KiB) evicted by the device::
 
@@ -98,6 +105,8 @@ class Tier:
         "adopted",
         "block_bytes",
         "capacity_bytes",
+        "cold",
+        "cold_bytes",
         "discarded",
         "dropped",
         "keys",
@@ -117,6 +126,10 @@ class Tier:
         #: Per group ``hash -> tag`` (a state checkpoint's admission reason, else 0).
         self.keys: list[dict[int, int]] = [{} for _ in block_bytes]
         self.lru: OrderedDict[tuple[int, int], None] = OrderedDict()
+        #: Cold entries (write-through copies of device-cached blocks), oldest first: evicted
+        #: before any entry of :attr:`lru`; ``cold_bytes`` of the ``used_bytes`` are theirs.
+        self.cold: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.cold_bytes = 0
         self.used_bytes = 0
         #: Blocks written into / loaded from / dropped by this tier, and bytes moved.
         self.stored = self.loaded = self.dropped = 0
@@ -129,7 +142,29 @@ class Tier:
         return key[1] in self.keys[key[0]]
 
     def __len__(self) -> int:
-        return len(self.lru)
+        return len(self.lru) + len(self.cold)
+
+    def entries(self) -> set[tuple[int, int]]:
+        """Every ``(group, hash)`` the tier holds, warm and cold."""
+        return set(self.lru) | set(self.cold)
+
+    def warm(self, key: tuple[int, int]) -> None:
+        """Make ``key`` (held) the most recently used entry, warming it if it is cold."""
+        if self.cold.pop(key, 0) is None:
+            self.cold_bytes -= self.block_bytes[key[0]]
+            self.lru[key] = None
+        else:
+            self.lru.move_to_end(key)
+
+    def forget(self, key: tuple[int, int]) -> int:
+        """Take ``key`` (held) out; returns its tag."""
+        g, h = key
+        if self.cold.pop(key, 0) is None:
+            self.cold_bytes -= self.block_bytes[g]
+        else:
+            del self.lru[key]
+        self.used_bytes -= self.block_bytes[g]
+        return self.keys[g].pop(h)
 
 
 class TieredMap:
@@ -243,12 +278,14 @@ class TierStack:
         blocks: Sequence[int],
         tags: Sequence[int] | None = None,
         level: int = 0,
+        cold: bool = False,
     ) -> None:
         """The device evicted these blocks of ``group_id`` (``blocks[i]`` still holds
         ``hashes[i]``; ``tags[i]``: what to remember of it, e.g. a checkpoint's admission
-        reason): write them back to the top tier (or to tier ``level``)."""
+        reason): write them back to the top tier (or to tier ``level``).  ``cold``: they are
+        write-through copies of blocks the device keeps (see the module docstring)."""
         for i, (h, b) in enumerate(zip(hashes, blocks, strict=True)):
-            self._put(level, group_id, h, b, None, tags[i] if tags is not None else 0)
+            self._put(level, group_id, h, b, None, tags[i] if tags is not None else 0, cold)
 
     def tag(self, group_id: int, h: int) -> int:
         """The tag stored with hash ``h`` of ``group_id`` (0 when no tier holds it)."""
@@ -258,17 +295,29 @@ class TierStack:
                 return found
         return 0
 
-    def _put(self, level: int, g: int, h: int, block: int, source: str | None, tag: int) -> None:
+    def _put(
+        self,
+        level: int,
+        g: int,
+        h: int,
+        block: int,
+        source: str | None,
+        tag: int,
+        cold: bool = False,
+    ) -> None:
         """Enter ``(g, h)`` into tier ``level``, from device ``block`` (``source`` None) or
-        from tier ``source``."""
+        from tier ``source``; ``cold``: a write-through copy (see the module docstring)."""
         t = self.tiers[level]
         key = (g, h)
         if h in t.keys[g]:
-            t.lru.move_to_end(key)
+            if not cold:
+                t.warm(key)
             if source is not None and self.record_ops:
                 self.ops.append(TierOp("drop", source, g, h, 0))  # the copy here is the same
             return
         size = t.block_bytes[g]
+        if cold and t.used_bytes - t.cold_bytes + size > t.capacity_bytes:
+            return  # only free room or other cold copies make way for a cold copy
         if size > t.capacity_bytes:
             if level + 1 < len(self.tiers):
                 self._put(level + 1, g, h, block, source, tag)
@@ -276,17 +325,24 @@ class TierStack:
                 self.ops.append(TierOp("drop", source, g, h, 0))
             return
         while t.used_bytes + size > t.capacity_bytes:
-            og, oh = t.lru.popitem(last=False)[0]
+            was_cold = bool(t.cold)
+            og, oh = (t.cold if was_cold else t.lru).popitem(last=False)[0]
             otag = t.keys[og].pop(oh)
             t.used_bytes -= t.block_bytes[og]
+            if was_cold:
+                t.cold_bytes -= t.block_bytes[og]
             t.dropped += 1
             if self.events is not None:
                 self.events.tier_removed(og, oh, t.name)
-            if level + 1 < len(self.tiers):
+            if level + 1 < len(self.tiers) and not was_cold:
                 self._put(level + 1, og, oh, 0, t.name, otag)
             elif self.record_ops:
                 self.ops.append(TierOp("drop", t.name, og, oh, 0))
-        t.lru[key] = None
+        if cold:
+            t.cold[key] = None
+            t.cold_bytes += size
+        else:
+            t.lru[key] = None
         t.keys[g][h] = tag
         t.used_bytes += size
         t.stored += 1
@@ -314,10 +370,9 @@ class TierStack:
             self.named(name)  # raises
             return
         for upper in self.tiers[:level]:
-            while upper.lru:
-                g, h = upper.lru.popitem(last=False)[0]
-                tag = upper.keys[g].pop(h)
-                upper.used_bytes -= upper.block_bytes[g]
+            for key in [*upper.cold, *upper.lru]:  # the cold ones (evicted first) first
+                g, h = key
+                tag = upper.forget(key)
                 if self.events is not None:
                     self.events.tier_removed(g, h, upper.name)
                 self._put(level, g, h, 0, upper.name, tag)
@@ -330,11 +385,10 @@ class TierStack:
         ``drop`` for each tier.  Returns whether any tier held it."""
         found = False
         for t in self.tiers:
-            if t.keys[group_id].pop(h, None) is None:
+            if h not in t.keys[group_id]:
                 continue
             found = True
-            del t.lru[(group_id, h)]
-            t.used_bytes -= t.block_bytes[group_id]
+            t.forget((group_id, h))
             t.discarded += 1
             if self.events is not None:
                 self.events.tier_removed(group_id, h, t.name)
@@ -386,7 +440,7 @@ class TierStack:
         for h in hashes:
             for t in self.tiers:
                 if h in t.keys[group_id]:
-                    t.lru.move_to_end((group_id, h))
+                    t.warm((group_id, h))
                     moved += 1
                     break
         return moved
@@ -396,7 +450,7 @@ class TierStack:
         used) and return the name of the tier it is read from."""
         for t in self.tiers:
             if h in t.keys[group_id]:
-                t.lru.move_to_end((group_id, h))
+                t.warm((group_id, h))
                 t.loaded += 1
                 t.loaded_bytes += t.block_bytes[group_id]
                 return t.name
@@ -410,18 +464,21 @@ class TierStack:
             for keys in t.keys:
                 keys.clear()
             t.lru.clear()
-            t.used_bytes = 0
+            t.cold.clear()
+            t.used_bytes = t.cold_bytes = 0
 
     # -- reporting ----------------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: capacity, bytes and blocks held, blocks stored, loaded, dropped, discarded
         (unusable in storage) and adopted (from an earlier process), and the bytes stored and
-        loaded."""
+        loaded; ``cold_blocks`` of the blocks are write-through copies no eviction or hit
+        has warmed."""
         return {
             t.name: {
                 "capacity_bytes": t.capacity_bytes,
                 "used_bytes": t.used_bytes,
-                "blocks": len(t.lru),
+                "blocks": len(t),
+                "cold_blocks": len(t.cold),
                 "stored": t.stored,
                 "loaded": t.loaded,
                 "dropped": t.dropped,
@@ -437,11 +494,15 @@ class TierStack:
         """Raise :class:`InvariantError` when a tier's keys, LRU and byte count disagree."""
         for t in self.tiers:
             keys = {(g, h) for g, d in enumerate(t.keys) for h in d}
-            if keys != set(t.lru):
-                raise InvariantError(f"tiers: {t.name} keys and LRU differ")
-            used = sum(t.block_bytes[g] for g, _ in t.lru)
-            if used != t.used_bytes:
-                raise InvariantError(f"tiers: {t.name} counts {t.used_bytes} B, holds {used} B")
+            if keys != set(t.lru) | set(t.cold) or set(t.lru) & set(t.cold):
+                raise InvariantError(f"tiers: {t.name} keys and its warm and cold orders differ")
+            cold = sum(t.block_bytes[g] for g, _ in t.cold)
+            used = cold + sum(t.block_bytes[g] for g, _ in t.lru)
+            if used != t.used_bytes or cold != t.cold_bytes:
+                raise InvariantError(
+                    f"tiers: {t.name} counts {t.used_bytes} B ({t.cold_bytes} cold), holds "
+                    f"{used} B ({cold} cold)"
+                )
             if used > t.capacity_bytes:
                 raise InvariantError(
                     f"tiers: {t.name} holds {used} B over its capacity {t.capacity_bytes} B"
@@ -449,7 +510,7 @@ class TierStack:
 
     def snapshot(self) -> Any:
         """A comparable copy of every tier's entries in eviction order."""
-        return tuple((t.name, tuple(t.lru), t.used_bytes) for t in self.tiers)
+        return tuple((t.name, (*t.cold, *t.lru), t.used_bytes) for t in self.tiers)
 
 
 def tier_hit_tokens(loads: Sequence[TierLoad], block_sizes: Sequence[int]) -> dict[str, int]:

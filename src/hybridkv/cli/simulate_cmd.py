@@ -95,6 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: none)",
     )
     parser.add_argument(
+        "--write-through",
+        choices=("host", "disk"),
+        default=None,
+        help="that tier (--host-memory or --disk-memory) also takes every block the device "
+        "publishes once its step ran, not only what the tier above evicts (default: "
+        "write-back on eviction only)",
+    )
+    parser.add_argument(
         "--disaggregate",
         action="store_true",
         help="a prefill instance and a decode instance (each with --memory, or the prefill "
@@ -284,6 +292,17 @@ def run(args: argparse.Namespace) -> int:
             ),
         ],
     )
+    through = args.write_through
+    if through is not None:
+        size = args.host_memory if through == "host" else args.disk_memory
+        if size is None or "0" in [p.strip() for p in str(size).split(",")]:
+            flag = "--host-memory" if through == "host" else "--disk-memory"
+            raise CliInputError(
+                f"--write-through {through}: needs a {through} tier in every run ({flag} SIZE, "
+                f"not 0); got {'none' if size is None else f'{flag} {size}'}"
+            )
+        if args.disaggregate:
+            raise CliInputError(f"--write-through {through}: not with --disaggregate")
     memory = parse_bytes(args.memory, field="--memory")
     hosts: list[int | None] = [None]
     if args.host_memory is not None:
@@ -341,6 +360,7 @@ def run(args: argparse.Namespace) -> int:
             window_chances=args.window_chances,
             host_memory_bytes=host,
             disk_memory_bytes=disk,
+            write_through=through,
             label=f"{strategy} host {format_bytes(host) if host else 'none'}" if sweep else None,
         )
         for strategy in strategies

@@ -78,6 +78,9 @@ class SimConfig:
     checkpoint_before_end: bool | None = None
     host_memory_bytes: int | None = None
     disk_memory_bytes: int | None = None
+    #: The tier that also takes every published block once its step ran
+    #: (``KVCacheManager(tier_write_through=)``; None: write-back on eviction only).
+    write_through: str | None = None
     #: The run's name in tables and plots (default: the strategy).
     label: str | None = None
 
@@ -95,6 +98,14 @@ class SimConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise SimulationError(f"{name}: must be a positive byte count, got {value!r}")
+        if self.write_through is not None:
+            have = [t.name for t in self.tiers()]
+            if self.write_through not in have:
+                raise SimulationError(
+                    f"write_through: {self.write_through!r} is not a tier of this run (its "
+                    f"tiers: {', '.join(have) or 'none'}); give its size "
+                    f"({self.write_through}_memory_bytes)"
+                )
         if self.accelerator not in ACCELERATORS:
             valid = ", ".join(sorted(ACCELERATORS))
             raise SimulationError(
@@ -319,6 +330,7 @@ def simulate(
         window_chances=config.window_chances,
         group_hit_stats=True,  # the report's per-group hit rates
         tiers=config.tiers(),
+        tier_write_through=config.write_through,
     )
     sched = scheduler_for(mgr, config)
     cost = StepCostModel(model, profile, ACCELERATORS[config.accelerator])
