@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import test_engine_disk
+import test_engine_write_through
 from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
 from hybridkv.engine.models import load_model
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather, scatter
@@ -74,6 +75,28 @@ def test_disk_tier_on_cuda_is_exact_and_reused_by_a_later_engine(name: str, tmp_
     assert st.disk_hit_tokens > 0 and st.prefix_hit_tokens > want
     again.check_invariants()
     again.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("through", ["host", "disk"])
+def test_write_through_on_cuda_is_exact(name: str, through: str, tmp_path: Path) -> None:
+    """A step's write-through stores queue after its pass on the stream; the hits (from host
+    memory, or from disk with no host tier) are write-back's and the tokens transformers'."""
+    engine = test_engine_write_through._engine(
+        name,
+        host=64 << 20 if through == "host" else None,
+        disk=tmp_path if through == "disk" else None,
+        through=through,
+        device="cuda",
+    )
+    _exact(name, _serve(engine))
+    stats = engine.stats()
+    want = 600 if name in STATE else 620
+    assert stats.prefix_hit_tokens == want
+    assert (stats.host_hit_tokens if through == "host" else stats.disk_hit_tokens) == want
+    assert engine.manager.tier_stats()[through]["cold_blocks"] > 0  # copies never evicted
+    engine.check_invariants()
+    engine.close()
 
 
 def test_cuda_and_cpu_engines_agree_on_every_token() -> None:

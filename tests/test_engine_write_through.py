@@ -17,7 +17,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _engine(
-    name: str, *, host: int | None = None, disk: Path | None = None, through: str | None = None
+    name: str,
+    *,
+    host: int | None = None,
+    disk: Path | None = None,
+    through: str | None = None,
+    device: str = "cpu",
 ) -> LLMEngine:
     cache = CacheConfig(
         strategy="pools",
@@ -30,7 +35,7 @@ def _engine(
         disk_memory_bytes=None if disk is None else 64 << 20,
         write_through=through,
     )
-    return LLMEngine(name, cache=cache, keep_logits=True)
+    return LLMEngine(name, cache=cache, keep_logits=True, device=device)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
