@@ -128,6 +128,14 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         "--write-through disk: needs a disk tier in every run (--disk-memory SIZE",
     ),
     (
+        ["simulate", "--write-through", "host", "--host-memory", "1GiB", "--disaggregate"],
+        "--write-through host: not with --disaggregate",
+    ),
+    (
+        ["run", "--write-through", "host", "--host-memory", "1MiB", "--disaggregate"],
+        "--disaggregate: not with --host-memory, --write-through",
+    ),
+    (
         ["run", "--write-through", "host"],
         "--write-through host: needs a host tier (--host-memory SIZE)",
     ),

@@ -198,6 +198,7 @@ def test_the_cli_prints_one_line_per_distinct_reason(
         speculate=0,
         host_memory=None,
         disk_cache=None,
+        write_through=None,
         attention_sinks=0,
         device="cpu",
         prefill_tp=None,
