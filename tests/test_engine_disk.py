@@ -27,7 +27,11 @@ TURNS = conversations(1, n_conv=5, turns=4, first=32, step=10)
 
 
 def _engine(
-    name: str, disk: Path | None, host: int | None = None, device: str = "cpu"
+    name: str,
+    disk: Path | None,
+    host: int | None = None,
+    device: str = "cpu",
+    through: str | None = None,
 ) -> LLMEngine:
     # 24 blocks of 4 tokens per group: one 96-token request; five conversations do not fit.
     cache = CacheConfig(
@@ -39,6 +43,7 @@ def _engine(
         host_memory_bytes=host,
         disk_cache_dir=disk,
         disk_memory_bytes=None if disk is None else 64 << 20,
+        write_through=through,
     )
     return LLMEngine(name, cache=cache, keep_logits=True, device=device)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
+import test_engine_disk
+from hybridkv.engine import LLMEngine, verify_completions
 from test_engine_tiers import STATE, _reference, conversations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,18 +25,8 @@ def _engine(
     through: str | None = None,
     device: str = "cpu",
 ) -> LLMEngine:
-    cache = CacheConfig(
-        strategy="pools",
-        block_size=4,
-        state_block_size=8,
-        num_blocks=24,
-        max_model_len=96,
-        host_memory_bytes=host,
-        disk_cache_dir=disk,
-        disk_memory_bytes=None if disk is None else 64 << 20,
-        write_through=through,
-    )
-    return LLMEngine(name, cache=cache, keep_logits=True, device=device)
+    # test_engine_disk's: 24 blocks of 4 tokens per group, one 96-token request at a time
+    return test_engine_disk._engine(name, disk, host, device=device, through=through)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_next"])
