@@ -280,6 +280,13 @@ def test_cli_simulate_tier_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert code == 0
     assert "arena host tier: 4 GiB," in out and "arena disk tier: 16 GiB," in out
+    code = main(
+        ["simulate", "gpt-oss-20b", "--trace", "synthetic:chat", "--requests", "20",
+         "--memory", "1GiB", "--max-model-len", "16384", "--strategy", "arena",
+         "--host-memory", "4GiB", "--write-through", "host", "--quiet"]
+    )  # fmt: skip
+    assert code == 0
+    assert "arena host tier (write-through): 4 GiB," in capsys.readouterr().out
     code = main(["simulate", "gpt-oss-20b", "--host-memory", "lots", "--quiet"])
     assert code == 2
     assert "--host-memory" in capsys.readouterr().err

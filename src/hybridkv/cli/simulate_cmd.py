@@ -429,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
         print(title)
         print(format_summary_table(results, failures))
         for r in results:
-            for line in _tier_lines(r):
+            for line in _tier_lines(r, args.write_through):
                 print(line)
         for f in failures:
             print(f"{f.strategy}: n/a: {f.reason}")
@@ -441,8 +441,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tier_lines(result: SimResult) -> list[str]:
-    """One line per lower tier: hit tokens read back from it, bytes written and read."""
+def _tier_lines(result: SimResult, through: str | None = None) -> list[str]:
+    """One line per lower tier: hit tokens read back from it, bytes written and read (and
+    whether it is the write-through tier ``through``)."""
     from hybridkv.units import format_bytes
 
     lines = []
@@ -450,7 +451,9 @@ def _tier_lines(result: SimResult) -> list[str]:
         tokens = result.tier_hit_tokens.get(name, 0)
         share = tokens / result.prompt_tokens if result.prompt_tokens else 0.0
         lines.append(
-            f"{result.strategy} {name} tier: {format_bytes(st['capacity_bytes'])}, "
+            f"{result.strategy} {name} tier"
+            f"{' (write-through)' if name == through else ''}: "
+            f"{format_bytes(st['capacity_bytes'])}, "
             f"{tokens} prompt tokens read back ({share:.1%} of all), "
             f"{format_bytes(st['stored_bytes'])} written, {format_bytes(st['loaded_bytes'])} "
             f"read, {st['dropped']} blocks dropped"
