@@ -58,12 +58,11 @@ class TierBridge:
         """Store every block published since the last call in the write-through tier, in
         publication order, as a cold copy (:mod:`hybridkv.cache.tiers`: it takes only room
         that free bytes or other cold copies give, and warms when the device evicts the
-        block); a checkpoint keeps its reason, and the ``yield`` rule routes checkpoints as at
-        eviction.  Call once the
-        steps that compute them ran: the stores copy the device blocks.  A block no longer
-        cached under its hash (taken back, or evicted and so written back already) is
-        skipped; one a tier already holds is refreshed there.  Returns how many blocks were
-        offered."""
+        block); a checkpoint keeps its reason, and the ``yield`` rule routes checkpoints as
+        at eviction.  Call once the steps that compute them ran: the stores copy the device
+        blocks.  A block no longer cached under its hash (taken back, or evicted and so
+        written back already) is skipped; one the tier already holds stays as it is.
+        Returns how many blocks were offered."""
         pending, self.published[:] = list(self.published), []
         level = [t.name for t in self.tiers.tiers].index(self.write_through or "")
         offered = 0

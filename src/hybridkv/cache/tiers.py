@@ -150,7 +150,7 @@ class Tier:
 
     def warm(self, key: tuple[int, int]) -> None:
         """Make ``key`` (held) the most recently used entry, warming it if it is cold."""
-        if self.cold.pop(key, 0) is None:
+        if self.cold.pop(key, 0) is None:  # the orders map keys to None: it was cold
             self.cold_bytes -= self.block_bytes[key[0]]
             self.lru[key] = None
         else:
@@ -159,7 +159,7 @@ class Tier:
     def forget(self, key: tuple[int, int]) -> int:
         """Take ``key`` (held) out; returns its tag."""
         g, h = key
-        if self.cold.pop(key, 0) is None:
+        if self.cold.pop(key, 0) is None:  # it was cold
             self.cold_bytes -= self.block_bytes[g]
         else:
             del self.lru[key]
