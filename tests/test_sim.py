@@ -156,6 +156,10 @@ def test_interpretation_is_computed_from_the_results(results: list) -> None:  # 
     assert f"{best.strategy}" in line and f"{best.hit_rate:.1%}" in line
     for r in results:
         assert f"{r.hit_rate:.1%}" in line
+        assert f"{r.summary()['tpot_mean_s'] * 1e3:.1f}ms" in line  # the table's TPOT column
+    for r in results:  # preemptions as the integers they are
+        if r is not best:
+            assert any(f"{r.strategy} {r.preemptions}{end}" in line for end in ", )")
 
 
 def test_publication_policies_reach_the_manager() -> None:

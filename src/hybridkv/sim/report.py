@@ -96,10 +96,16 @@ def format_summary_table(
     return "\n".join(lines)
 
 
-def _others(ranked: list[SimResult], key: str, fmt: str, *, first: bool = False) -> str:
-    """``strategy value`` of each run after the first (every run with ``first``)."""
+def _others(
+    ranked: list[SimResult], key: str, fmt: str, *, first: bool = False, scale: float = 1.0
+) -> str:
+    """``strategy value`` of each run after the first (every run with ``first``); the value
+    is ``summary()[key] * scale``."""
     rows = ranked if first else ranked[1:]
-    return ", ".join(f"{r.strategy} {fmt.format(r.summary()[key])}" for r in rows)
+    values = [r.summary()[key] for r in rows]
+    if scale != 1.0:
+        values = [v * scale for v in values]
+    return ", ".join(f"{r.strategy} {fmt.format(v)}" for r, v in zip(rows, values, strict=True))
 
 
 def interpretation(results: list[SimResult], failures: list[StrategyFailure] | None = None) -> str:
@@ -129,15 +135,18 @@ def interpretation(results: list[SimResult], failures: list[StrategyFailure] | N
         return (
             f"meaning: same model, workload and {budget} budget: every one of the {what} "
             f"served {best.hit_rate:.1%} of prompt tokens from the prefix cache, with "
-            f"{_others(ranked, 'preemptions', '{}', first=True)} preemptions and TTFT p99 "
-            f"{_others(ranked, 'ttft_p99_s', '{:.2f}s', first=True)}{failed}"
+            f"{_others(ranked, 'preemptions', '{}', first=True)} preemptions, TTFT p99 "
+            f"{_others(ranked, 'ttft_p99_s', '{:.2f}s', first=True)} and mean TPOT "
+            f"{_others(ranked, 'tpot_mean_s', '{:.1f}ms', first=True, scale=1e3)}{failed}"
         )
     return (
         f"meaning: same model, workload and {budget} budget, so the differences are the "
         f"{what}: {lead} served the most prompt tokens from the prefix cache, "
         f"{best.hit_rate:.1%} (vs {_others(ranked, 'token_hit_rate', '{:.1%}')}), with "
-        f"{best.preemptions} preemptions (vs {_others(ranked, 'preemptions', '{}')}) and TTFT "
-        f"p99 {s['ttft_p99_s']:.2f}s (vs {_others(ranked, 'ttft_p99_s', '{:.2f}s')}){failed}"
+        f"{best.preemptions} preemptions (vs {_others(ranked, 'preemptions', '{}')}), TTFT "
+        f"p99 {s['ttft_p99_s']:.2f}s (vs {_others(ranked, 'ttft_p99_s', '{:.2f}s')}) and mean "
+        f"TPOT {s['tpot_mean_s'] * 1e3:.1f}ms (vs "
+        f"{_others(ranked, 'tpot_mean_s', '{:.1f}ms', scale=1e3)}){failed}"
     )
 
 
