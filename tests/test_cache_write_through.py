@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hybridkv.cache import KVCacheManager, TierSpec
 from hybridkv.cache.tiers import TierOp, TierStack
@@ -245,3 +246,72 @@ def test_write_through_leaves_the_warm_entries_and_hits_of_write_back(
             assert tiers is not None
             warm.append([list(t.lru) for t in tiers.tiers])
         assert warm[1:] == warm[:1] * 2
+
+
+class ColdTierMachine(RuleBasedStateMachine):
+    """A two-tier stack (blocks of 10 and 30 bytes) under random warm and cold stores, hits,
+    refreshes, discards, persists and clears: the invariants hold after every step, a cold
+    store never changes any tier's warm entries, and a warm store leaves no cold copy of
+    what it stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = TierStack(
+            [TierSpec("host", 90), TierSpec("disk", 150)], [10, 30], record_ops=True
+        )
+
+    def _warm(self) -> list[list[tuple[int, int]]]:
+        return [list(t.lru) for t in self.stack.tiers]
+
+    @rule(g=hst.integers(0, 1), h=hst.integers(0, 9), cold=hst.booleans(), level=hst.integers(0, 1))
+    def store(self, g: int, h: int, cold: bool, level: int) -> None:
+        before = self._warm()
+        held = [h in t.keys[g] for t in self.stack.tiers]
+        self.stack.evicted(g, (h,), (h + 1,), level=level, cold=cold)
+        if cold:
+            assert self._warm() == before
+        else:
+            assert (g, h) not in self.stack.tiers[level].cold
+        if held[level] and not cold:  # a store of a held entry refreshes it
+            assert list(self.stack.tiers[level].lru)[-1] == (g, h)
+        self.stack.take_ops()
+
+    @rule(g=hst.integers(0, 1), h=hst.integers(0, 9))
+    def hit(self, g: int, h: int) -> None:
+        name = self.stack.where(g, h)
+        if name is None:
+            return
+        assert self.stack.load_hash(g, h) == name
+        t = self.stack.named(name)
+        assert list(t.lru)[-1] == (g, h) and (g, h) not in t.cold
+
+    @rule(g=hst.integers(0, 1), hs=hst.lists(hst.integers(0, 9), max_size=4))
+    def refresh(self, g: int, hs: list[int]) -> None:
+        self.stack.refresh(g, hs)
+
+    @rule(g=hst.integers(0, 1), h=hst.integers(0, 9))
+    def discard(self, g: int, h: int) -> None:
+        self.stack.discard(g, h)
+        assert self.stack.where(g, h) is None
+
+    @rule()
+    def persist(self) -> None:
+        self.stack.persist("disk", [])
+        assert len(self.stack.tiers[0]) == 0 and self.stack.tiers[0].used_bytes == 0
+
+    @rule()
+    def clear(self) -> None:
+        self.stack.clear()
+        assert all(len(t) == 0 for t in self.stack.tiers)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.stack.check_invariants()
+        stats = self.stack.stats()
+        for t in self.stack.tiers:
+            assert stats[t.name]["blocks"] == len(t.lru) + len(t.cold)
+            assert stats[t.name]["cold_blocks"] == len(t.cold)
+
+
+ColdTierMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+test_cold_tier_machine = ColdTierMachine.TestCase
