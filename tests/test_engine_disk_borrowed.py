@@ -17,9 +17,19 @@ import torch
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine import tier_store
 from hybridkv.engine.disk_tier import DiskTier
-from hybridkv.storage import LayoutKind
+from hybridkv.engine.tier_store import TierStore
+from hybridkv.storage import KVCacheStorage, LayoutKind
 from hybridkv.storage.disk_slots import HEADER_BYTES, DiskSlots
 from test_engine_disk_runs import _bytes, _one_group_store
+
+
+def _borrowed(
+    tmp_path: Path, layers: int = 2, kind: LayoutKind = LayoutKind.CROSS_LAYER
+) -> tuple[KVCacheStorage, TierStore, DiskTier, int]:
+    """A one-group CPU store whose disk stores are borrowed, its disk tier, a block's bytes."""
+    storage, store, size = _one_group_store(tmp_path, layers, borrow=True, kind=kind)
+    assert store.disk is not None
+    return storage, store, store.disk, size
 
 
 def _read(disk: DiskTier, key: tuple[int, int], size: int) -> torch.Tensor | None:
@@ -31,9 +41,7 @@ def _read(disk: DiskTier, key: tuple[int, int], size: int) -> torch.Tensor | Non
 def test_borrowed_stores_go_in_runs_and_are_written_when_apply_returns(
     kind: LayoutKind, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage, store, size = _one_group_store(tmp_path, 4, borrow=True, kind=kind)
-    disk = store.disk
-    assert disk is not None
+    storage, store, disk, size = _borrowed(tmp_path, 4, kind)
     monkeypatch.setattr(tier_store, "FIRST_RUN_BYTES", 2 * size)
     disk.batch_bytes = 8 * size
     runs: list[list[int]] = []
@@ -66,9 +74,7 @@ def test_borrowed_stores_go_in_runs_and_are_written_when_apply_returns(
 def test_a_load_into_a_block_just_stored_waits_for_its_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage, store, size = _one_group_store(tmp_path, borrow=True)
-    disk = store.disk
-    assert disk is not None
+    storage, store, disk, size = _borrowed(tmp_path)
     store.apply([TierOp("store", "disk", 0, 206, 6)])
     six, five = _bytes(storage, 0, 6), _bytes(storage, 0, 5)
     real = DiskSlots._pwrite
@@ -90,9 +96,7 @@ def test_a_load_into_a_block_just_stored_waits_for_its_write(
 def test_a_failed_payload_in_a_borrowed_run_misses_only_that_entry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage, store, _ = _one_group_store(tmp_path, borrow=True)
-    disk = store.disk
-    assert disk is not None
+    storage, store, disk, _ = _borrowed(tmp_path)
     real = os.pwrite
     bad = bytes(_bytes(storage, 0, 6).numpy())
 

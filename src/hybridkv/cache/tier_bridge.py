@@ -44,6 +44,8 @@ class TierBridge:
         #: go down only when the device evicts them), and the publications not yet stored.
         self.write_through = write_through
         self.published: list[tuple[int, list[tuple[int, int, int]]]] = []
+        #: The write-through tier's level in ``tiers`` (0 without write-through).
+        self._through_level = 0
         if write_through is not None:
             names = [t.name for t in tiers.tiers]
             if write_through not in names:
@@ -51,6 +53,7 @@ class TierBridge:
                     f"tier_write_through: {write_through!r} is not a tier of this cache; "
                     f"valid: {', '.join(names)}"
                 )
+            self._through_level = names.index(write_through)
             for m in self.managers:
                 m.through = self.published
 
@@ -64,7 +67,7 @@ class TierBridge:
         written back already) is skipped; one the tier already holds stays as it is.
         Returns how many blocks were offered."""
         pending, self.published[:] = list(self.published), []
-        level = [t.name for t in self.tiers.tiers].index(self.write_through or "")
+        level = self._through_level
         offered = 0
         for g, items in pending:
             m = self.managers[g]

@@ -205,15 +205,15 @@ def store_rows(
         host.copy_(rows.view(table_id, picked[0]), non_blocking=non_blocking)
         return
     index = _index(picked, table.device)
-    if table.device.type != "cuda":  # one row copy each, straight into the host bytes
-        if table.shape[1] >= CPU_BYTE_GATHER:
-            torch.index_select(table, 0, index, out=host.view(n, -1))
-            return
+    cpu = table.device.type != "cuda"
+    if cpu and table.shape[1] >= CPU_BYTE_GATHER:
+        src, dst = table, host.view(n, -1)
+    else:
         src, dst = _views(rows, table_id, n, host)
+    if cpu:  # one row copy each, straight into the host bytes
         torch.index_select(src, 0, index, out=dst)
-        return
-    src, dst = _views(rows, table_id, n, host)
-    dst.copy_(torch.index_select(src, 0, index), non_blocking=non_blocking)
+    else:
+        dst.copy_(torch.index_select(src, 0, index), non_blocking=non_blocking)
 
 
 def load_rows(
