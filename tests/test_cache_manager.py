@@ -12,6 +12,7 @@ from hybridkv.cache import (
     StateCopy,
     StateSlot,
 )
+from hybridkv.cache.errors import RequestLengthError
 from test_cache_factories import (
     admit,
     arena,
@@ -265,6 +266,57 @@ def test_lookahead_slots() -> None:
     res = mgr.allocate_slots(r0, 1, num_lookahead_tokens=11)  # 21 slots: 6 blocks
     assert res is not None and res.new_block_ids == ((9, 10), (11, 12))
     assert mgr.get_block_ids("r0") == ([1, 2, 3, 4, 9, 10], [0, 6, 7, 8, 11, 12])
+    mgr.check_invariants()
+
+
+def test_reserved_slots_cover_the_prompt_in_prefix_closed_groups_only() -> None:
+    mgr = KVCacheManager(uniform(groups(full(), swa(4), state()), 20))
+    r0 = mgr.make_request("r0", tokens(20))
+    hit = mgr.get_computed_blocks(r0)
+    res = mgr.allocate_slots(r0, 8, new_computed_blocks=hit, num_reserved_tokens=12)
+    # full attention takes the whole prompt's 5 blocks; the window only the step's 2; the
+    # state its running slot
+    assert res is not None and res.new_block_ids == ((1, 2, 3, 4, 5), (6, 7), (8,))
+    mgr.check_invariants()
+    step(r0, 8)
+    # the reserved blocks are not published: full attention serves only the 8 computed
+    # tokens (the junction), and no checkpoint is saved yet, so nothing hits
+    probe = mgr.make_request("probe", [*tokens(20), 1])
+    hit = mgr.get_computed_blocks(probe)
+    assert (hit.num_computed_tokens, hit.junction_tokens) == (0, 8)
+    res = mgr.allocate_slots(r0, 8, num_reserved_tokens=4)  # covered: only the window moves
+    assert res is not None and res.new_block_ids[0] == () and len(res.new_block_ids[1]) == 2
+    step(r0, 8)
+    res = mgr.allocate_slots(r0, 4)
+    assert res is not None and res.new_block_ids[0] == ()
+    step(r0, 4)
+    assert mgr.get_block_ids("r0")[0] == [1, 2, 3, 4, 5]
+    mgr.check_invariants()
+    mgr.free("r0")
+    assert mgr.get_computed_blocks(probe).num_computed_tokens == 20
+    mgr.check_invariants()
+
+
+def test_reserved_slots_decode_fast_path_and_refusal() -> None:
+    mgr = KVCacheManager(uniform(groups(full()), 6))  # 5 usable blocks of 4 tokens
+    r0 = mgr.make_request("r0", tokens(12))
+    hit = mgr.get_computed_blocks(r0)
+    before = mgr.snapshot()
+    assert mgr.allocate_slots(r0, 4, new_computed_blocks=hit, num_reserved_tokens=20) is None
+    assert mgr.snapshot() == before  # 24 tokens: 6 blocks do not fit, nothing changed
+    res = mgr.allocate_slots(r0, 4, new_computed_blocks=hit, num_reserved_tokens=8)
+    assert res is not None and res.new_block_ids == ((1, 2, 3),)
+    step(r0, 4)
+    res = mgr.allocate_slots(r0, 8, num_reserved_tokens=0)
+    assert res is not None and res.new_block_ids == ((),)
+    step(r0, 8)
+    r0.append_token_ids([9])
+    res = mgr.allocate_slots(r0, 1)  # decode past the reservation: a new block
+    assert res is not None and res.new_block_ids == ((4,),)
+    mgr.check_invariants()
+    for bad in (-1, True, 1.5):
+        with pytest.raises(RequestLengthError, match="num_reserved_tokens"):
+            mgr.allocate_slots(r0, 0, num_reserved_tokens=bad)  # type: ignore[arg-type]
     mgr.check_invariants()
 
 

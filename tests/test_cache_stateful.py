@@ -162,8 +162,11 @@ class CacheMachine(RuleBasedStateMachine):
         budget=hst.integers(1, 24),
         to_junction=hst.booleans(),
         aborted=hst.booleans(),
+        reserve=hst.sampled_from([0, 0, 1, 7, 40]),
     )
-    def admit(self, which: int, budget: int, to_junction: bool, aborted: bool) -> None:
+    def admit(
+        self, which: int, budget: int, to_junction: bool, aborted: bool, reserve: int
+    ) -> None:
         mgr = self._m()
         req = self.waiting[which % len(self.waiting)]
         hit = mgr.get_computed_blocks(req)
@@ -182,7 +185,11 @@ class CacheMachine(RuleBasedStateMachine):
             n = min(n, hit.junction_tokens - hit.num_computed_tokens)
         before = mgr.snapshot()
         res = mgr.allocate_slots(
-            req, n, num_new_computed_tokens=hit.num_computed_tokens, new_computed_blocks=hit
+            req,
+            n,
+            num_new_computed_tokens=hit.num_computed_tokens,
+            new_computed_blocks=hit,
+            num_reserved_tokens=reserve,
         )
         if res is None:
             assert mgr.snapshot() == before
@@ -209,15 +216,22 @@ class CacheMachine(RuleBasedStateMachine):
         self.written.update(req.block_hashes[: req.num_computed_tokens // req.hash_block_size])
 
     @precondition(lambda self: self.running)
-    @rule(which=hst.integers(0, 7), budget=hst.integers(1, 16), lookahead=hst.integers(0, 3))
-    def advance(self, which: int, budget: int, lookahead: int) -> None:
+    @rule(
+        which=hst.integers(0, 7),
+        budget=hst.integers(1, 16),
+        lookahead=hst.integers(0, 3),
+        reserve=hst.sampled_from([0, 0, 0, 5, 30]),
+    )
+    def advance(self, which: int, budget: int, lookahead: int, reserve: int) -> None:
         mgr = self._m()
         req = self.running[which % len(self.running)]
         if req.num_computed_tokens == req.num_tokens:
             req.append_token_ids([req.num_tokens % 3])
         n = min(budget, req.num_tokens - req.num_computed_tokens)
         before = mgr.snapshot()
-        res = mgr.allocate_slots(req, n, num_lookahead_tokens=lookahead)
+        res = mgr.allocate_slots(
+            req, n, num_lookahead_tokens=lookahead, num_reserved_tokens=reserve
+        )
         if res is None:
             assert mgr.snapshot() == before
             return
@@ -342,7 +356,7 @@ class TieredArenaMachine(CacheMachine):
         """A request admitted whole, computed and freed at once: its blocks go to the cache
         and push older ones down a tier, so the tiers fill within a few steps."""
         req = self.waiting[which % len(self.waiting)]
-        self.admit(which, 1 << 20, False, False)
+        self.admit(which, 1 << 20, False, False, 0)
         if req in self.running:
             self.running.remove(req)
             self._m().free(req.request_id)

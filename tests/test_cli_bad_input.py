@@ -152,6 +152,7 @@ ARGPARSE_ERRORS: list[tuple[list[str], str]] = [
     (["simulate", "--strategy", "bogus"], "invalid choice: 'bogus'"),
     (["simulate", "--window-retention", "some"], "invalid choice: 'some'"),
     (["simulate", "--publish", "later"], "invalid choice: 'later'"),
+    (["simulate", "--admission", "lazy"], "invalid choice: 'lazy'"),
     (["simulate", "--write-through", "gpu"], "invalid choice: 'gpu'"),
     (["run", "--write-through", "gpu"], "invalid choice: 'gpu'"),
     (["simulate", "--requests", "ten"], "invalid int value: 'ten'"),

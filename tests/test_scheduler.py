@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from hybridkv.cache import KVCacheManager
@@ -199,3 +201,54 @@ def test_state_layout_also_splits_one_unit_before_the_prompt_end() -> None:
     )
     off.add_request("a", list(range(100, 135)), max_tokens=1)
     assert _run(off)[:3] == [[("a", 0, 16, 0)], [("a", 16, 16, 0)], [("a", 32, 3, 0)]]
+
+
+@pytest.mark.parametrize("admission", ["reserve", "greedy"])
+def test_reserve_admission_waits_where_greedy_preempts(admission: str) -> None:
+    # 8 usable blocks of 4 tokens; a's prompt takes 6, b's 4 (5 once it decodes)
+    mgr = KVCacheManager(_layout([(FULL, 4)], 9))
+    config = SchedulerConfig(token_budget=8, max_prefill_chunk=4, admission=admission)
+    sched = Scheduler(mgr, config, max_model_len=64)
+    sched.add_request("a", list(range(100, 124)), max_tokens=1)
+    sched.add_request("b", list(range(200, 216)), max_tokens=3)
+    steps = _run(sched)
+    a_alone = [[("a", start, 4, 0)] for start in range(0, 24, 4)]
+    if admission == "reserve":  # b waits until a's whole prompt is done
+        assert sched.num_preemptions == 0
+        b_alone = [[("b", start, 4, 0)] for start in range(0, 16, 4)]
+        assert steps == [*a_alone, *b_alone, [("b", 16, 1, 0)], [("b", 17, 1, 0)]]
+    else:  # b starts next to a; a's fifth chunk finds the cache full and preempts b
+        assert sched.num_preemptions == 1
+        assert steps == [
+            *[[("a", start, 4, 0), ("b", start, 4, 0)] for start in range(0, 16, 4)],
+            *a_alone[4:],
+            [("b", 8, 4, 8)],  # b's first two blocks were still cached
+            [("b", 12, 4, 0)],
+            [("b", 16, 1, 0)],
+            [("b", 17, 1, 0)],
+        ]
+
+
+def test_reserve_admission_falls_back_to_chunks_when_refused_alone() -> None:
+    # A cache that refuses every reservation (as one too small for a whole prompt at once
+    # would) still serves the request chunk by chunk once nothing else runs.
+    mgr = KVCacheManager(_layout([(FULL, 4)], 64))
+    refused: list[int] = []
+    allocate = mgr.allocate_slots
+
+    def no_reservations(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("num_reserved_tokens"):
+            refused.append(kwargs["num_reserved_tokens"])
+            return None
+        return allocate(*args, **kwargs)
+
+    mgr.allocate_slots = no_reservations  # type: ignore[method-assign]
+    sched = Scheduler(mgr, SchedulerConfig(token_budget=8), max_model_len=64)
+    sched.add_request("a", list(range(100, 120)), max_tokens=1)
+    assert _run(sched) == [[("a", 0, 8, 0)], [("a", 8, 8, 0)], [("a", 16, 4, 0)]]
+    assert refused == [12] and sched.num_preemptions == 0
+
+
+def test_admission_policy_is_checked() -> None:
+    with pytest.raises(SchedulerError, match="admission: unknown policy 'lazy'; valid: reserve"):
+        SchedulerConfig(admission="lazy")

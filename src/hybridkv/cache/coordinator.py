@@ -54,7 +54,9 @@ WINDOW_RETENTION = ("tails", "all")
 class RequestState:
     """A request's per-group states plus the token bounds of its last allocation.
 
-    ``num_slots``: token slots allocated (lookahead included); ``min_computed``: the computed
+    ``num_slots``: token slots allocated (lookahead included); ``num_reserved``: token slots
+    the prefix-closed groups hold (at least ``num_slots``: a reservation adds the rest of the
+    prompt there, see :meth:`KVCacheManager.allocate_slots`); ``min_computed``: the computed
     length the last allocation started from (windowed kinds released below it); ``marks``:
     the request's hit and junction, whose windows and checkpoints are re-aged (with the
     computed end's) when it is freed; ``quiet`` / ``quiet_computed``: the bounds of every
@@ -68,6 +70,7 @@ class RequestState:
         "groups",
         "marks",
         "min_computed",
+        "num_reserved",
         "num_slots",
         "quiet",
         "quiet_computed",
@@ -77,7 +80,7 @@ class RequestState:
     def __init__(self, request: Request, groups: list[GroupState], marks: tuple[int, ...]) -> None:
         self.request = request
         self.groups = groups
-        self.num_slots = 0
+        self.num_slots = self.num_reserved = 0
         self.min_computed = 0
         self.quiet = self.quiet_computed = 0
         #: Token positions where later requests are likely to hit (its hit and junction).
@@ -329,12 +332,14 @@ class HybridCoordinator:
         hit: Sequence[Sequence[int]] | None,
         num_lookahead_tokens: int,
         junction: int = 0,
+        num_reserved_tokens: int = 0,
     ) -> AllocationResult | None:
         """Allocate slots for one step of ``request`` (validated by the caller).
 
         ``rs`` is None on the request's first allocation (``hit`` and ``junction``, from
-        :meth:`find_hit`, only then).  Returns None, changing nothing, when the pool cannot
-        serve every group.
+        :meth:`find_hit`, only then).  ``num_reserved_tokens``: prefix-closed groups also
+        cover that many tokens past the step.  Returns None, changing nothing, when the pool
+        cannot serve every group.
         """
         computed = request.num_computed_tokens
         num_computed = computed + num_new_computed_tokens
@@ -342,6 +347,9 @@ class HybridCoordinator:
         total = step_end + num_lookahead_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             total = max(self.max_model_len, step_end)
+        reserved = max(total, step_end + num_reserved_tokens)
+        if self.max_model_len is not None and reserved > self.max_model_len:
+            reserved = max(self.max_model_len, total)
         managers = self.managers
         if rs is None:
             marks = tuple(x for x in (num_new_computed_tokens, junction) if x)
@@ -352,7 +360,7 @@ class HybridCoordinator:
                     computed,
                     num_computed,
                     step_end,
-                    total,
+                    reserved if m.prefix_closed else total,
                     hit[i] if hit else None,
                     marks,
                 )
@@ -361,12 +369,23 @@ class HybridCoordinator:
         else:
             marks = rs.marks
             plans = [
-                m.plan(st, request, computed, num_computed, step_end, total, None, marks)
+                m.plan(
+                    st,
+                    request,
+                    computed,
+                    num_computed,
+                    step_end,
+                    reserved if m.prefix_closed else total,
+                    None,
+                    marks,
+                )
                 for m, st in zip(managers, rs.groups, strict=True)
             ]
             if not any(plans):  # the common decode step: nothing to publish, free or take
                 if total > rs.num_slots:
                     rs.num_slots = total
+                if reserved > rs.num_reserved:
+                    rs.num_reserved = reserved
                 rs.min_computed = num_computed
                 for i, m in self._scheduled:
                     st = rs.groups[i]
@@ -453,6 +472,8 @@ class HybridCoordinator:
             m.publish_scheduled(groups[i], request, step_end)
         if total > rs.num_slots:
             rs.num_slots = total
+        if reserved > rs.num_reserved:
+            rs.num_reserved = reserved
         rs.min_computed = num_computed
         self._set_quiet(rs, num_computed)
         return AllocationResult(
@@ -547,11 +568,13 @@ class HybridCoordinator:
                             "which the pool does not count as allocated to that group"
                         )
                 if m.spec.kind is not CacheKind.STATE:
-                    want = -(-rs.num_slots // m.block_size)
-                    if len(st.table) != want:
+                    slots = rs.num_reserved if m.prefix_closed else rs.num_slots
+                    want = -(-slots // m.block_size)
+                    if len(st.table) != want or rs.num_reserved < rs.num_slots:
                         raise InvariantError(
                             f"request {request.request_id}, group {g}: table has "
-                            f"{len(st.table)} entries for {rs.num_slots} slots (want {want})"
+                            f"{len(st.table)} entries for {slots} slots (want {want}; "
+                            f"{rs.num_slots} slots, {rs.num_reserved} reserved)"
                         )
         for g in range(self.num_groups):
             refs = self.pool.refs[g]
@@ -570,6 +593,7 @@ class HybridCoordinator:
         reqs = {
             rid: (
                 rs.num_slots,
+                rs.num_reserved,
                 rs.min_computed,
                 [
                     (

@@ -231,11 +231,18 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_reserved_tokens: int = 0,
     ) -> AllocationResult | None:
         """Reserve slots for a step computing ``num_new_tokens`` more tokens of ``request``.
 
         Slots cover ``request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        + num_lookahead_tokens`` tokens (lookahead: speculative draft positions).  On a
+        + num_lookahead_tokens`` tokens (lookahead: speculative draft positions).
+        ``num_reserved_tokens``: the prefix-closed groups (full attention, MLA), which keep
+        every block while the request lives, also take the blocks of that many tokens past
+        the step now (a scheduler reserves the rest of a prompt at admission, so its later
+        prefill chunks need no blocks there and cannot be refused for them); other kinds
+        allocate step by step (a sliding window would hold blocks it releases before it
+        reaches them).  Reserved blocks are not published until computed.  On a
         request's first allocation, ``new_computed_blocks`` (from :meth:`get_computed_blocks`,
         with ``num_new_computed_tokens`` equal to its ``num_computed_tokens``) is taken as the
         cached prefix.  Windowed kinds release blocks no future query can see before new ones
@@ -256,6 +263,7 @@ class KVCacheManager:
             and type(num_new_tokens) is int
             and type(num_new_computed_tokens) is int
             and type(num_lookahead_tokens) is int
+            and type(num_reserved_tokens) is int
             and not num_new_computed_tokens
             and not num_lookahead_tokens
             and num_new_tokens >= 0
@@ -268,22 +276,28 @@ class KVCacheManager:
                 and end <= rs.quiet
                 and computed <= rs.quiet_computed
                 and end <= request.num_tokens
+                and (not num_reserved_tokens or 0 < num_reserved_tokens <= rs.num_reserved - end)
             ):
                 if end > rs.num_slots:
                     rs.num_slots = end
+                    if end > rs.num_reserved:
+                        rs.num_reserved = end
                 rs.min_computed = computed
                 return coord.nothing
         if not (
             type(num_new_tokens) is int
             and type(num_new_computed_tokens) is int
             and type(num_lookahead_tokens) is int
+            and type(num_reserved_tokens) is int
             and num_new_tokens >= 0
             and num_new_computed_tokens >= 0
             and num_lookahead_tokens >= 0
+            and num_reserved_tokens >= 0
         ):
             _count("num_new_tokens", num_new_tokens)
             _count("num_new_computed_tokens", num_new_computed_tokens)
             _count("num_lookahead_tokens", num_lookahead_tokens)
+            _count("num_reserved_tokens", num_reserved_tokens)
         if rs is None or rs.request is not request or request.is_finished:
             self._check_request(request)  # raises for anything but a first allocation
         rid = request.request_id
@@ -329,6 +343,7 @@ class KVCacheManager:
             hit,
             num_lookahead_tokens,
             junction,
+            num_reserved_tokens,
         )
         if result is not None and rs is None:
             self._known[rid] = request

@@ -38,6 +38,7 @@ from hybridkv.cli.common import (
     model_name,
 )
 from hybridkv.models.catalog import DEFAULT_MODEL
+from hybridkv.scheduler import ADMISSION_POLICIES
 
 if TYPE_CHECKING:
     from hybridkv.sim import SimResult
@@ -156,6 +157,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(PUBLISH_MODES),
         help="attention blocks join the prefix cache when their step is scheduled (requests "
         "of the same step hit them) or once computed",
+    )
+    parser.add_argument(
+        "--admission",
+        default="reserve",
+        choices=list(ADMISSION_POLICIES),
+        help="the scheduler admits a waiting request once full attention can hold its whole "
+        "prompt (reserve), or once its first chunk fits (greedy, as vLLM)",
     )
     parser.add_argument(
         "--checkpoint-admission",
@@ -355,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
             window_retention=args.window_retention,
             publish=args.publish,
             checkpoint_admission=args.checkpoint_admission,
+            admission=args.admission,
             tier_admission=args.tier_admission or "yield",
             second_chance=args.second_chance,
             window_chances=args.window_chances,

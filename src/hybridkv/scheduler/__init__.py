@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hybridkv.scheduler.scheduler import Scheduler, SequenceState
 from hybridkv.scheduler.types import (
+    ADMISSION_POLICIES,
     FinishReason,
     RequestOutput,
     ScheduledRequest,
@@ -13,6 +14,7 @@ from hybridkv.scheduler.types import (
 )
 
 __all__ = [
+    "ADMISSION_POLICIES",
     "FinishReason",
     "RequestOutput",
     "ScheduledRequest",

@@ -69,6 +69,7 @@ class SequenceState:
     finish_reason: FinishReason | None = None
     first_token_step: int | None = None
     chunk_cap: int = 0  # >0: a smaller prefill chunk the cache could hold on its own
+    no_reserve: bool = False  # its prompt cannot be reserved even alone: admit chunk by chunk
     hold: bool = False  # keep the blocks when it finishes (a handover reads them)
 
     @property
@@ -424,15 +425,22 @@ class Scheduler:
                 if end <= cached:
                     skipped += 1
                     break
+                reserve = 0
+                if cfg.admission == "reserve" and not seq.no_reserve:
+                    reserve = req.num_tokens - end  # its prompt (and outputs, if resumed)
                 res = mgr.allocate_slots(
                     req,
                     end - cached,
                     num_new_computed_tokens=cached,
                     new_computed_blocks=hit,
+                    num_reserved_tokens=reserve,
                 )
                 if res is None:
                     if self.running:
                         break
+                    if reserve:  # alone and its prompt does not fit at once: chunk by chunk
+                        seq.no_reserve = True
+                        continue
                     # Alone and still refused: the chunk is too large for the cache (a fixed
                     # pool split sized for decode, say).  Retry with half the chunk.
                     if end - cached <= 1 or cfg.whole_prefill:

@@ -9,6 +9,7 @@ from hybridkv.cache import AllocationResult
 from hybridkv.errors import HybridKVError
 
 __all__ = [
+    "ADMISSION_POLICIES",
     "FinishReason",
     "RequestOutput",
     "ScheduledRequest",
@@ -16,6 +17,10 @@ __all__ = [
     "SchedulerError",
     "SchedulerOutput",
 ]
+
+
+#: How the scheduler admits a waiting request (:attr:`SchedulerConfig.admission`).
+ADMISSION_POLICIES = ("reserve", "greedy")
 
 
 class SchedulerError(HybridKVError, ValueError):
@@ -56,6 +61,15 @@ class SchedulerConfig:
     no prefix-cache hit, no chunked prefill (for models whose recurrent state cannot resume a
     prefill, e.g. transformers' Mamba1 in Jamba); a request longer than ``token_budget`` is
     refused when added.
+    ``admission``: ``"reserve"`` (default): a waiting request is admitted only if the
+    prefix-closed groups (full attention, MLA) can take the blocks of its whole remaining
+    prompt at once (``num_reserved_tokens``); its later prefill chunks then never need
+    blocks there, so a running prompt does not preempt other requests halfway through (a
+    request the cache cannot reserve for even alone is admitted chunk by chunk).
+    ``"greedy"``: admit whenever the first chunk fits, as vLLM does; later chunks preempt the
+    newest requests when the cache is full.  Measured with ``hybridkv simulate``
+    (Qwen3-Next-80B-A3B, the Mooncake trace's first 2,000 requests), greedy -> reserve: see
+    :data:`ADMISSION_POLICIES` in ``docs/architecture.md``.
     """
 
     token_budget: int = 8192
@@ -66,6 +80,7 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     collect_block_ids: bool = True
     whole_prefill: bool = False
+    admission: str = "reserve"
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs"):
@@ -75,6 +90,11 @@ class SchedulerConfig:
         if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
             raise SchedulerError(
                 f"SchedulerConfig.max_prefill_chunk: must be positive, got {self.max_prefill_chunk}"
+            )
+        if self.admission not in ADMISSION_POLICIES:
+            raise SchedulerError(
+                f"SchedulerConfig.admission: unknown policy {self.admission!r}; valid: "
+                f"{', '.join(ADMISSION_POLICIES)}"
             )
         if self.num_lookahead_tokens < 0:
             raise SchedulerError(

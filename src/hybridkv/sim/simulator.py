@@ -76,6 +76,8 @@ class SimConfig:
     window_chances: int | None = None
     #: The scheduler's ``checkpoint_before_end`` (state models; None: by the alignment).
     checkpoint_before_end: bool | None = None
+    #: The scheduler's admission policy (``SchedulerConfig.admission``).
+    admission: str = "reserve"
     host_memory_bytes: int | None = None
     disk_memory_bytes: int | None = None
     #: The tier that also takes every published block once its step ran
@@ -298,6 +300,7 @@ def scheduler_for(mgr: KVCacheManager, config: SimConfig) -> Scheduler:
             max_num_seqs=config.max_num_seqs,
             collect_block_ids=False,
             checkpoint_before_end=config.checkpoint_before_end,
+            admission=config.admission,
         ),
         max_model_len=config.max_model_len,
     )
