@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from hybridkv.cache import (
@@ -13,6 +15,7 @@ from hybridkv.cache import (
     StateSlot,
 )
 from hybridkv.cache.errors import RequestLengthError
+from hybridkv.errors import PlanError
 from test_cache_factories import (
     admit,
     arena,
@@ -402,3 +405,70 @@ def test_window_tail_protected_at_free_is_evicted_from_its_highest_block() -> No
         pos[h] for e in mgr.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes
     ]
     assert removed == [1, 5, 4, 3, 2]
+
+
+def _full_arena(mode: str, lookahead: int, first: int = 0) -> tuple[KVCacheManager, list[Any]]:
+    """An arena of 5 two-block chunks (full attention, state); ``r1`` takes all but a few
+    blocks through lookahead, after ``r0`` (40 tokens, or ``first``) computed 3."""
+    mgr = KVCacheManager(
+        arena(groups(full(), state()), 6), checkpoint_admission="all", checkpoint_when_full=mode
+    )
+    reqs = []
+    if first:
+        r0 = mgr.make_request("r0", tokens(first))
+        assert mgr.allocate_slots(r0, 3, new_computed_blocks=mgr.get_computed_blocks(r0))
+        r0.num_computed_tokens = 3
+        reqs.append(r0)
+    r1 = mgr.make_request("r1", tokens(80, start=500))
+    hit = mgr.get_computed_blocks(r1)
+    assert mgr.allocate_slots(r1, 2, new_computed_blocks=hit, num_lookahead_tokens=lookahead)
+    return mgr, reqs
+
+
+@pytest.mark.parametrize("mode", ["refuse", "skip_minor", "skip"])
+def test_checkpoint_when_full(mode: str) -> None:
+    # r0's step to 8 needs one full-attention block (one is free) and a checkpoint slot (no
+    # chunk is): at 8 of a 40-token prompt it is a minor (chunk) checkpoint
+    mgr, (r0,) = _full_arena(mode, 24, first=40)
+    before = mgr.snapshot()
+    res = mgr.allocate_slots(r0, 5)
+    if mode == "refuse":
+        assert res is None and mgr.snapshot() == before
+    else:  # the step runs without its checkpoint
+        assert res is not None and res.new_block_ids == ((11,), ()) and res.copies_after == ()
+    mgr.check_invariants()
+    # the same step of a 12-token prompt ends on its last aligned point: prompt_end
+    mgr, (r0,) = _full_arena(mode, 24, first=12)
+    before = mgr.snapshot()
+    res = mgr.allocate_slots(r0, 5)
+    if mode == "skip":
+        assert res is not None and res.new_block_ids == ((11,), ()) and res.copies_after == ()
+    else:
+        assert res is None and mgr.snapshot() == before
+    # a first allocation: its running slot fits, its checkpoint does not
+    mgr, _ = _full_arena(mode, 24)
+    r2 = mgr.make_request("r2", tokens(40, start=900))
+    hit = mgr.get_computed_blocks(r2)
+    before = mgr.snapshot()
+    res = mgr.allocate_slots(r2, 4, new_computed_blocks=hit)
+    if mode == "skip":
+        assert res is not None and res.new_block_ids == ((10,), (9,)) and res.copies_after == ()
+    else:  # an admission waits rather than start without the checkpoint
+        assert res is None and mgr.snapshot() == before
+    mgr.check_invariants()
+
+
+def test_checkpoint_when_full_defaults_by_layout() -> None:
+    gs = groups(full(), state())
+    managers = {
+        "arena": KVCacheManager(arena(gs, 6)),
+        "uniform": KVCacheManager(uniform(gs, 10)),
+        "pools": KVCacheManager(pools(gs, 10)),
+    }
+    assert {k: m._coord.when_full for k, m in managers.items()} == {
+        "arena": "skip_minor",
+        "uniform": "refuse",
+        "pools": "skip",
+    }
+    with pytest.raises(PlanError, match="checkpoint_when_full: unknown policy 'never'; valid: ref"):
+        KVCacheManager(arena(gs, 6), checkpoint_when_full="never")

@@ -19,7 +19,12 @@ they were).
 
 from __future__ import annotations
 
-from hybridkv.cache.admission import CHECKPOINT_ADMISSION, CHECKPOINT_REASONS, TIER_ADMISSION
+from hybridkv.cache.admission import (
+    CHECKPOINT_ADMISSION,
+    CHECKPOINT_REASONS,
+    CHECKPOINT_WHEN_FULL,
+    TIER_ADMISSION,
+)
 from hybridkv.cache.coordinator import PUBLISH_MODES, WINDOW_RETENTION
 from hybridkv.cache.errors import (
     DuplicateRequestError,
@@ -55,6 +60,7 @@ from hybridkv.cache.types import (
 __all__ = [
     "CHECKPOINT_ADMISSION",
     "CHECKPOINT_REASONS",
+    "CHECKPOINT_WHEN_FULL",
     "PUBLISH_MODES",
     "TIER_ADMISSION",
     "TIER_NAMES",

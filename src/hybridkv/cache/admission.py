@@ -46,6 +46,7 @@ from typing import Final
 __all__ = [
     "CHECKPOINT_ADMISSION",
     "CHECKPOINT_REASONS",
+    "CHECKPOINT_WHEN_FULL",
     "EXPLORE",
     "MIN_CHECKPOINTS",
     "TIER_ADMISSION",
@@ -59,6 +60,14 @@ CHECKPOINT_ADMISSION: Final = ("yield", "all")
 #: host tier, to the disk tier if there is one, else it is dropped; ``"all"``: every one goes
 #: to the top tier, as any block.
 TIER_ADMISSION: Final = ("yield", "all")
+#: What a step does when the cache cannot also hold the state checkpoint it would save:
+#: ``"refuse"``: the allocation fails (the scheduler preempts or waits), as for any block;
+#: ``"skip_minor"``: a running request's step skips a checkpoint whose reason is neither
+#: ``junction`` nor ``prompt_end`` (the points later requests most often hit) and runs without
+#: it, while a first allocation, and a step saving one of those two, is refused; ``"skip"``:
+#: every such checkpoint is skipped.  ``KVCacheManager(checkpoint_when_full=None)`` picks by
+#: layout (see :meth:`~hybridkv.cache.coordinator.HybridCoordinator.when_full_default`).
+CHECKPOINT_WHEN_FULL: Final = ("refuse", "skip_minor", "skip")
 #: Reason codes, indexed by :meth:`CheckpointAdmission.admits`' ``reason`` (0: untagged).
 CHECKPOINT_REASONS: Final = ("", "junction", "prompt_end", "chunk", "decode", "before_end")
 JUNCTION, PROMPT_END, CHUNK, DECODE, BEFORE_END = 1, 2, 3, 4, 5

@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from hybridkv.cache.admission import CHECKPOINT_ADMISSION, TIER_ADMISSION, CheckpointAdmission
+from hybridkv.cache.admission import (
+    CHECKPOINT_ADMISSION,
+    CHECKPOINT_WHEN_FULL,
+    JUNCTION,
+    PROMPT_END,
+    TIER_ADMISSION,
+    CheckpointAdmission,
+)
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.hit_grid import HitGrid
 from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan, manager_class
@@ -117,7 +124,13 @@ class HybridCoordinator:
         tier_ops: bool = False,
         tier_admission: str = "yield",
         tier_write_through: str | None = None,
+        checkpoint_when_full: str | None = None,
     ) -> None:
+        if checkpoint_when_full is not None and checkpoint_when_full not in CHECKPOINT_WHEN_FULL:
+            raise PlanError(
+                f"checkpoint_when_full: unknown policy {checkpoint_when_full!r}; valid: "
+                f"{', '.join(CHECKPOINT_WHEN_FULL)} (or None: by layout)"
+            )
         if tier_admission not in TIER_ADMISSION:
             raise PlanError(
                 f"tier_admission: unknown policy {tier_admission!r}; valid: "
@@ -176,7 +189,8 @@ class HybridCoordinator:
             for m in self.managers
             if m.spec.kind in WINDOW_KINDS and self.pool.blocks_per_chunk(m.group_id) > 1
         )
-        self._own_state_pools = layout.strategy is Strategy.POOLS
+        #: :data:`~hybridkv.cache.admission.CHECKPOINT_WHEN_FULL`, resolved.
+        self.when_full = checkpoint_when_full or self.when_full_default(layout.strategy)
         #: Where hits land (windowed groups also keep the window before a prompt's last point
         #: on it, see :mod:`hybridkv.cache.hit_grid`).
         self.hit_grid = HitGrid(self.alignment)
@@ -406,11 +420,18 @@ class HybridCoordinator:
             else:
                 markers = None
         if not self._fits(plans):
-            # A state group with a pool of its own (``pools``) can be full of running slots:
-            # drop the checkpoint (an optimisation) rather than refuse the step, which would
-            # preempt a request to free a slot for it.  In a shared pool a refusal means the
-            # cache is full, and preempting keeps the checkpoint (measured better there).
-            if not self._own_state_pools or not any(p is not None and p.checkpoint for p in plans):
+            # The checkpoint is an optimisation: under ``skip`` / ``skip_minor`` the step may
+            # run without it rather than be refused (a refusal preempts a running request).
+            mode = self.when_full
+            if mode == "refuse" or not any(p is not None and p.checkpoint for p in plans):
+                return None
+            if mode == "skip_minor" and (
+                rs is None
+                or any(
+                    p is not None and p.checkpoint and p.reason in (JUNCTION, PROMPT_END)
+                    for p in plans
+                )
+            ):
                 return None
             plans = [
                 p._replace(need=p.need - 1, checkpoint=0, reason=0)
@@ -498,6 +519,23 @@ class HybridCoordinator:
                 end = e
         rs.quiet = end
         rs.quiet_computed = computed
+
+    @staticmethod
+    def when_full_default(strategy: Strategy) -> str:
+        """The :data:`~hybridkv.cache.admission.CHECKPOINT_WHEN_FULL` policy by layout.
+
+        ``pools``: ``skip``: the state group's own pool can be full of running slots, and
+        preempting a request to free one for a checkpoint trades its recompute for an
+        optimisation.  ``arena``: ``skip_minor``: a checkpoint takes a whole chunk, and the
+        newest request a refusal preempts rarely frees one (its attention blocks lie in
+        chunks other requests still hold), so refusals cascade into preemption storms (the
+        Mooncake trace, Qwen3-Next-80B-A3B at 8 GiB: 2,417 preemptions with ``refuse``, 9
+        with ``skip_minor``, docs/architecture.md).  ``uniform``: ``refuse``: one page of
+        every group is the same size there, so preempting the newest request frees what the
+        checkpoint needs, and skipping measured no better."""
+        if strategy is Strategy.POOLS:
+            return "skip"
+        return "skip_minor" if strategy is Strategy.ARENA else "refuse"
 
     def _fits(self, plans: list[StepPlan | None]) -> bool:
         for p in plans:

@@ -103,6 +103,11 @@ class KVCacheManager:
     scheduler calls it after each step), not only when the device evicts it: evictions then
     find most blocks stored already, and a disk tier holds a process's prefixes even if it
     ends without :meth:`persist_to_tier`.  None (default): write-back on eviction only.
+    ``checkpoint_when_full``: what a step does when the cache cannot also hold the state
+    checkpoint it would save: ``"refuse"`` the allocation, ``"skip_minor"`` (skip it on a
+    running request's step unless it sits at a junction or a prompt's end) or ``"skip"`` it;
+    None (default): by layout, ``skip_minor`` for ``arena``, ``refuse`` for ``uniform``,
+    ``skip`` for ``pools`` (see :data:`~hybridkv.cache.admission.CHECKPOINT_WHEN_FULL`).
     """
 
     #: Skip planning an allocation that provably changes nothing (see
@@ -128,6 +133,7 @@ class KVCacheManager:
         tier_ops: bool = False,
         tier_admission: str = "yield",
         tier_write_through: str | None = None,
+        checkpoint_when_full: str | None = None,
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -159,6 +165,7 @@ class KVCacheManager:
             tier_ops=tier_ops,
             tier_admission=tier_admission,
             tier_write_through=tier_write_through,
+            checkpoint_when_full=checkpoint_when_full,
         )
         self.group_hit_stats = bool(group_hit_stats)
         self._stats = StatsCollector(len(layout.groups) if group_hit_stats else 0)

@@ -19,7 +19,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.cache import CHECKPOINT_ADMISSION, PUBLISH_MODES, TIER_ADMISSION, WINDOW_RETENTION
+from hybridkv.cache import (
+    CHECKPOINT_ADMISSION,
+    CHECKPOINT_WHEN_FULL,
+    PUBLISH_MODES,
+    TIER_ADMISSION,
+    WINDOW_RETENTION,
+)
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, DEFAULT_WINDOW_CHANCES, MAX_CHANCES
 from hybridkv.cli.common import (
     CliInputError,
@@ -164,6 +170,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(ADMISSION_POLICIES),
         help="the scheduler admits a waiting request once full attention can hold its whole "
         "prompt (reserve), or once its first chunk fits (greedy, as vLLM)",
+    )
+    parser.add_argument(
+        "--checkpoint-when-full",
+        default=None,
+        choices=list(CHECKPOINT_WHEN_FULL),
+        help="when the cache cannot also hold a step's state checkpoint: refuse the step "
+        "(a request is preempted), skip minor checkpoints (not at a junction or prompt end) "
+        "on running requests, or skip any (default: skip_minor on arena, refuse on uniform, "
+        "skip on pools)",
     )
     parser.add_argument(
         "--checkpoint-admission",
@@ -364,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
             publish=args.publish,
             checkpoint_admission=args.checkpoint_admission,
             admission=args.admission,
+            checkpoint_when_full=args.checkpoint_when_full,
             tier_admission=args.tier_admission or "yield",
             second_chance=args.second_chance,
             window_chances=args.window_chances,

@@ -78,6 +78,8 @@ class SimConfig:
     checkpoint_before_end: bool | None = None
     #: The scheduler's admission policy (``SchedulerConfig.admission``).
     admission: str = "reserve"
+    #: ``KVCacheManager(checkpoint_when_full=)`` (None: by layout).
+    checkpoint_when_full: str | None = None
     host_memory_bytes: int | None = None
     disk_memory_bytes: int | None = None
     #: The tier that also takes every published block once its step ran
@@ -334,6 +336,7 @@ def simulate(
         group_hit_stats=True,  # the report's per-group hit rates
         tiers=config.tiers(),
         tier_write_through=config.write_through,
+        checkpoint_when_full=config.checkpoint_when_full,
     )
     sched = scheduler_for(mgr, config)
     cost = StepCostModel(model, profile, ACCELERATORS[config.accelerator])
