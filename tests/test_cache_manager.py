@@ -13,6 +13,7 @@ from hybridkv.cache import (
     KVCacheManager,
     StateCopy,
     StateSlot,
+    compiled,
 )
 from hybridkv.cache.errors import RequestLengthError
 from hybridkv.errors import PlanError
@@ -317,9 +318,16 @@ def test_reserved_slots_decode_fast_path_and_refusal() -> None:
     res = mgr.allocate_slots(r0, 1)  # decode past the reservation: a new block
     assert res is not None and res.new_block_ids == ((4,),)
     mgr.check_invariants()
-    for bad in (-1, True, 1.5):
+    before = mgr.snapshot()
+    with pytest.raises(RequestLengthError, match="num_reserved_tokens: must be an integer >= 0"):
+        mgr.allocate_slots(r0, 0, num_reserved_tokens=-1)
+    # the compiled build checks the type at the call, and reads a bool as 0 / 1
+    with pytest.raises(TypeError if compiled() else RequestLengthError):
+        mgr.allocate_slots(r0, 0, num_reserved_tokens=1.5)  # type: ignore[arg-type]
+    if not compiled():
         with pytest.raises(RequestLengthError, match="num_reserved_tokens"):
-            mgr.allocate_slots(r0, 0, num_reserved_tokens=bad)  # type: ignore[arg-type]
+            mgr.allocate_slots(r0, 0, num_reserved_tokens=True)
+    assert mgr.snapshot() == before
     mgr.check_invariants()
 
 

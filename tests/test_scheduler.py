@@ -234,16 +234,18 @@ def test_reserve_admission_falls_back_to_chunks_when_refused_alone() -> None:
     # would) still serves the request chunk by chunk once nothing else runs.
     mgr = KVCacheManager(_layout([(FULL, 4)], 64))
     refused: list[int] = []
-    allocate = mgr.allocate_slots
 
-    def no_reservations(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("num_reserved_tokens"):
-            refused.append(kwargs["num_reserved_tokens"])
-            return None
-        return allocate(*args, **kwargs)
+    class NoReservations:  # the manager, but every reservation is refused
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mgr, name)
 
-    mgr.allocate_slots = no_reservations  # type: ignore[method-assign]
-    sched = Scheduler(mgr, SchedulerConfig(token_budget=8), max_model_len=64)
+        def allocate_slots(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("num_reserved_tokens"):
+                refused.append(kwargs["num_reserved_tokens"])
+                return None
+            return mgr.allocate_slots(*args, **kwargs)
+
+    sched = Scheduler(NoReservations(), SchedulerConfig(token_budget=8), max_model_len=64)  # type: ignore[arg-type]
     sched.add_request("a", list(range(100, 120)), max_tokens=1)
     assert _run(sched) == [[("a", 0, 8, 0)], [("a", 8, 8, 0)], [("a", 16, 4, 0)]]
     assert refused == [12] and sched.num_preemptions == 0
