@@ -44,6 +44,9 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         "--chunk-alignment 1MiB: only applies with --strategy arena (or all)",
     ),
     (["plan", "--chunk-alignment", "0"], "--chunk-alignment: size must be positive"),
+    (["plan", "--state-split", "0"], "--state-split: must be a positive integer, got 0"),
+    (["simulate", "--state-split", "-2"], "--state-split: must be a positive integer, got -2"),
+    (["plan", "--state-split", "65"], "--state-split: 65 is larger than the maximum 64"),
     (["plan", "--memory", "1MiB"], "holds no request of max_model_len"),
     (
         ["plan", "--block-size", "100000"],

@@ -23,6 +23,7 @@ from hybridkv.engine.models import load_model
 from hybridkv.engine.verify import Mismatch, greedy_reference
 from hybridkv.errors import PlanError, UnsupportedModelTypeError
 from hybridkv.scheduler import FinishReason, SchedulerConfig, SchedulerError, SchedulerOutput
+from hybridkv.specs import CacheKind
 
 SMALL = CacheConfig(block_size=4, state_block_size=8, memory_bytes=1 << 20, max_model_len=64)
 
@@ -330,3 +331,23 @@ def test_jamba_prompts_are_computed_whole_and_exact() -> None:
     assert verify_completions(ref, done).ok
     with pytest.raises(SchedulerError, match=r"whole_prefill computes a prompt in one step"):
         engine.generate({"long": list(range(1, 70))}, max_tokens=1)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "granitemoehybrid"])
+def test_split_state_groups_stay_exact_with_prefix_hits(name: str) -> None:
+    """An arena whose state group is cut into groups of layers (``state_split``): each
+    group's slots hold only its layers' state, and tokens still match transformers, prefix
+    hits on the checkpoints included."""
+    model, ref = _models(name)
+    shared = [(5 * i + 1) % 200 + 1 for i in range(40)]
+    prompts = {"a": [*shared, 9, 8, 7], "b": [*shared, 5, 4], "c": [*shared, 1, 2, 3]}
+    cache = CacheConfig(
+        block_size=4, state_block_size=8, num_blocks=64, max_model_len=96, state_split=2
+    )
+    engine = LLMEngine(model, cache=cache, scheduler=SchedulerConfig(token_budget=16))
+    groups = engine.plan.layout.groups
+    state = [g for g in groups if g.spec.kind is CacheKind.STATE]
+    assert len(state) == 2 and {len(g.members) for g in state} <= {1, 2, 3, 4, 5, 6}
+    done = [engine.generate({rid: p}, max_tokens=4)[0] for rid, p in prompts.items()]
+    assert verify_completions(ref, done).ok
+    assert [c.num_cached_tokens for c in done] == [0, 40, 40]

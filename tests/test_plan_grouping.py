@@ -6,7 +6,7 @@ import pytest
 
 from hybridkv.errors import PlanError
 from hybridkv.plan import PlanOptions, group_entries
-from hybridkv.plan.grouping import base_group_plans
+from hybridkv.plan.grouping import base_group_plans, split_state_groups
 from hybridkv.plan.options import kernel_block_size_for
 from test_plan_factories import full, mla, model, sliding, state, swa_full_model
 
@@ -93,3 +93,45 @@ def test_bad_options_raise(kwargs: dict[str, object], field: str) -> None:
 def test_options_round_trip() -> None:
     options = PlanOptions(block_size=32, kernel_block_size=8, pool_ratios=(1.0, 3.0))
     assert PlanOptions.from_dict(options.to_dict()) == options
+
+
+def test_state_split_cuts_state_groups_into_consecutive_layers() -> None:
+    ssm = state((4,))
+    m = model([ssm, ssm, full(), ssm, ssm, ssm, full(), ssm])  # 6 state layers, 2 full
+    groups = group_entries(m)
+    assert [g.members for g in split_state_groups(groups, 4)] == [
+        ((0, 0), (1, 0)),  # 6 = 2 + 2 + 1 + 1
+        ((3, 0), (4, 0)),
+        ((5, 0),),
+        ((7, 0),),
+        ((2, 0), (6, 0)),  # attention groups stay whole
+    ]
+    assert split_state_groups(groups, 1) == groups
+    assert [len(g.members) for g in split_state_groups(groups, 10)] == [1] * 6 + [2]
+    with pytest.raises(PlanError, match="state_split: must be"):
+        PlanOptions(state_split=0)
+
+
+def test_state_split_shrinks_the_arena_chunk_and_keeps_every_layer() -> None:
+    from hybridkv.models import resolve_model
+    from hybridkv.plan import make_plan
+
+    qwen = resolve_model("Qwen3-Next-80B-A3B")
+    plans = {
+        k: make_plan(qwen, memory_bytes=32 << 30, max_model_len=131072, state_split=k)
+        for k in (1, 4)
+    }
+    one, four = plans[1].layout, plans[4].layout
+    assert one.arena is not None and four.arena is not None
+    assert four.arena.chunk_bytes * 2 == one.arena.chunk_bytes  # two 9-layer slots a chunk
+    state_groups = [g for g in four.groups if g.spec.kind.value == "state"]
+    assert [len(g.members) for g in state_groups] == [9, 9, 9, 9]
+    members = sorted(m for g in four.groups for m in g.members)
+    assert members == sorted(m for g in one.groups for m in g.members)
+    uniform = make_plan(
+        qwen, memory_bytes=32 << 30, max_model_len=131072, strategy="uniform", state_split=4
+    )
+    assert (
+        uniform.layout
+        == make_plan(qwen, memory_bytes=32 << 30, max_model_len=131072, strategy="uniform").layout
+    )  # uniform groups layers by vLLM's rule

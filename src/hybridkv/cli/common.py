@@ -177,6 +177,14 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="arena strategy only: chunks are a multiple of this size (default: 64KiB)",
     )
+    parser.add_argument(
+        "--state-split",
+        type=int,
+        default=1,
+        metavar="K",
+        help="arena and pools: split each recurrent-state group into K groups of layers, so "
+        "a state slot (and an arena chunk) is up to K times smaller (default: 1)",
+    )
 
 
 def chunk_alignment_arg(args: argparse.Namespace) -> int:
@@ -241,6 +249,7 @@ FIELD_FLAGS: dict[str, str] = {
     "state_block_size": "--state-block-size",
     "pool_ratios": "--pool-ratios",
     "chunk_alignment": "--chunk-alignment",
+    "state_split": "--state-split",
     "kv_cache_dtype": "--kv-cache-dtype",
     "tp_size": "--tp",
     "host_memory_bytes": "--host-memory",

@@ -91,7 +91,15 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.plan import compare_strategies, make_plan
 
     check_positive(
-        args, ("tp", "max_model_len", "block_size", "kernel_block_size", "state_block_size")
+        args,
+        (
+            "tp",
+            "max_model_len",
+            "block_size",
+            "kernel_block_size",
+            "state_block_size",
+            "state_split",
+        ),
     )
     memory = parse_bytes(args.memory, field="--memory")
     alignment = chunk_alignment_arg(args)
@@ -111,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             state_block_size=args.state_block_size,
             pool_ratios=ratios,
             chunk_alignment=alignment,
+            state_split=args.state_split,
         )
         data: dict[str, Any] = comparison.to_dict()
         text = comparison_report(comparison)
@@ -125,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             state_block_size=args.state_block_size,
             pool_ratios=ratios,
             chunk_alignment=alignment,
+            state_split=args.state_split,
         )
         data = plan.to_dict()
         text = plan_report(plan)

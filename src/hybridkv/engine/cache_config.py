@@ -38,7 +38,7 @@ def _positive(name: str, value: object) -> None:
 class CacheConfig:
     """How the engine plans its cache (see :func:`hybridkv.plan.make_plan` for the fields it
     passes on: ``strategy``, ``block_size``, ``kernel_block_size``, ``state_block_size``,
-    ``chunk_alignment``).
+    ``chunk_alignment``, ``state_split``).
 
     The budget is ``memory_bytes``, or ``num_blocks``: room for that many blocks of every group
     at once (arena: whole chunks of each group plus the null chunk; pools: one pool of
@@ -75,6 +75,7 @@ class CacheConfig:
     state_block_size: int | None = None
     max_model_len: int | None = None
     chunk_alignment: int = 4096
+    state_split: int = 1
     publish: str = "scheduled"
     attention_sinks: int = 0
     host_memory_bytes: int | None = None
@@ -135,6 +136,7 @@ def plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan:
         "kernel_block_size": cache.kernel_block_size,
         "state_block_size": cache.state_block_size,
         "chunk_alignment": cache.chunk_alignment,
+        "state_split": cache.state_split,
     }
     if cache.num_blocks is None:
         memory = cache.memory_bytes or DEFAULT_MEMORY_BYTES

@@ -123,6 +123,7 @@ def compare_strategies(
     state_block_size: int | None = None,
     pool_ratios: Sequence[float] | None = None,
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT,
+    state_split: int = 1,
 ) -> StrategyComparison:
     """Plan ``model`` with every :class:`Strategy` (in enum order) and the naive estimate.
 
@@ -141,6 +142,7 @@ def compare_strategies(
         state_block_size=state_block_size,
         pool_ratios=None if pool_ratios is None else tuple(pool_ratios),
         chunk_alignment=chunk_alignment,
+        state_split=state_split,
     )
     group_entries(model)
     plans: list[Plan] = []
@@ -159,6 +161,7 @@ def compare_strategies(
                     state_block_size=state_block_size,
                     pool_ratios=pool_ratios if strategy is Strategy.POOLS else None,
                     chunk_alignment=chunk_alignment,
+                    state_split=state_split,
                 )
             )
         except PlanError as exc:

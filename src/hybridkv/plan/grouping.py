@@ -65,6 +65,22 @@ def group_entries(model: ModelSpec) -> tuple[SpecGroup, ...]:
     return tuple(SpecGroup(spec, tuple(members)) for spec, members in by_spec.items())
 
 
+def split_state_groups(groups: tuple[SpecGroup, ...], k: int) -> tuple[SpecGroup, ...]:
+    """``groups`` with each state group cut into ``min(k, members)`` groups of consecutive
+    members, the first ``members % parts`` of them one member larger (see
+    ``PlanOptions.state_split``).  Pure."""
+    out: list[SpecGroup] = []
+    for group in groups:
+        n = len(group.members)
+        parts = min(k, n) if is_state(group.spec) else 1
+        start = 0
+        for i in range(parts):
+            size = n // parts + (i < n % parts)
+            out.append(SpecGroup(group.spec, group.members[start : start + size]))
+            start += size
+    return tuple(out)
+
+
 def base_group_plans(groups: tuple[SpecGroup, ...], options: PlanOptions) -> tuple[GroupPlan, ...]:
     """Unpadded group plans: per-token groups use ``options.block_size``, state groups
     ``options.state_block_size`` (default 256 tokens); pages are exactly

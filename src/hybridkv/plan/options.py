@@ -15,6 +15,13 @@ Defaults and why:
   Mamba hybrids.  The ``uniform`` strategy (vLLM's rules) instead defaults to vLLM's align
   mode, a checkpoint interval equal to the unified attention block size.
 * ``kernel_block_size``: see :func:`kernel_block_size_for`.
+* ``state_split`` 1: each recurrent-state group keeps all its layers, so one state slot is
+  every state layer's state (``arena`` and ``pools``; ``uniform`` groups layers by vLLM's
+  rule).  ``k`` > 1 splits each state group into ``k`` groups of consecutive layers (as
+  equal as possible, at most one per layer): slots ``k`` times smaller, and an ``arena``
+  whose chunk follows the largest block gets chunks up to ``k`` times smaller, so a state
+  slot no longer needs a whole chunk of attention blocks to drain; each step then plans
+  ``k`` state groups instead of one.
 * ``chunk_alignment`` 64 KiB: arena chunks are the smallest common multiple of every group's
   block bytes and this.  Small chunks keep eviction close to one global LRU (a reclaimed chunk
   loses all its cached blocks at once): on the simulator's chat workload, gpt-oss-20b at 1 GiB,
@@ -42,6 +49,7 @@ __all__ = [
     "DEFAULT_CHUNK_ALIGNMENT",
     "DEFAULT_STATE_BLOCK_SIZE",
     "KERNEL_BLOCK_LIMIT",
+    "MAX_STATE_SPLIT",
     "PlanOptions",
     "check_positive",
     "kernel_block_size_for",
@@ -50,6 +58,8 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_STATE_BLOCK_SIZE = 256
 DEFAULT_CHUNK_ALIGNMENT = 64 * 1024  # see the module docstring
+#: Most groups one state group may be split into (``PlanOptions.state_split``).
+MAX_STATE_SPLIT = 64
 #: Largest kernel block the default rule picks (tokens).
 KERNEL_BLOCK_LIMIT = 16
 
@@ -81,6 +91,7 @@ class PlanOptions:
     state_block_size: int | None = None
     pool_ratios: tuple[float, ...] | None = None
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT
+    state_split: int = 1
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size, upper=MAX_TOKENS)
@@ -94,6 +105,7 @@ class PlanOptions:
         if self.state_block_size is not None:
             check_positive("state_block_size", self.state_block_size, upper=MAX_TOKENS)
         check_positive("chunk_alignment", self.chunk_alignment)
+        check_positive("state_split", self.state_split, upper=MAX_STATE_SPLIT)
         if self.pool_ratios is not None:
             object.__setattr__(self, "pool_ratios", _check_ratios(self.pool_ratios))
 
@@ -104,6 +116,7 @@ class PlanOptions:
             "state_block_size": self.state_block_size,
             "pool_ratios": None if self.pool_ratios is None else list(self.pool_ratios),
             "chunk_alignment": self.chunk_alignment,
+            "state_split": self.state_split,
         }
 
     @classmethod
@@ -115,6 +128,7 @@ class PlanOptions:
             state_block_size=data.get("state_block_size"),
             pool_ratios=None if ratios is None else tuple(float(r) for r in ratios),
             chunk_alignment=int(data.get("chunk_alignment", DEFAULT_CHUNK_ALIGNMENT)),
+            state_split=int(data.get("state_split", 1)),
         )
 
 

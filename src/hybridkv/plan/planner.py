@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from hybridkv.errors import PlanError
 from hybridkv.plan.accounting import arena_capacity, ledger, pool_capacity
 from hybridkv.plan.arena import plan_arena
-from hybridkv.plan.grouping import BuiltLayout, SpecGroup, group_entries
+from hybridkv.plan.grouping import BuiltLayout, SpecGroup, group_entries, split_state_groups
 from hybridkv.plan.layout import MemoryLayout, Strategy
 from hybridkv.plan.need import blocks_for_request
 from hybridkv.plan.options import DEFAULT_CHUNK_ALIGNMENT, PlanOptions, check_positive
@@ -88,13 +88,15 @@ def make_plan(
     state_block_size: int | None = None,
     pool_ratios: Sequence[float] | None = None,
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT,
+    state_split: int = 1,
 ) -> Plan:
     """Plan ``model``'s cache in ``memory_bytes`` bytes for requests of ``max_model_len`` tokens.
 
     ``block_size`` (tokens) applies to attention/MLA groups, ``state_block_size`` (tokens, the
     checkpoint interval) to state groups, ``kernel_block_size`` (tokens, must divide
     ``block_size``) to attention kernels; ``pool_ratios`` (``pools`` only) weigh the pools;
-    ``chunk_alignment`` (bytes) is the arena chunk granularity.  See
+    ``chunk_alignment`` (bytes) is the arena chunk granularity; ``state_split`` cuts each
+    state group into that many groups of layers (``arena`` and ``pools``).  See
     :mod:`hybridkv.plan.options` for the defaults.
 
     Raises :class:`PlanError` naming the field for a non-positive budget, length or block size,
@@ -118,8 +120,11 @@ def make_plan(
         state_block_size=state_block_size,
         pool_ratios=None if pool_ratios is None else tuple(pool_ratios),
         chunk_alignment=chunk_alignment,
+        state_split=state_split,
     )
     groups = group_entries(model)
+    if options.state_split > 1 and kind is not Strategy.UNIFORM:
+        groups = split_state_groups(groups, options.state_split)
     layout, notes = STRATEGIES[kind](groups, options, memory_bytes, max_model_len)
     need = tuple(blocks_for_request(g, max_model_len) for g in layout.groups)
     capacity = _capacity(layout, need, max_model_len)

@@ -61,6 +61,8 @@ class SimConfig:
     kernel_block_size: int | None = None
     pool_ratios: tuple[float, ...] | None = None
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT
+    #: ``make_plan(state_split=)``.
+    state_split: int = 1
     accelerator: str = "h100"
     use_arrivals: bool = True
     hasher: str = "builtin"
@@ -290,6 +292,7 @@ def plan_for(model: ModelSpec, config: SimConfig) -> Plan:
         state_block_size=config.state_block_size,
         pool_ratios=config.pool_ratios,
         chunk_alignment=config.chunk_alignment,
+        state_split=config.state_split,
     )
 
 
