@@ -264,6 +264,7 @@ def compare(
     chunk_alignment: int | None = None,
     second_chance: int = DEFAULT_CHANCES,
     window_chances: int | None = None,
+    state_split: int | None = None,
 ) -> dict[str, Any]:
     model = resolve_model(name)
     setup = vd.build_vllm_manager(
@@ -282,6 +283,7 @@ def compare(
         block_size=block_size,
         state_block_size=state_block_size,
         **({} if chunk_alignment is None else {"chunk_alignment": chunk_alignment}),
+        **({} if state_split is None else {"state_split": state_split}),
     )
     ours = HybridkvAdapter(
         KVCacheManager(
@@ -352,6 +354,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--state-block-size", type=int, default=None)
     p.add_argument("--chunk-alignment", default=None, help="arena chunk alignment (e.g. 2MiB)")
     p.add_argument(
+        "--state-split",
+        type=int,
+        default=None,
+        help="cut each state group into this many groups of layers (default: the planner's)",
+    )
+    p.add_argument(
         "--second-chance",
         type=int,
         default=DEFAULT_CHANCES,
@@ -406,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             second_chance=args.second_chance,
             window_chances=args.window_chances,
+            state_split=args.state_split,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)
