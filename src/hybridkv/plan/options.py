@@ -21,7 +21,12 @@ Defaults and why:
   equal as possible, at most one per layer): slots ``k`` times smaller, and an ``arena``
   whose chunk follows the largest block gets chunks up to ``k`` times smaller, so a state
   slot no longer needs a whole chunk of attention blocks to drain; each step then plans
-  ``k`` state groups instead of one.
+  ``k`` state groups instead of one.  Measured (``docs/architecture.md``): with 4, the
+  simulator's arena beat ``uniform``'s TTFT on Qwen3-Next-80B-A3B, Jamba-v0.1 and
+  Nemotron-H-8B at 8-32 GiB with more hits, but in ``benchmarks/compare_vllm.py`` at 64 GiB
+  it lost hits (Jamba-v0.1 1.54x -> 1.45x vLLM's, Nemotron-H-8B 1.63x -> 1.34x): each
+  group's part of a checkpoint is evicted on its own, and a hit needs all of them.  So the
+  default stays 1.
 * ``chunk_alignment`` 64 KiB: arena chunks are the smallest common multiple of every group's
   block bytes and this.  Small chunks keep eviction close to one global LRU (a reclaimed chunk
   loses all its cached blocks at once): on the simulator's chat workload, gpt-oss-20b at 1 GiB,
