@@ -593,6 +593,11 @@ class HybridCoordinator:
         expected: dict[int, list[int]] = {}
         for rs in self.requests.values():
             request = rs.request
+            if rs.num_reserved < rs.num_slots:
+                raise InvariantError(
+                    f"request {request.request_id}: {rs.num_reserved} reserved slots, fewer "
+                    f"than its {rs.num_slots} slots"
+                )
             for m, st in zip(self.managers, rs.groups, strict=True):
                 m.check_request(st, request)
                 g = m.group_id
@@ -608,11 +613,10 @@ class HybridCoordinator:
                 if m.spec.kind is not CacheKind.STATE:
                     slots = rs.num_reserved if m.prefix_closed else rs.num_slots
                     want = -(-slots // m.block_size)
-                    if len(st.table) != want or rs.num_reserved < rs.num_slots:
+                    if len(st.table) != want:
                         raise InvariantError(
                             f"request {request.request_id}, group {g}: table has "
-                            f"{len(st.table)} entries for {slots} slots (want {want}; "
-                            f"{rs.num_slots} slots, {rs.num_reserved} reserved)"
+                            f"{len(st.table)} entries for {slots} slots (want {want})"
                         )
         for g in range(self.num_groups):
             refs = self.pool.refs[g]
