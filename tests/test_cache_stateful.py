@@ -42,6 +42,7 @@ from test_cache_factories import (
     layout_for,
     oracle,
     spec_items,
+    state,
     tier_hashes,
     tokens,
 )
@@ -66,6 +67,9 @@ class CacheMachine(RuleBasedStateMachine):
     strategy = "uniform"
     #: Whether the manager gets lower tiers (host, and disk when drawn) of a few blocks.
     tiered = False
+    #: Whether the layout also gets two state groups of one spec (a state group cut in two
+    #: by ``state_split``: a checkpoint's two parts are evicted together).
+    split_state = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,6 +95,7 @@ class CacheMachine(RuleBasedStateMachine):
         window_chances=hst.sampled_from([None, 0, 1, 3]),
         tier_blocks=hst.tuples(hst.integers(1, 6), hst.integers(0, 8)),
         tier_admission=hst.sampled_from(TIER_ADMISSION),
+        split_block=hst.sampled_from([2, 4, 8]),
     )
     def setup(
         self,
@@ -107,7 +112,10 @@ class CacheMachine(RuleBasedStateMachine):
         window_chances: int | None,
         tier_blocks: tuple[int, int],
         tier_admission: str,
+        split_block: int,
     ) -> None:
+        if self.split_state:
+            items = [*items, (state(), split_block), (state(), split_block)]
         layout = layout_for(self.strategy, groups(*items), capacity)
         tiers: list[TierSpec] = []
         if self.tiered:  # capacities in blocks of the largest group: evictions cascade often
@@ -428,6 +436,21 @@ class PoolsMachine(CacheMachine):
     strategy = "pools"
 
 
+class SplitArenaMachine(CacheMachine):
+    strategy = "arena"
+    split_state = True
+
+
+class SplitUniformMachine(CacheMachine):
+    strategy = "uniform"
+    split_state = True
+
+
+class SplitTieredPoolsMachine(TieredArenaMachine):
+    strategy = "pools"
+    split_state = True
+
+
 _settings = {"stateful_step_count": 30}
 ArenaMachine.TestCase.settings = ArenaMachine.TestCase.settings.__class__(
     ArenaMachine.TestCase.settings, **_settings
@@ -440,6 +463,9 @@ UniformMachine.TestCase.settings = ArenaMachine.TestCase.settings
 PoolsMachine.TestCase.settings = ArenaMachine.TestCase.settings
 TieredArenaMachine.TestCase.settings = ArenaMachine.TestCase.settings
 TieredPoolsMachine.TestCase.settings = ArenaMachine.TestCase.settings
+SplitArenaMachine.TestCase.settings = ArenaMachine.TestCase.settings
+SplitUniformMachine.TestCase.settings = ArenaMachine.TestCase.settings
+SplitTieredPoolsMachine.TestCase.settings = ArenaMachine.TestCase.settings
 
 TestArena = ArenaMachine.TestCase
 TestArenaOwnFirst = ArenaOwnFirstMachine.TestCase
@@ -450,3 +476,6 @@ TestUniform = UniformMachine.TestCase
 TestPools = PoolsMachine.TestCase
 TestTieredArena = TieredArenaMachine.TestCase
 TestTieredPools = TieredPoolsMachine.TestCase
+TestSplitArena = SplitArenaMachine.TestCase
+TestSplitUniform = SplitUniformMachine.TestCase
+TestSplitTieredPools = SplitTieredPoolsMachine.TestCase

@@ -139,9 +139,11 @@ class CheckpointAdmission:
             self.since_decay = 0
             self._halve()
 
-    def checkpoint_published(self, reason: int, nbytes: int) -> None:
-        """A checkpoint of ``reason`` (``nbytes``) joined the prefix cache."""
-        self.checkpoints[reason] += 1
+    def checkpoint_published(self, reason: int, nbytes: int, whole: bool = True) -> None:
+        """A checkpoint of ``reason`` (``nbytes``) joined the prefix cache; ``whole``: False
+        for every part but one of a checkpoint stored in parts (one per state group), which
+        adds its bytes but is not counted again."""
+        self.checkpoints[reason] += whole
         self.checkpoint_bytes[reason] += nbytes
 
     def hit(self, tokens: int) -> None:

@@ -27,20 +27,22 @@ from hybridkv.cache.admission import (
     TIER_ADMISSION,
     CheckpointAdmission,
 )
+from hybridkv.cache.coupling import CheckpointCoupling
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.hit_grid import HitGrid
-from hybridkv.cache.kinds import GroupState, KindManager, StepOutputs, StepPlan, manager_class
+from hybridkv.cache.kinds import KindManager, StepOutputs, StepPlan, manager_class
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
+from hybridkv.cache.request_state import HitResult, RequestState, check_requests
 from hybridkv.cache.tier_bridge import LoadSpots, TierBridge
 from hybridkv.cache.tiers import TierSpec, TierStack
 from hybridkv.cache.types import AllocationResult, BlockId, TierLoad
-from hybridkv.errors import InvariantError, PlanError
+from hybridkv.errors import PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 from hybridkv.specs import WINDOW_KINDS, CacheKind, SlidingWindowSpec
 
-__all__ = ["PUBLISH_MODES", "WINDOW_RETENTION", "HitResult", "HybridCoordinator", "RequestState"]
+__all__ = ["PUBLISH_MODES", "WINDOW_RETENTION", "HybridCoordinator"]
 
 #: When attention blocks join the prefix cache: ``scheduled`` (default) at the allocation of
 #: the step that fills them, as vLLM does, so requests admitted later in the same step hit
@@ -56,53 +58,6 @@ PUBLISH_MODES = ("scheduled", "computed")
 #: leave the window uncached, so they are reused before any cached block is evicted);
 #: ``all``: every computed block.
 WINDOW_RETENTION = ("tails", "all")
-
-
-class RequestState:
-    """A request's per-group states plus the token bounds of its last allocation.
-
-    ``num_slots``: token slots allocated (lookahead included); ``num_reserved``: token slots
-    the prefix-closed groups hold (at least ``num_slots``: a reservation adds the rest of the
-    prompt there, see :meth:`KVCacheManager.allocate_slots`); ``min_computed``: the computed
-    length the last allocation started from (windowed kinds released below it); ``marks``:
-    the request's hit and junction, whose windows and checkpoints are re-aged (with the
-    computed end's) when it is freed; ``quiet`` / ``quiet_computed``: the bounds of every
-    group's :meth:`~hybridkv.cache.kinds.base.KindManager.quiet_end` after the last
-    allocation (a later one without hit or lookahead, whose step ends at or below ``quiet``
-    from at most ``quiet_computed`` computed tokens, changes nothing but the two bounds
-    above).
-    """
-
-    __slots__ = (
-        "groups",
-        "marks",
-        "min_computed",
-        "num_reserved",
-        "num_slots",
-        "quiet",
-        "quiet_computed",
-        "request",
-    )
-
-    def __init__(self, request: Request, groups: list[GroupState], marks: tuple[int, ...]) -> None:
-        self.request = request
-        self.groups = groups
-        self.num_slots = self.num_reserved = 0
-        self.min_computed = 0
-        self.quiet = self.quiet_computed = 0
-        #: Token positions where later requests are likely to hit (its hit and junction).
-        self.marks = marks
-
-
-class HitResult:
-    """Outcome of the fixed point: hit length, per-group standalone hits, junction."""
-
-    __slots__ = ("alone", "junction", "length")
-
-    def __init__(self, length: int, alone: list[int], junction: int) -> None:
-        self.length = length
-        self.alone = alone
-        self.junction = junction
 
 
 class HybridCoordinator:
@@ -176,6 +131,10 @@ class HybridCoordinator:
         self._closed = [m for m in self.managers if m.prefix_closed]
         self._open = [m for m in self.managers if not m.prefix_closed]
         self._set_window_grids()
+        #: A state checkpoint's parts (one per state group) leave the cache together.
+        self.coupling = CheckpointCoupling(self.managers, self.pool, events)
+        for g in self.coupling.groups[1:]:
+            self.managers[g].credits = False
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
         #: Windowed groups whose blocks share chunks (arena): while whole free chunks cover a
         #: call's needs without evicting, their new blocks take whole chunks first
@@ -450,6 +409,8 @@ class HybridCoordinator:
             if hit and num_new_computed_tokens and self.admission is not None:
                 self.admission.hit(num_new_computed_tokens)
                 for i, (m, blocks) in enumerate(zip(managers, hit, strict=True)):
+                    if not m.credits:
+                        continue
                     if blocks and blocks[0] < 0 and self.bridge is not None:
                         self.bridge.credit_checkpoint(i, request, num_new_computed_tokens, blocks)
                         continue
@@ -491,6 +452,8 @@ class HybridCoordinator:
             new_ids.append(cast(tuple[BlockId, ...], tuple(added)))
         for i, m in self._scheduled:
             m.publish_scheduled(groups[i], request, step_end)
+        if self.events.orphaned:
+            self.coupling.sweep()
         if total > rs.num_slots:
             rs.num_slots = total
         if reserved > rs.num_reserved:
@@ -588,47 +551,10 @@ class HybridCoordinator:
         """Pool and tier invariants, each request's per-group invariants, and ref counts ==
         holders."""
         self.pool.check_invariants()
+        self.coupling.check()
         if self.tiers is not None:
             self.tiers.check_invariants()
-        expected: dict[int, list[int]] = {}
-        for rs in self.requests.values():
-            request = rs.request
-            if rs.num_reserved < rs.num_slots:
-                raise InvariantError(
-                    f"request {request.request_id}: {rs.num_reserved} reserved slots, fewer "
-                    f"than its {rs.num_slots} slots"
-                )
-            for m, st in zip(self.managers, rs.groups, strict=True):
-                m.check_request(st, request)
-                g = m.group_id
-                refs = self.pool.refs[g]
-                counts = expected.setdefault(id(refs), [0] * len(refs))
-                for b in m.held_blocks(st):
-                    counts[b] += 1
-                    if not self.pool.is_allocated(g, b):
-                        raise InvariantError(
-                            f"request {request.request_id} holds block {b} of group {g}, "
-                            "which the pool does not count as allocated to that group"
-                        )
-                if m.spec.kind is not CacheKind.STATE:
-                    slots = rs.num_reserved if m.prefix_closed else rs.num_slots
-                    want = -(-slots // m.block_size)
-                    if len(st.table) != want:
-                        raise InvariantError(
-                            f"request {request.request_id}, group {g}: table has "
-                            f"{len(st.table)} entries for {slots} slots (want {want})"
-                        )
-        for g in range(self.num_groups):
-            refs = self.pool.refs[g]
-            want_refs = expected.get(id(refs))
-            if want_refs is None:
-                if any(refs):
-                    raise InvariantError(f"group {g}: blocks referenced with no live request")
-            elif want_refs != refs:
-                bad = [b for b, (c, r) in enumerate(zip(want_refs, refs, strict=True)) if c != r]
-                raise InvariantError(
-                    f"group {g}: ref counts differ from table references at blocks {bad[:10]}"
-                )
+        check_requests(self.requests.values(), self.managers, self.pool)
 
     def snapshot(self) -> Any:
         """A deep, comparable copy of every structure (pool, tables, cursors, events)."""

@@ -55,14 +55,29 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class EventLog:
     """An append-only buffer of events; :meth:`take` drains it.  Disabled logs record nothing."""
 
-    __slots__ = ("_events", "_sink", "enabled", "tracks_evictions")
+    __slots__ = ("_coupled", "_events", "_sink", "enabled", "orphaned", "tracks_evictions")
 
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
         self._events: list[KVEvent] = []
         self._sink: Callable[[int, Sequence[int], Sequence[int]], None] | None = None
-        #: Whether pools must report evictions (:meth:`evicted`): events on or a sink set.
+        self._coupled: frozenset[int] = frozenset()
+        #: Hashes the coupled groups evicted since the owner last drained this list (see
+        #: :meth:`couple`).
+        self.orphaned: list[BlockHash] = []
+        #: Whether pools must report evictions (:meth:`evicted`): events on, a sink set or
+        #: coupled groups.
         self.tracks_evictions = enabled
+
+    def couple(self, group_ids: Sequence[int]) -> None:
+        """Also note in :attr:`orphaned` the hashes every eviction of ``group_ids`` removes
+        (the groups whose entries under one hash serve a hit only together: the parts of a
+        state checkpoint, :mod:`hybridkv.cache.coupling`)."""
+        self._coupled = frozenset(group_ids)
+        self._track()
+
+    def _track(self) -> None:
+        self.tracks_evictions = self.enabled or self._sink is not None or bool(self._coupled)
 
     def set_eviction_sink(
         self, sink: Callable[[int, Sequence[int], Sequence[int]], None] | None
@@ -70,7 +85,7 @@ class EventLog:
         """Also hand every eviction to ``sink(group_id, hashes, blocks)`` (the lower cache
         tiers; ``blocks[i]`` still holds the data of ``hashes[i]``)."""
         self._sink = sink
-        self.tracks_evictions = self.enabled or sink is not None
+        self._track()
 
     def evicted(
         self, group_id: int, block_hashes: tuple[BlockHash, ...], blocks: Sequence[int]
@@ -81,6 +96,8 @@ class EventLog:
             self._events.append(BlockRemoved(group_id, block_hashes))
         if self._sink is not None:
             self._sink(group_id, block_hashes, blocks)
+        if group_id in self._coupled:
+            self.orphaned.extend(block_hashes)
 
     def stored(
         self,

@@ -171,6 +171,13 @@ class BlockPool(ABC):
             held[b] = h
 
     @abstractmethod
+    def uncache(self, group_id: int, blocks: Sequence[int]) -> int:
+        """Drop the prefix-cache entries of the free cached ``blocks`` of ``group_id``: they
+        become free uncached blocks, reported as evicted (events, the lower tiers' sink),
+        reused before any cached block.  Referenced or uncached blocks are skipped.  Returns
+        how many were dropped."""
+
+    @abstractmethod
     def reset_cache(self) -> bool:
         """Drop every cached hash if no block is referenced; False (no change) otherwise."""
 
@@ -375,6 +382,29 @@ class FreeListPool:
         for b in blocks:
             if not refs[b] and b in fc:
                 fc.move_to_end(b)
+
+    def uncache(self, blocks: Sequence[int]) -> int:
+        """:meth:`BlockPool.uncache` (each block's owner group is its own)."""
+        refs, hashes, owner, maps = self.refs, self.hashes, self.owner, self.maps
+        fu, fc, hit = self.free_uncached, self.free_cached, self.hit
+        dropped: list[tuple[int, int, int]] = []
+        for b in blocks:
+            h = hashes[b]
+            if h is None or refs[b]:
+                continue
+            g = owner[b]
+            del fc[b]
+            del maps[g][h]
+            hashes[b] = None
+            owner[b] = -1
+            fu[b] = None
+            if hit is not None:
+                hit[b] = 0
+            dropped.append((g, h, b))
+        if self.events.tracks_evictions:
+            for g, h, b in dropped:
+                self.events.evicted(g, (h,), (b,))  # type: ignore[arg-type]
+        return len(dropped)
 
     def free_delta(self, releases: Sequence[int] | None, touches: Sequence[int] | None) -> int:
         """Change of the free count if ``releases`` then ``touches`` were applied."""

@@ -94,6 +94,10 @@ class UniformPool(BlockPool):
     def refresh(self, group_id: int, blocks: Sequence[int]) -> None:
         self.core.refresh(blocks)
 
+    def uncache(self, group_id: int, blocks: Sequence[int]) -> int:
+        owner = self.core.owner
+        return self.core.uncache([b for b in blocks if owner[b] == group_id])
+
     def fits(
         self,
         cached: Sequence[set[int] | None],
@@ -243,6 +247,9 @@ class PerGroupPools(BlockPool):
 
     def refresh(self, group_id: int, blocks: Sequence[int]) -> None:
         self.cores[group_id].refresh(blocks)
+
+    def uncache(self, group_id: int, blocks: Sequence[int]) -> int:
+        return self.cores[group_id].uncache(blocks)
 
     def fits(
         self,

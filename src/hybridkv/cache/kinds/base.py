@@ -108,6 +108,10 @@ class KindManager(ABC):
     window_grid: int = 0
     #: State checkpoint admission shared by the coordinator's groups (None: admit all).
     admission: CheckpointAdmission | None = None
+    #: Whether this group's checkpoints count in the admission's statistics (hits, number of
+    #: checkpoints; their bytes always do): the first state group only, since a checkpoint
+    #: stored as one part per state group is one checkpoint.
+    credits: bool = True
     #: Where hits land, learned by the coordinator (None: only the alignment is known).
     hit_grid: HitGrid | None = None
 

@@ -145,7 +145,7 @@ class StateManager(KindManager):
         adm = self.admission
         if adm is not None:
             for _, b, _ in items:
-                adm.checkpoint_published(self.reasons[b], self.block_bytes)
+                adm.checkpoint_published(self.reasons[b], self.block_bytes, self.credits)
 
     def tier_spots(
         self, hashes: Sequence[int], length: int, hit: Sequence[int]
@@ -163,7 +163,7 @@ class StateManager(KindManager):
         return [(j, b, h)]
 
     def credit_hit(self, hit: Sequence[int], tokens: int) -> None:
-        if hit and hit[0] > 0 and self.admission is not None:
+        if hit and hit[0] > 0 and self.admission is not None and self.credits:
             self.admission.checkpoint_hit(self.reasons[hit[0]], tokens)
 
     def apply_release(
