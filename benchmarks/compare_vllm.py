@@ -306,6 +306,7 @@ def compare(
             "second_chance": second_chance,
             "window_chances": window_chances,
             "schedule_alignment": plan.layout.schedule_alignment,
+            "state_split": plan.options.state_split,
             "groups": [
                 {"kind": g.spec.kind.value, "layers": g.num_members, "block_size": g.block_size}
                 for g in plan.layout.groups
@@ -357,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--state-split",
         type=int,
         default=None,
-        help="cut each state group into this many groups of layers (default: the planner's)",
+        help="cut each state group into this many groups of layers (default: the planner's "
+        "choice, state_split='auto')",
     )
     p.add_argument(
         "--second-chance",

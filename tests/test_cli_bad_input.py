@@ -156,6 +156,7 @@ ARGPARSE_ERRORS: list[tuple[list[str], str]] = [
     (["simulate", "--window-retention", "some"], "invalid choice: 'some'"),
     (["simulate", "--publish", "later"], "invalid choice: 'later'"),
     (["simulate", "--admission", "lazy"], "invalid choice: 'lazy'"),
+    (["plan", "--state-split", "some"], "'some' is not an integer or 'auto'"),
     (["simulate", "--write-through", "gpu"], "invalid choice: 'gpu'"),
     (["run", "--write-through", "gpu"], "invalid choice: 'gpu'"),
     (["simulate", "--requests", "ten"], "invalid int value: 'ten'"),

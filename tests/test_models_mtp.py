@@ -51,7 +51,9 @@ def test_qwen3_next_mtp_joins_full_attention_and_keeps_group_ids() -> None:
     # Planned with them: one more full-attention layer per request costs capacity.
     caps = []
     for s in (base, spec):
-        plan = make_plan(s, memory_bytes=16 * GIB, max_model_len=32768, strategy="arena")
+        plan = make_plan(
+            s, memory_bytes=16 * GIB, max_model_len=32768, strategy="arena", state_split=1
+        )
         caps.append(plan.capacity.max_concurrent_requests)
         assert plan.layout.groups[1].members == group_entries(s)[1].members
     assert caps == [19, 17]

@@ -179,12 +179,24 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--state-split",
-        type=int,
-        default=1,
-        metavar="K",
+        type=_state_split,
+        default="auto",
+        metavar="K|auto",
         help="arena and pools: split each recurrent-state group into K groups of layers, so "
-        "a state slot (and an arena chunk) is up to K times smaller (default: 1)",
+        "a state slot (and an arena chunk) is up to K times smaller; auto: 4 where an arena's "
+        "state slots of 32 MiB or more take whole chunks in fewer than 512 chunks, else 1 "
+        "(default: auto)",
     )
+
+
+def _state_split(text: str) -> int | str:
+    """``--state-split``: ``auto`` or an integer (range-checked by the planner)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'auto'") from None
 
 
 def chunk_alignment_arg(args: argparse.Namespace) -> int:
@@ -215,7 +227,7 @@ def check_positive(args: argparse.Namespace, names: Iterable[str]) -> None:
     """Raise :class:`CliInputError` for the first ``args.<name>`` that is set and < 1."""
     for name in names:
         value = getattr(args, name)
-        if value is not None and value < 1:
+        if isinstance(value, int) and value < 1:
             flag = "--" + name.replace("_", "-")
             raise CliInputError(f"{flag}: must be a positive integer, got {value}")
 

@@ -189,7 +189,12 @@ def _header(plan: Plan) -> list[str]:
     lines = [
         _title(plan),
         f"hash block {layout.hash_block_size} tokens; schedule alignment "
-        f"{layout.schedule_alignment} tokens",
+        f"{layout.schedule_alignment} tokens"
+        + (
+            f"; state layers split in {plan.options.state_split} groups"
+            if plan.options.state_split != 1
+            else ""
+        ),
     ]
     if layout.arena is not None:
         host = layout.null_host

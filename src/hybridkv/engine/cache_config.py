@@ -13,6 +13,7 @@ import torch
 from hybridkv.cache import PUBLISH_MODES
 from hybridkv.errors import HybridKVError, PlanError
 from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
+from hybridkv.plan.options import AUTO_STATE_SPLIT
 from hybridkv.specs import ModelSpec
 
 __all__ = [
@@ -75,7 +76,7 @@ class CacheConfig:
     state_block_size: int | None = None
     max_model_len: int | None = None
     chunk_alignment: int = 4096
-    state_split: int = 1
+    state_split: int | str = AUTO_STATE_SPLIT
     publish: str = "scheduled"
     attention_sinks: int = 0
     host_memory_bytes: int | None = None

@@ -16,7 +16,12 @@ from typing import Any, NamedTuple
 from hybridkv.errors import PlanError
 from hybridkv.plan.grouping import group_entries
 from hybridkv.plan.layout import Strategy
-from hybridkv.plan.options import DEFAULT_CHUNK_ALIGNMENT, PlanOptions, check_positive
+from hybridkv.plan.options import (
+    AUTO_STATE_SPLIT,
+    DEFAULT_CHUNK_ALIGNMENT,
+    PlanOptions,
+    check_positive,
+)
 from hybridkv.plan.planner import make_plan
 from hybridkv.plan.result import Plan
 from hybridkv.specs import MAX_TOKENS, ModelSpec
@@ -123,7 +128,7 @@ def compare_strategies(
     state_block_size: int | None = None,
     pool_ratios: Sequence[float] | None = None,
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT,
-    state_split: int = 1,
+    state_split: int | str = AUTO_STATE_SPLIT,
 ) -> StrategyComparison:
     """Plan ``model`` with every :class:`Strategy` (in enum order) and the naive estimate.
 

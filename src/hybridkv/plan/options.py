@@ -15,18 +15,17 @@ Defaults and why:
   Mamba hybrids.  The ``uniform`` strategy (vLLM's rules) instead defaults to vLLM's align
   mode, a checkpoint interval equal to the unified attention block size.
 * ``kernel_block_size``: see :func:`kernel_block_size_for`.
-* ``state_split`` 1: each recurrent-state group keeps all its layers, so one state slot is
-  every state layer's state (``arena`` and ``pools``; ``uniform`` groups layers by vLLM's
-  rule).  ``k`` > 1 splits each state group into ``k`` groups of consecutive layers (as
-  equal as possible, at most one per layer): slots ``k`` times smaller, and an ``arena``
-  whose chunk follows the largest block gets chunks up to ``k`` times smaller, so a state
-  slot no longer needs a whole chunk of attention blocks to drain; each step then plans
-  ``k`` state groups instead of one.  Measured (``docs/architecture.md``): with 4, the
-  simulator's arena beat ``uniform``'s TTFT on Qwen3-Next-80B-A3B, Jamba-v0.1 and
-  Nemotron-H-8B at 8-32 GiB with more hits, but in ``benchmarks/compare_vllm.py`` at 64 GiB
-  it lost hits (Jamba-v0.1 1.54x -> 1.45x vLLM's, Nemotron-H-8B 1.63x -> 1.34x): each
-  group's part of a checkpoint is evicted on its own, and a hit needs all of them.  So the
-  default stays 1.
+* ``state_split`` ``"auto"`` (:data:`AUTO_STATE_SPLIT`): the planner picks 1 or 4
+  (:func:`hybridkv.plan.planner.auto_state_split`).  ``k`` >= 1 splits each recurrent-state
+  group into ``k`` groups of consecutive layers (as equal as possible, at most one per
+  layer; ``arena`` and ``pools``, ``uniform`` groups layers by vLLM's rule): slots ``k``
+  times smaller, and an ``arena`` whose chunk follows the largest block gets chunks up to
+  ``k`` times smaller and several slots per chunk, so a state slot no longer needs a whole
+  chunk of attention blocks to drain; each step then plans ``k`` state groups instead of one,
+  and a checkpoint is ``k`` parts that leave the cache together
+  (:mod:`hybridkv.cache.coupling`).  But a chunk of several slots is evicted whole, so it
+  takes several checkpoints with it: splitting pays only where whole-chunk slots strand
+  much of the budget.  Measured in ``docs/architecture.md`` (section 5).
 * ``chunk_alignment`` 64 KiB: arena chunks are the smallest common multiple of every group's
   block bytes and this.  Small chunks keep eviction close to one global LRU (a reclaimed chunk
   loses all its cached blocks at once): on the simulator's chat workload, gpt-oss-20b at 1 GiB,
@@ -50,6 +49,7 @@ from hybridkv.errors import PlanError
 from hybridkv.specs import MAX_TOKENS, CacheKind, CacheSpec
 
 __all__ = [
+    "AUTO_STATE_SPLIT",
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CHUNK_ALIGNMENT",
     "DEFAULT_STATE_BLOCK_SIZE",
@@ -65,6 +65,8 @@ DEFAULT_STATE_BLOCK_SIZE = 256
 DEFAULT_CHUNK_ALIGNMENT = 64 * 1024  # see the module docstring
 #: Most groups one state group may be split into (``PlanOptions.state_split``).
 MAX_STATE_SPLIT = 64
+#: ``PlanOptions.state_split`` value that lets the planner choose (the default).
+AUTO_STATE_SPLIT = "auto"
 #: Largest kernel block the default rule picks (tokens).
 KERNEL_BLOCK_LIMIT = 16
 
@@ -96,7 +98,7 @@ class PlanOptions:
     state_block_size: int | None = None
     pool_ratios: tuple[float, ...] | None = None
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT
-    state_split: int = 1
+    state_split: int | str = AUTO_STATE_SPLIT
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size, upper=MAX_TOKENS)
@@ -110,7 +112,13 @@ class PlanOptions:
         if self.state_block_size is not None:
             check_positive("state_block_size", self.state_block_size, upper=MAX_TOKENS)
         check_positive("chunk_alignment", self.chunk_alignment)
-        check_positive("state_split", self.state_split, upper=MAX_STATE_SPLIT)
+        if self.state_split != AUTO_STATE_SPLIT:
+            check_positive(
+                "state_split",
+                self.state_split,
+                upper=MAX_STATE_SPLIT,
+                hint=f" (or {AUTO_STATE_SPLIT!r}: the planner chooses)",
+            )
         if self.pool_ratios is not None:
             object.__setattr__(self, "pool_ratios", _check_ratios(self.pool_ratios))
 
@@ -133,8 +141,13 @@ class PlanOptions:
             state_block_size=data.get("state_block_size"),
             pool_ratios=None if ratios is None else tuple(float(r) for r in ratios),
             chunk_alignment=int(data.get("chunk_alignment", DEFAULT_CHUNK_ALIGNMENT)),
-            state_split=int(data.get("state_split", 1)),
+            state_split=_split_value(data.get("state_split", 1)),
         )
+
+
+def _split_value(value: Any) -> int | str:
+    """A stored ``state_split``: ``"auto"`` or an integer (checked by PlanOptions)."""
+    return AUTO_STATE_SPLIT if value == AUTO_STATE_SPLIT else int(value)
 
 
 def _check_ratios(ratios: Sequence[float]) -> tuple[float, ...]:

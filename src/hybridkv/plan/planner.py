@@ -15,20 +15,39 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from hybridkv.errors import PlanError
 from hybridkv.plan.accounting import arena_capacity, ledger, pool_capacity
 from hybridkv.plan.arena import plan_arena
-from hybridkv.plan.grouping import BuiltLayout, SpecGroup, group_entries, split_state_groups
+from hybridkv.plan.grouping import (
+    BuiltLayout,
+    SpecGroup,
+    group_entries,
+    is_state,
+    split_state_groups,
+)
 from hybridkv.plan.layout import MemoryLayout, Strategy
 from hybridkv.plan.need import blocks_for_request
-from hybridkv.plan.options import DEFAULT_CHUNK_ALIGNMENT, PlanOptions, check_positive
+from hybridkv.plan.options import (
+    AUTO_STATE_SPLIT,
+    DEFAULT_CHUNK_ALIGNMENT,
+    PlanOptions,
+    check_positive,
+)
 from hybridkv.plan.pools import plan_pools
 from hybridkv.plan.result import Capacity, PhysicalNeed, Plan
 from hybridkv.plan.uniform import plan_uniform
 from hybridkv.specs import MAX_TOKENS, ModelSpec
 
-__all__ = ["make_plan", "parse_strategy"]
+__all__ = [
+    "AUTO_SPLIT",
+    "AUTO_SPLIT_MAX_CHUNKS",
+    "AUTO_SPLIT_MIN_SLOT_BYTES",
+    "auto_state_split",
+    "make_plan",
+    "parse_strategy",
+]
 
 _Builder = Callable[[tuple[SpecGroup, ...], PlanOptions, int, int], BuiltLayout]
 
@@ -40,8 +59,44 @@ STRATEGIES: dict[Strategy, _Builder] = {
 }
 
 
+#: ``state_split="auto"``: an arena of fewer chunks than this ...
+AUTO_SPLIT_MAX_CHUNKS = 512
+#: ... where a state group's slot, at least this large, takes a whole chunk ...
+AUTO_SPLIT_MIN_SLOT_BYTES = 32 << 20
+#: ... is planned again with each state group cut in this many (see :func:`auto_state_split`).
+AUTO_SPLIT = 4
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def auto_state_split(layout: MemoryLayout) -> int:
+    """The ``state_split`` the planner uses for ``"auto"``, judged on the unsplit layout.
+
+    :data:`AUTO_SPLIT` for an ``arena`` of fewer than :data:`AUTO_SPLIT_MAX_CHUNKS` chunks
+    where some state group of several layers has slots of at least
+    :data:`AUTO_SPLIT_MIN_SLOT_BYTES` that each take a whole chunk; 1 otherwise.  Such a slot
+    can only go where no referenced block is left in a chunk, and attention blocks land
+    wherever the LRU evicts, so about half the budget sat unreferenced under load; cut in
+    four, a chunk holds several slots of a group and the running slots fill it.  But a chunk
+    is evicted whole, with every checkpoint part in it, so where chunks are many or slots
+    small the split only costs hits.  Measured on the Mooncake trace (docs/architecture.md,
+    section 5): it pays for Qwen3-Next-80B-A3B (74.2 MiB slots, 110 to 441 chunks at 8-32
+    GiB) and Nemotron-H-8B at 8 GiB (98 MiB slots, 83 chunks), not for Jamba-v0.1 (15.8 MiB,
+    520 chunks and more) or where Nemotron-H-8B's chunk holds two slots (16 GiB and up)."""
+    arena = layout.arena
+    if arena is None or arena.num_chunks >= AUTO_SPLIT_MAX_CHUNKS:
+        return 1
+    for g in layout.groups:
+        if (
+            is_state(g.spec)
+            and len(g.members) > 1
+            and g.block_bytes >= AUTO_SPLIT_MIN_SLOT_BYTES
+            and layout.blocks_per_chunk(g.group_id) == 1
+        ):
+            return AUTO_SPLIT
+    return 1
 
 
 def parse_strategy(value: Strategy | str) -> Strategy:
@@ -88,7 +143,7 @@ def make_plan(
     state_block_size: int | None = None,
     pool_ratios: Sequence[float] | None = None,
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT,
-    state_split: int = 1,
+    state_split: int | str = AUTO_STATE_SPLIT,
 ) -> Plan:
     """Plan ``model``'s cache in ``memory_bytes`` bytes for requests of ``max_model_len`` tokens.
 
@@ -96,8 +151,9 @@ def make_plan(
     checkpoint interval) to state groups, ``kernel_block_size`` (tokens, must divide
     ``block_size``) to attention kernels; ``pool_ratios`` (``pools`` only) weigh the pools;
     ``chunk_alignment`` (bytes) is the arena chunk granularity; ``state_split`` cuts each
-    state group into that many groups of layers (``arena`` and ``pools``).  See
-    :mod:`hybridkv.plan.options` for the defaults.
+    state group into that many groups of layers (``arena`` and ``pools``), or with
+    ``"auto"`` lets :func:`auto_state_split` choose (``plan.options.state_split`` says what
+    was used).  See :mod:`hybridkv.plan.options` for the defaults.
 
     Raises :class:`PlanError` naming the field for a non-positive budget, length or block size,
     a kernel block size that does not divide the block size, bad ratios, a model with no
@@ -123,9 +179,26 @@ def make_plan(
         state_split=state_split,
     )
     groups = group_entries(model)
-    if options.state_split > 1 and kind is not Strategy.UNIFORM:
-        groups = split_state_groups(groups, options.state_split)
-    layout, notes = STRATEGIES[kind](groups, options, memory_bytes, max_model_len)
+    build = STRATEGIES[kind]
+    split = options.state_split
+    if split == AUTO_STATE_SPLIT:  # judged on the unsplit plan; the plan names what it used
+        split = 1
+        options = replace(options, state_split=1)
+        layout, notes = build(groups, options, memory_bytes, max_model_len)
+        if kind is Strategy.ARENA and auto_state_split(layout) > 1:
+            split = auto_state_split(layout)
+            cut = split_state_groups(groups, split)
+            try:
+                layout, notes = build(cut, options, memory_bytes, max_model_len)
+            except PlanError:  # the unsplit plan stands
+                pass
+            else:
+                options = replace(options, state_split=split)
+    else:
+        assert isinstance(split, int)
+        if split > 1 and kind is not Strategy.UNIFORM:
+            groups = split_state_groups(groups, split)
+        layout, notes = build(groups, options, memory_bytes, max_model_len)
     need = tuple(blocks_for_request(g, max_model_len) for g in layout.groups)
     capacity = _capacity(layout, need, max_model_len)
     ledger_ = ledger(layout, need, capacity.max_concurrent_requests, memory_bytes)

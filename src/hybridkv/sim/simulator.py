@@ -19,7 +19,7 @@ from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.tiers import tier_hit_tokens
 from hybridkv.errors import HybridKVError
 from hybridkv.plan import Strategy, make_plan
-from hybridkv.plan.options import DEFAULT_CHUNK_ALIGNMENT
+from hybridkv.plan.options import AUTO_STATE_SPLIT, DEFAULT_CHUNK_ALIGNMENT
 from hybridkv.plan.result import Plan
 from hybridkv.scheduler import Scheduler, SchedulerConfig
 from hybridkv.sim.cost import ACCELERATORS, ModelProfile, StepCostModel
@@ -62,7 +62,7 @@ class SimConfig:
     pool_ratios: tuple[float, ...] | None = None
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT
     #: ``make_plan(state_split=)``.
-    state_split: int = 1
+    state_split: int | str = AUTO_STATE_SPLIT
     accelerator: str = "h100"
     use_arrivals: bool = True
     hasher: str = "builtin"
