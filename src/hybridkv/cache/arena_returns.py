@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from hybridkv.cache.arena_fits import ArenaFits
-from hybridkv.cache.arena_packing import FillIndex, NoFill
+from hybridkv.cache.arena_packing import FillIndex
 from hybridkv.cache.events import EventLog
 
 __all__ = ["ArenaReturns"]
@@ -28,7 +28,8 @@ class ArenaReturns(ArenaFits):
     owner: list[int]
     used: list[int]
     caps: list[int]
-    fill: FillIndex | NoFill
+    #: A NoFill is a FillIndex (declaring the union segfaults mypyc 2.4 in the compiled build).
+    fill: FillIndex
     events: EventLog
 
     def _activate(self, g: int, c: int, exclude: int) -> None:
