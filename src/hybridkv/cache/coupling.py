@@ -6,7 +6,7 @@ under the same hash: the hash of the block ending at the checkpoint.  A hit rest
 when every group serves that position (the coordinator's fixed point), so once a pool evicts
 one part, the others can never serve a hit; left cached, they would hold memory until their
 own turn in the eviction order, pushing out data that can.  With ``state_split=4`` on the
-Mooncake trace that cost most of the split's gain (docs/vllm.md).
+Mooncake trace that cost most of the split's gain (docs/architecture.md, section 5).
 
 :class:`CheckpointCoupling` asks the event log to note the hashes every eviction of a state
 group removes (:meth:`~hybridkv.cache.events.EventLog.couple`), and after each allocation
