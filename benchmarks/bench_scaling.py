@@ -16,6 +16,12 @@ the machine counts less), best of ``--repeat``:
   flat when a step grows linearly.
 
     python benchmarks/bench_scaling.py --model gpt-oss-20b
+    python benchmarks/bench_scaling.py --model Qwen3-Next-80B-A3B --state-split 4
+
+Every plan here uses one ``--state-split`` (default 1), not the planner's ``"auto"``: auto
+picks the split by the arena's chunk count, which grows with the budget each row sizes for
+its prompt, so one table would mix layouts (Qwen3-Next-80B-A3B: 4 up to 64k tokens, 1 at
+200k).  ``--state-split auto`` shows what the default does.
 
 Before each timed call the cyclic garbage collector moves everything alive (the manager's
 block lists and maps, built just before) to its oldest generation, where a serving process's
@@ -85,13 +91,14 @@ def _prompt_once(mgr: KVCacheManager, tokens: list[int], name: str) -> dict[str,
 
 
 def _prompt_row(
-    model: ModelSpec, strategy: str, n: int, repeat: int, rng: random.Random
+    model: ModelSpec, strategy: str, n: int, repeat: int, rng: random.Random, split: int | str
 ) -> dict[str, Any]:
     plan = make_plan(
         model,
         memory_bytes=_budget(model, 2 * n + 4096),
         max_model_len=n + 1024,
         strategy=strategy,
+        state_split=split,
     )
     best: dict[str, float] = {}
     for rep in range(repeat):
@@ -106,7 +113,7 @@ def _prompt_row(
         for key, value in timings.items():
             best[key] = min(best.get(key, value), value)
     out = {"strategy": strategy, "tokens": n, **{f"{k}_ms": v for k, v in best.items()}}
-    return {**out, "timed_hit_tokens": hit}
+    return {**out, "timed_hit_tokens": hit, "state_split": plan.options.state_split}
 
 
 def _budget(model: ModelSpec, tokens: int) -> int:
@@ -114,17 +121,19 @@ def _budget(model: ModelSpec, tokens: int) -> int:
     return 4 * model.resident_bytes(tokens) + (256 << 20)
 
 
-def _live_prompt(model: ModelSpec, strategy: str) -> int:
+def _live_prompt(model: ModelSpec, strategy: str, split: int | str) -> int:
     """Prompt tokens that leave the next token on a block boundary of every group."""
-    plan = make_plan(model, memory_bytes=8 << 30, max_model_len=4096, strategy=strategy)
+    plan = make_plan(
+        model, memory_bytes=8 << 30, max_model_len=4096, strategy=strategy, state_split=split
+    )
     step = max(g.block_size for g in plan.layout.groups)
     return -(-LIVE_TOKENS // step) * step - 1
 
 
 def _live_row(
-    model: ModelSpec, strategy: str, live: int, repeat: int, rng: random.Random
+    model: ModelSpec, strategy: str, live: int, repeat: int, rng: random.Random, split: int | str
 ) -> dict[str, Any]:
-    prompt = _live_prompt(model, strategy)
+    prompt = _live_prompt(model, strategy, split)
     plan = make_plan(
         model,
         # per request: its tokens and its own state slots (a shared-tokens budget would count
@@ -132,6 +141,7 @@ def _live_row(
         memory_bytes=3 * live * model.resident_bytes(prompt + 64) + (256 << 20),
         max_model_len=max(4096, 2 * prompt),
         strategy=strategy,
+        state_split=split,
     )
     best = float("inf")
     for rep in range(repeat):
@@ -159,6 +169,7 @@ def _live_row(
         "prompt_tokens": prompt,
         "step_ms": best,
         "us_per_request": 1e3 * best / live,
+        "state_split": plan.options.state_split,
     }
 
 
@@ -169,18 +180,24 @@ def main() -> None:
     parser.add_argument("--prompts", default="1000,8000,64000,200000", help="prompt tokens")
     parser.add_argument("--live", default="100,1000,10000", help="live requests")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure (best kept)")
+    parser.add_argument(
+        "--state-split",
+        default="1",
+        help="state groups cut in K for every plan (arena and pools), or auto (default: 1)",
+    )
     parser.add_argument("--out", default="results/bench_scaling.json")
     args = parser.parse_args()
     model = resolve_model(args.model)
     strategies = [Strategy(s).value for s in args.strategies.split(",")]
+    split: int | str = "auto" if args.state_split == "auto" else int(args.state_split)
     rng = random.Random(SEED)
     prompt_rows = [
-        _prompt_row(model, s, int(n), args.repeat, rng)
+        _prompt_row(model, s, int(n), args.repeat, rng, split)
         for s in strategies
         for n in args.prompts.split(",")
     ]
     live_rows = [
-        _live_row(model, s, int(n), args.repeat, rng)
+        _live_row(model, s, int(n), args.repeat, rng, split)
         for s in strategies
         for n in args.live.split(",")
     ]
@@ -189,7 +206,7 @@ def main() -> None:
     )
     print(
         f"{'strategy':9} {'tokens':>7} {'hash':>8} {'lookup':>8} {'allocate':>9} {'free':>8}  "
-        f"{'alloc us/1k':>11} {'free us/1k':>10} {'hit':>8}"
+        f"{'alloc us/1k':>11} {'free us/1k':>10} {'hit':>8} {'split':>5}"
     )
     for r in prompt_rows:
         if "error" in r:
@@ -199,14 +216,16 @@ def main() -> None:
         print(
             f"{r['strategy']:9} {r['tokens']:7d} {r['hash_ms']:8.2f} {r['lookup_ms']:8.2f} "
             f"{r['allocate_ms']:9.2f} {r['free_ms']:8.2f}  {1e3 * r['allocate_ms'] / k:11.1f} "
-            f"{1e3 * r['free_ms'] / k:10.1f} {r['timed_hit_tokens']:8d}"
+            f"{1e3 * r['free_ms'] / k:10.1f} {r['timed_hit_tokens']:8d} {r['state_split']:>5}"
         )
     print(f"\n{model.name}: a decode step over N live requests opening a block (CPU ms)")
-    print(f"{'strategy':9} {'live':>6} {'prompt':>7} {'step ms':>9} {'us/request':>11}")
+    print(
+        f"{'strategy':9} {'live':>6} {'prompt':>7} {'step ms':>9} {'us/request':>11} {'split':>5}"
+    )
     for r in live_rows:
         print(
             f"{r['strategy']:9} {r['live']:6d} {r['prompt_tokens']:7d} {r['step_ms']:9.2f} "
-            f"{r['us_per_request']:11.2f}"
+            f"{r['us_per_request']:11.2f} {r['state_split']:>5}"
         )
     longest = max(r["tokens"] for r in prompt_rows)
     top = {r["strategy"]: r for r in prompt_rows if r["tokens"] == longest and "error" not in r}
@@ -221,6 +240,7 @@ def main() -> None:
         "model": model.name,
         "seed": SEED,
         "repeat": args.repeat,
+        "state_split": split,
         "python": platform.python_version(),
     }
     out.write_text(json.dumps({"meta": meta, "prompt": prompt_rows, "live": live_rows}, indent=1))
