@@ -159,6 +159,7 @@ ARGPARSE_ERRORS: list[tuple[list[str], str]] = [
     (["plan", "--state-split", "some"], "'some' is not an integer or 'auto'"),
     (["simulate", "--write-through", "gpu"], "invalid choice: 'gpu'"),
     (["run", "--write-through", "gpu"], "invalid choice: 'gpu'"),
+    (["run", "--admission", "lazy"], "invalid choice: 'lazy'"),
     (["simulate", "--requests", "ten"], "invalid int value: 'ten'"),
     (["simulate", "--second-chance", "two"], "invalid int value: 'two'"),
     (["models", "--tp", "two"], "invalid int value: 'two'"),

@@ -64,6 +64,20 @@ def test_defaults_verify_against_transformers(capsys: pytest.CaptureFixture[str]
     assert err == ""
 
 
+def test_greedy_admission_verifies_too(capsys: pytest.CaptureFixture[str]) -> None:
+    # The engine takes the scheduler's admission policy from --admission: greedy (vLLM's
+    # rule) gives the same tokens; the flag reaches the SchedulerConfig.
+    code, out, err = run(capsys, *SMALL, "--admission", "greedy", "--verify")
+    assert code == 0, out + err
+    assert out.splitlines()[-1].startswith("verify: all 4 requests (16 tokens) identical")
+    from hybridkv.cli.main import build_parser
+    from hybridkv.cli.run_config import configs
+
+    for extra, policy in ((["--admission", "greedy"], "greedy"), ([], "reserve")):
+        argv = ["run", *SMALL, *extra]
+        assert configs(build_parser(argv).parse_args(argv))[1].admission == policy
+
+
 def test_verify_mismatch_exits_1(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -387,7 +401,7 @@ def test_every_option_shows_its_default() -> None:
         for a in run_parser._actions
         if a.dest != "help"
     }
-    assert len(shown) == 30
+    assert len(shown) == 31
     assert [flag for flag, text in shown.items() if "default" not in text] == []
     for flag in ("--memory", "--block-size", "--state-block-size", "--max-model-len"):
         assert flag in shown  # the names plan and simulate use

@@ -135,3 +135,55 @@ def test_state_split_shrinks_the_arena_chunk_and_keeps_every_layer() -> None:
         uniform.layout
         == make_plan(qwen, memory_bytes=32 << 30, max_model_len=131072, strategy="uniform").layout
     )  # uniform groups layers by vLLM's rule
+
+
+def test_auto_state_split_cuts_only_whole_chunk_slots_in_small_arenas() -> None:
+    from hybridkv.models import resolve_model
+    from hybridkv.plan import Plan, make_plan
+    from hybridkv.plan.planner import AUTO_SPLIT_MAX_CHUNKS, auto_state_split
+
+    def plan(name: str, gib: int, **kw: object) -> Plan:
+        return make_plan(
+            resolve_model(name),
+            memory_bytes=gib << 30,
+            max_model_len=131072,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    # (model, GiB) -> the split "auto" uses and the unsplit arena's chunk count it judges by,
+    # with whether a >= 32 MiB slot takes a whole chunk (Qwen3-Next-80B-A3B: 74.2 MiB slots,
+    # one a chunk; Nemotron-H-8B: 98 MiB slots, one a chunk at 8 GiB, two from 16 GiB;
+    # Jamba-v0.1: 15.8 MiB slots).
+    expected = {
+        ("Qwen3-Next-80B-A3B", 8): (4, 110),
+        ("Qwen3-Next-80B-A3B", 32): (4, 441),
+        ("Qwen3-Next-80B-A3B", 64): (1, 882),
+        ("Nemotron-H-8B", 8): (4, 83),
+        ("Nemotron-H-8B", 16): (1, 83),
+        ("Jamba-v0.1", 8): (1, 520),
+    }
+    for (name, gib), (split, chunks) in expected.items():
+        unsplit = plan(name, gib, state_split=1)
+        assert unsplit.layout.arena is not None
+        assert unsplit.layout.arena.num_chunks == chunks, (name, gib)
+        assert auto_state_split(unsplit.layout) == split, (name, gib)
+        auto = plan(name, gib)
+        assert auto.options.state_split == split, (name, gib)
+        assert auto.layout == plan(name, gib, state_split=split).layout
+    assert 441 < AUTO_SPLIT_MAX_CHUNKS <= 520
+    # Only the arena splits by itself; an explicit value is kept (uniform says 1: it keeps
+    # vLLM's grouping); pools and uniform stay whole under auto.
+    for strategy in ("pools", "uniform"):
+        p = plan("Qwen3-Next-80B-A3B", 8, strategy=strategy)
+        assert p.options.state_split == 1
+        assert len(p.layout.groups) == 2 if strategy == "pools" else 4
+    assert plan("Qwen3-Next-80B-A3B", 8, state_split=2).options.state_split == 2
+    uniform = plan("Qwen3-Next-80B-A3B", 8, state_split=2, strategy="uniform")
+    assert uniform.options.state_split == 1
+    # The plan records what it used, so a stored plan replans the same.
+    auto = plan("Qwen3-Next-80B-A3B", 8)
+    assert PlanOptions.from_dict(auto.options.to_dict()) == auto.options
+    assert PlanOptions().state_split == "auto"
+    assert PlanOptions.from_dict({"block_size": 16, "state_split": "auto"}).state_split == "auto"
+    with pytest.raises(PlanError, match="state_split: must be a positive integer, got 'x'"):
+        PlanOptions(state_split="x")

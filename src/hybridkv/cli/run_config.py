@@ -149,7 +149,11 @@ def configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
             disk_memory_bytes=disk,
             write_through=args.write_through,
         )
-        scheduler = SchedulerConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs)
+        scheduler = SchedulerConfig(
+            token_budget=args.token_budget,
+            max_num_seqs=args.max_num_seqs,
+            admission=args.admission,
+        )
     except HybridKVError as exc:
         raise flagged(exc, args) from None
     return cache, scheduler

@@ -196,7 +196,9 @@ def make_plan(
                 options = replace(options, state_split=split)
     else:
         assert isinstance(split, int)
-        if split > 1 and kind is not Strategy.UNIFORM:
+        if split > 1 and kind is Strategy.UNIFORM:  # vLLM's grouping: the plan says 1
+            options = replace(options, state_split=1)
+        elif split > 1:
             groups = split_state_groups(groups, split)
         layout, notes = build(groups, options, memory_bytes, max_model_len)
     need = tuple(blocks_for_request(g, max_model_len) for g in layout.groups)
