@@ -189,6 +189,19 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_admission(parser: argparse.ArgumentParser) -> None:
+    """``--admission``: the scheduler's admission policy (``hybridkv.scheduler``)."""
+    from hybridkv.scheduler import ADMISSION_POLICIES
+
+    parser.add_argument(
+        "--admission",
+        default="reserve",
+        choices=list(ADMISSION_POLICIES),
+        help="the scheduler admits a waiting request once full attention can hold its whole "
+        "prompt (reserve), or once its first chunk fits (greedy, as vLLM)",
+    )
+
+
 def _state_split(text: str) -> int | str:
     """``--state-split``: ``auto`` or an integer (range-checked by the planner)."""
     if text == "auto":

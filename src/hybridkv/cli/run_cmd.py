@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.cli.common import add_block_options
+from hybridkv.cli.common import add_admission, add_block_options
 from hybridkv.cli.run_config import (
     DEFAULT_MEMORY,
     check_device,
@@ -44,7 +44,6 @@ from hybridkv.cli.run_prompts import (
 from hybridkv.cli.run_report import describe, output_line, summary_lines, verify_lines
 from hybridkv.cli.run_texts import SAMPLE_QUESTIONS
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler import ADMISSION_POLICIES
 
 if TYPE_CHECKING:
     from hybridkv.engine import CacheConfig, LLMEngine
@@ -233,13 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, metavar="N", help="running requests at most"
     )
-    parser.add_argument(
-        "--admission",
-        default="reserve",
-        choices=list(ADMISSION_POLICIES),
-        help="the scheduler admits a waiting request once full attention can hold its whole "
-        "prompt (reserve), or once its first chunk fits (greedy, as vLLM)",
-    )
+    add_admission(parser)
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the tiny-model weights and the prompts"
     )

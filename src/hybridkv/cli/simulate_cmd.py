@@ -29,6 +29,7 @@ from hybridkv.cache import (
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, DEFAULT_WINDOW_CHANCES, MAX_CHANCES
 from hybridkv.cli.common import (
     CliInputError,
+    add_admission,
     add_block_options,
     add_kv_cache_dtype,
     add_max_model_len,
@@ -44,7 +45,6 @@ from hybridkv.cli.common import (
     model_name,
 )
 from hybridkv.models.catalog import DEFAULT_MODEL
-from hybridkv.scheduler import ADMISSION_POLICIES
 
 if TYPE_CHECKING:
     from hybridkv.sim import SimResult
@@ -164,13 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="attention blocks join the prefix cache when their step is scheduled (requests "
         "of the same step hit them) or once computed",
     )
-    parser.add_argument(
-        "--admission",
-        default="reserve",
-        choices=list(ADMISSION_POLICIES),
-        help="the scheduler admits a waiting request once full attention can hold its whole "
-        "prompt (reserve), or once its first chunk fits (greedy, as vLLM)",
-    )
+    add_admission(parser)
     parser.add_argument(
         "--checkpoint-when-full",
         default=None,
