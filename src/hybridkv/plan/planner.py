@@ -182,11 +182,10 @@ def make_plan(
     build = STRATEGIES[kind]
     split = options.state_split
     if split == AUTO_STATE_SPLIT:  # judged on the unsplit plan; the plan names what it used
-        split = 1
         options = replace(options, state_split=1)
         layout, notes = build(groups, options, memory_bytes, max_model_len)
-        if kind is Strategy.ARENA and auto_state_split(layout) > 1:
-            split = auto_state_split(layout)
+        split = auto_state_split(layout)  # 1 for pools and uniform (no arena)
+        if split > 1:
             cut = split_state_groups(groups, split)
             try:
                 layout, notes = build(cut, options, memory_bytes, max_model_len)
