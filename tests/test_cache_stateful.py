@@ -372,6 +372,33 @@ class TieredArenaMachine(CacheMachine):
                 self.served.append(self.prompts[req.request_id])
 
     @precondition(lambda self: self.waiting)
+    @rule(which=hst.integers(0, 7), session=hst.integers(0, 2))
+    def serve_protected(self, which: int, session: int) -> None:
+        """As ``serve``, for a client that will come back: the request's prefix is protected
+        under one of three sessions (replacing what that session protected) before it is
+        freed; every tier entry under one of its hashes is then in a protected order."""
+        req = self.waiting[which % len(self.waiting)]
+        self.admit(which, 1 << 20, False, False, 0)
+        if req not in self.running:
+            return
+        self.running.remove(req)
+        mgr = self._m()
+        name = f"s{session}"
+        assert mgr.protect(req.request_id, name) == req.num_computed_tokens // mgr.hash_block_size
+        mgr.free(req.request_id)
+        tiers = mgr._coord.tiers
+        assert tiers is not None
+        mine = set(mgr._coord.sessions.sessions[name])
+        for t in tiers.tiers:
+            assert not any(h in mine for _, h in t.lru)
+
+    @rule(session=hst.integers(0, 2))
+    def unprotect(self, session: int) -> None:
+        if self.mgr is not None:
+            had = f"s{session}" in self.mgr._coord.sessions.sessions
+            assert self.mgr.unprotect(f"s{session}") == had
+
+    @precondition(lambda self: self.waiting)
     @rule(which=hst.integers(0, 7))
     def retain(self, which: int) -> None:
         """A queued request's lower-tier hit is refreshed: its entries only change places
@@ -425,7 +452,7 @@ class TieredArenaMachine(CacheMachine):
             return
         mgr.persist_to_tier(last.name)
         for upper in tiers.tiers[:-1]:
-            assert not upper.lru  # moved down
+            assert not upper.lru and not upper.kept  # moved down
 
 
 class TieredPoolsMachine(TieredArenaMachine):

@@ -80,6 +80,10 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         ["simulate", "--tier-admission", "all"],
         "--tier-admission all: only applies with --host-memory or --disk-memory",
     ),
+    (
+        ["simulate", "--protect", "oracle"],
+        "--protect oracle: only applies with --host-memory or --disk-memory",
+    ),
     (["plan", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
     (["plan", "no-such-model"], "'no-such-model' is neither a catalog name"),
     # simulate: every check before the first strategy runs

@@ -262,6 +262,36 @@ def test_write_through_keeps_write_backs_hits() -> None:
         )
 
 
+def test_an_oracle_client_protecting_conversations_keeps_them_in_the_host_tier() -> None:
+    # chats on Qwen3-Next in 2 GiB with a 1 GiB host tier: a client that knows which
+    # requests a later turn continues protects their prefixes until then (measured: 69.70%
+    # -> 71.75% of prompt tokens from the cache); the sessions end with the run
+    model = resolve_model("Qwen3-Next-80B-A3B")
+    profile = ModelProfile.from_config(load_model_config("Qwen3-Next-80B-A3B"))
+    work = synthetic_workload("chat", SyntheticOptions(num_requests=80, seed=3))
+    runs = [
+        simulate(
+            model,
+            profile,
+            work,
+            SimConfig(
+                memory_bytes=2 << 30,
+                max_model_len=32768,
+                host_memory_bytes=1 << 30,
+                protect=protect,
+            ),
+        )
+        for protect in ("none", "oracle")
+    ]
+    plain, oracle = runs
+    assert plain.finished == oracle.finished == 80
+    assert oracle.cached_tokens > plain.cached_tokens
+    assert oracle.tier_hit_tokens["host"] > plain.tier_hit_tokens["host"]
+    assert oracle.tiers["host"]["protected_blocks"] == 0  # every session ended
+    with pytest.raises(SimulationError, match="protect: 'always' is not a protection mode"):
+        SimConfig(memory_bytes=1 << 30, max_model_len=4096, protect="always")
+
+
 def test_load_seconds() -> None:
     from hybridkv.sim.cost import ACCELERATORS, StepCostModel
 

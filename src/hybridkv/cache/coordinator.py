@@ -36,6 +36,7 @@ from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
 from hybridkv.cache.request_state import HitResult, RequestState, check_requests
 from hybridkv.cache.tier_bridge import LoadSpots, TierBridge
+from hybridkv.cache.tier_sessions import TierSessions
 from hybridkv.cache.tiers import TierSpec, TierStack
 from hybridkv.cache.types import AllocationResult, BlockId, TierLoad
 from hybridkv.errors import PlanError
@@ -187,6 +188,8 @@ class HybridCoordinator:
             events.set_eviction_sink(self.bridge.evicted)
             for m in self.managers:
                 m.hit_map = self.tiers.view(m.group_id, m.map)
+        #: Prefixes clients protect in the lower tiers (:mod:`hybridkv.cache.tier_sessions`).
+        self.sessions = TierSessions(self.tiers)
 
     def _set_window_grids(self) -> None:
         """Tail retention also keeps the window before every multiple of a grid, where the
@@ -554,6 +557,7 @@ class HybridCoordinator:
         self.coupling.check()
         if self.tiers is not None:
             self.tiers.check_invariants()
+        self.sessions.check_invariants()
         check_requests(self.requests.values(), self.managers, self.pool)
 
     def snapshot(self) -> Any:
@@ -579,4 +583,5 @@ class HybridCoordinator:
             for rid, rs in self.requests.items()
         }
         tiers = None if self.tiers is None else self.tiers.snapshot()
-        return (self.pool.snapshot(), reqs, len(self.events), tiers)
+        sessions = sorted((k, tuple(v)) for k, v in self.sessions.sessions.items())
+        return (self.pool.snapshot(), reqs, len(self.events), tiers, sessions)

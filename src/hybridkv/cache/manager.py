@@ -401,6 +401,24 @@ class KVCacheManager:
         del self._known[request_id]
         request.is_finished = True
 
+    def protect(self, request_id: str, session: str) -> int:
+        """Keep what live request ``request_id`` has computed in the lower tiers ahead of
+        other entries, under ``session`` (replacing what it protected before), until
+        :meth:`unprotect` (see :mod:`hybridkv.cache.tier_sessions`).  Call before
+        :meth:`free`.  Returns the block hashes protected; raises
+        :class:`UnknownRequestError` for an id that is not live."""
+        request = self._known.get(request_id)
+        if request is None:
+            raise UnknownRequestError(f"protect: no live request has id {request_id!r}")
+        hashes = request.block_hashes[: request.num_computed_tokens // self.hash_block_size]
+        self._coord.sessions.protect(session, hashes)
+        return len(hashes)
+
+    def unprotect(self, session: str) -> bool:
+        """End ``session`` (see :meth:`protect`): its entries are evicted first.  Returns
+        whether it was protecting anything."""
+        return self._coord.sessions.unprotect(session)
+
     def preempt(self, request_id: str) -> None:
         """Drop every block of ``request_id`` (publishing computed ones) and set its
         ``num_computed_tokens`` to 0 so it can be admitted again.  Raises

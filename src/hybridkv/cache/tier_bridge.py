@@ -108,8 +108,9 @@ class TierBridge:
             return
         host: tuple[list[int], list[int], list[int]] = ([], [], [])
         below: tuple[list[int], list[int], list[int]] = ([], [], [])
+        protected = tiers.protected  # a client will read these: the host tier takes them
         for h, b, t in zip(hashes, blocks, tags, strict=True):
-            dest = below if t and not adm.admits(t, h) else host
+            dest = below if t and h not in protected and not adm.admits(t, h) else host
             dest[0].append(h)
             dest[1].append(b)
             dest[2].append(t)

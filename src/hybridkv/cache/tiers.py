@@ -21,6 +21,9 @@ load and store instructions say.
   an entry a device eviction, a load or a move put there.  A cold entry warms (joins the
   recency order at its young end) when the device evicts its block, a hit reads it or an
   upper tier moves it down, so the warm entries are exactly those write-back would hold.
+* **Protected entries** (:mod:`hybridkv.cache.tier_sessions`: a client says a request's
+  prefix will be read again, e.g. a conversation that goes on): warm entries whose hash is
+  protected sit in a segment of their own, evicted only once the tier holds no other entry.
 
 Example: two tiers, one block of group 0 (1 KiB) evicted by the device::
 
@@ -109,11 +112,13 @@ class Tier:
         "cold_bytes",
         "discarded",
         "dropped",
+        "kept",
         "keys",
         "loaded",
         "loaded_bytes",
         "lru",
         "name",
+        "protected",
         "stored",
         "stored_bytes",
         "used_bytes",
@@ -130,6 +135,10 @@ class Tier:
         #: before any entry of :attr:`lru`; ``cold_bytes`` of the ``used_bytes`` are theirs.
         self.cold: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.cold_bytes = 0
+        #: Warm entries whose hash is in ``protected`` (hash -> how many sessions protect
+        #: it; shared by the stack's tiers), oldest first: evicted after every other entry.
+        self.kept: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.protected: dict[int, int] = {}
         self.used_bytes = 0
         #: Blocks written into / loaded from / dropped by this tier, and bytes moved.
         self.stored = self.loaded = self.dropped = 0
@@ -142,19 +151,28 @@ class Tier:
         return key[1] in self.keys[key[0]]
 
     def __len__(self) -> int:
-        return len(self.lru) + len(self.cold)
+        return len(self.lru) + len(self.cold) + len(self.kept)
 
     def entries(self) -> set[tuple[int, int]]:
-        """Every ``(group, hash)`` the tier holds, warm and cold."""
-        return set(self.lru) | set(self.cold)
+        """Every ``(group, hash)`` the tier holds, warm, cold and protected."""
+        return set(self.lru) | set(self.cold) | set(self.kept)
+
+    def order(self, key: tuple[int, int]) -> OrderedDict[tuple[int, int], None]:
+        """The warm order a warm entry ``key`` belongs in (protected or not)."""
+        return self.kept if key[1] in self.protected else self.lru
 
     def warm(self, key: tuple[int, int]) -> None:
-        """Make ``key`` (held) the most recently used entry, warming it if it is cold."""
+        """Make ``key`` (held) the most recently used entry of its order, warming it if it
+        is cold."""
         if self.cold.pop(key, 0) is None:  # the orders map keys to None: it was cold
             self.cold_bytes -= self.block_bytes[key[0]]
-            self.lru[key] = None
+            self.order(key)[key] = None
         else:
-            self.lru.move_to_end(key)
+            self.order(key).move_to_end(key)
+
+    def victim(self) -> OrderedDict[tuple[int, int], None]:
+        """The order whose oldest entry goes next: cold, then warm, then protected."""
+        return self.cold if self.cold else self.lru if self.lru else self.kept
 
     def forget(self, key: tuple[int, int]) -> int:
         """Take ``key`` (held) out; returns its tag."""
@@ -162,7 +180,7 @@ class Tier:
         if self.cold.pop(key, 0) is None:  # it was cold
             self.cold_bytes -= self.block_bytes[g]
         else:
-            del self.lru[key]
+            del self.order(key)[key]
         self.used_bytes -= self.block_bytes[g]
         return self.keys[g].pop(h)
 
@@ -251,6 +269,10 @@ class TierStack:
                     f"block; the smallest block here is {smallest} B"
                 )
         self.tiers = [Tier(s, block_bytes) for s in specs]
+        #: Protected hashes (:mod:`hybridkv.cache.tier_sessions`), shared by every tier.
+        self.protected: dict[int, int] = {}
+        for t in self.tiers:
+            t.protected = self.protected
         self.num_groups = len(block_bytes)
         #: With ``record_ops``: what storage must do, in order (:meth:`take_ops`).
         self.record_ops = record_ops
@@ -326,7 +348,7 @@ class TierStack:
             return
         while t.used_bytes + size > t.capacity_bytes:
             was_cold = bool(t.cold)
-            og, oh = (t.cold if was_cold else t.lru).popitem(last=False)[0]
+            og, oh = t.victim().popitem(last=False)[0]
             otag = t.keys[og].pop(oh)
             t.used_bytes -= t.block_bytes[og]
             if was_cold:
@@ -342,7 +364,7 @@ class TierStack:
             t.cold[key] = None
             t.cold_bytes += size
         else:
-            t.lru[key] = None
+            t.order(key)[key] = None
         t.keys[g][h] = tag
         t.used_bytes += size
         t.stored += 1
@@ -370,7 +392,7 @@ class TierStack:
             self.named(name)  # raises
             return
         for upper in self.tiers[:level]:
-            for key in [*upper.cold, *upper.lru]:  # the cold ones (evicted first) first
+            for key in [*upper.cold, *upper.lru, *upper.kept]:  # in eviction order
                 g, h = key
                 tag = upper.forget(key)
                 if self.events is not None:
@@ -410,7 +432,7 @@ class TierStack:
             if t.used_bytes + size > t.capacity_bytes:
                 continue
             t.keys[g][h] = tag
-            t.lru[(g, h)] = None
+            t.order((g, h))[(g, h)] = None
             t.used_bytes += size
             t.adopted += 1
             taken.append(i)
@@ -465,6 +487,7 @@ class TierStack:
                 keys.clear()
             t.lru.clear()
             t.cold.clear()
+            t.kept.clear()
             t.used_bytes = t.cold_bytes = 0
 
     # -- reporting ----------------------------------------------------------------------------
@@ -479,6 +502,7 @@ class TierStack:
                 "used_bytes": t.used_bytes,
                 "blocks": len(t),
                 "cold_blocks": len(t.cold),
+                "protected_blocks": len(t.kept),
                 "stored": t.stored,
                 "loaded": t.loaded,
                 "dropped": t.dropped,
@@ -494,10 +518,18 @@ class TierStack:
         """Raise :class:`InvariantError` when a tier's keys, LRU and byte count disagree."""
         for t in self.tiers:
             keys = {(g, h) for g, d in enumerate(t.keys) for h in d}
-            if keys != set(t.lru) | set(t.cold) or set(t.lru) & set(t.cold):
-                raise InvariantError(f"tiers: {t.name} keys and its warm and cold orders differ")
+            lru, cold_keys, kept = set(t.lru), set(t.cold), set(t.kept)
+            if (
+                keys != lru | cold_keys | kept
+                or len(keys) != len(lru) + len(cold_keys) + len(kept)
+                or any(h in t.protected for _, h in lru)
+                or any(h not in t.protected for _, h in kept)
+            ):
+                raise InvariantError(
+                    f"tiers: {t.name} keys and its warm, cold and protected orders differ"
+                )
             cold = sum(t.block_bytes[g] for g, _ in t.cold)
-            used = cold + sum(t.block_bytes[g] for g, _ in t.lru)
+            used = cold + sum(t.block_bytes[g] for g, _ in (*t.lru, *t.kept))
             if used != t.used_bytes or cold != t.cold_bytes:
                 raise InvariantError(
                     f"tiers: {t.name} counts {t.used_bytes} B ({t.cold_bytes} cold), holds "
@@ -510,7 +542,7 @@ class TierStack:
 
     def snapshot(self) -> Any:
         """A comparable copy of every tier's entries in eviction order."""
-        return tuple((t.name, (*t.cold, *t.lru), t.used_bytes) for t in self.tiers)
+        return tuple((t.name, (*t.cold, *t.lru, *t.kept), t.used_bytes) for t in self.tiers)
 
 
 def tier_hit_tokens(loads: Sequence[TierLoad], block_sizes: Sequence[int]) -> dict[str, int]:

@@ -45,6 +45,7 @@ from hybridkv.cli.common import (
     model_name,
 )
 from hybridkv.models.catalog import DEFAULT_MODEL
+from hybridkv.sim.simulator import PROTECT_MODES
 
 if TYPE_CHECKING:
     from hybridkv.sim import SimResult
@@ -191,6 +192,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "given), or every checkpoint goes to the host tier (default: yield)",
     )
     parser.add_argument(
+        "--protect",
+        default=None,
+        choices=list(PROTECT_MODES),
+        help="with --host-memory or --disk-memory: 'oracle' plays a client that knows which "
+        "requests a later one continues (read off the whole trace) and protects their "
+        "prefixes in the lower tiers until then (KVCacheManager.protect); default none",
+    )
+    parser.add_argument(
         "--second-chance",
         type=int,
         default=DEFAULT_CHANCES,
@@ -308,6 +317,11 @@ def run(args: argparse.Namespace) -> int:
                 "--host-memory or --disk-memory",
                 args.host_memory is not None or args.disk_memory is not None,
             ),
+            (
+                "protect",
+                "--host-memory or --disk-memory",
+                args.host_memory is not None or args.disk_memory is not None,
+            ),
         ],
     )
     through = args.write_through
@@ -382,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
             host_memory_bytes=host,
             disk_memory_bytes=disk,
             write_through=through,
+            protect=args.protect or "none",
             label=f"{strategy} host {format_bytes(host) if host else 'none'}" if sweep else None,
         )
         for strategy in strategies
@@ -450,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
         print(title)
         print(format_summary_table(results, failures))
         for r in results:
-            for line in _tier_lines(r, args.write_through):
+            for line in _tier_lines(r, args.write_through, args.protect == "oracle"):
                 print(line)
         for f in failures:
             print(f"{f.strategy}: n/a: {f.reason}")
@@ -462,9 +477,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tier_lines(result: SimResult, through: str | None = None) -> list[str]:
+def _tier_lines(result: SimResult, through: str | None = None, oracle: bool = False) -> list[str]:
     """One line per lower tier: hit tokens read back from it, bytes written and read (and
-    whether it is the write-through tier ``through``)."""
+    whether it is the write-through tier ``through``, and whether an oracle client protected
+    conversations in it)."""
     from hybridkv.units import format_bytes
 
     lines = []
@@ -473,7 +489,8 @@ def _tier_lines(result: SimResult, through: str | None = None) -> list[str]:
         share = tokens / result.prompt_tokens if result.prompt_tokens else 0.0
         lines.append(
             f"{result.strategy} {name} tier"
-            f"{' (write-through)' if name == through else ''}: "
+            f"{' (write-through)' if name == through else ''}"
+            f"{' (oracle-protected sessions)' if oracle else ''}: "
             f"{format_bytes(st['capacity_bytes'])}, "
             f"{tokens} prompt tokens read back ({share:.1%} of all), "
             f"{format_bytes(st['stored_bytes'])} written, {format_bytes(st['loaded_bytes'])} "

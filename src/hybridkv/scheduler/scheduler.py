@@ -71,6 +71,7 @@ class SequenceState:
     chunk_cap: int = 0  # >0: a smaller prefill chunk the cache could hold on its own
     no_reserve: bool = False  # its prompt cannot be reserved even alone: admit chunk by chunk
     hold: bool = False  # keep the blocks when it finishes (a handover reads them)
+    protect_as: str | None = None  # a session protecting its prefix once it finishes
 
     @property
     def request_id(self) -> str:
@@ -136,10 +137,14 @@ class Scheduler:
         lora_id: int | str | None = None,
         cache_salt: str | None = None,
         hold: bool = False,
+        protect_as: str | None = None,
     ) -> SequenceState:
         """Queue a request.  Raises :class:`SchedulerError` (or a cache RequestError) for an
         empty prompt, a duplicate id, ``max_tokens < 1`` or a prompt of ``max_model_len`` or
-        more tokens.  ``hold``: keep its blocks when it finishes, until :meth:`release`."""
+        more tokens.  ``hold``: keep its blocks when it finishes, until :meth:`release`.
+        ``protect_as``: when it finishes, protect its prefix in the lower tiers under that
+        session name (:meth:`KVCacheManager.protect`, replacing the session's earlier
+        prefix)."""
         if request_id in self.seqs or request_id in self.held:
             raise SchedulerError(f"request {request_id!r}: id already queued or running")
         if max_tokens < 1:
@@ -163,6 +168,8 @@ class Scheduler:
         )
         seq = SequenceState(request, max_tokens, frozenset(eos_token_ids), arrival)
         seq.hold = hold
+        seq.protect_as = protect_as
+        request.protected = protect_as is not None
         self.seqs[request_id] = seq
         self.waiting.append(seq)
         self.manager.retain_hit(request)  # its lower-tier hit outlives the wait
@@ -545,6 +552,8 @@ class Scheduler:
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
         seq.finish_reason = reason
         self.running.remove(seq)
+        if seq.protect_as is not None:
+            self.manager.protect(seq.request_id, seq.protect_as)
         if seq.hold:
             self.held[seq.request_id] = seq
         else:

@@ -31,8 +31,10 @@ from hybridkv.specs import (
     SlidingWindowSpec,
 )
 from hybridkv.workloads import Workload, WorkloadRequest
+from hybridkv.workloads.sessions import continuations
 
 __all__ = [
+    "PROTECT_MODES",
     "Rejection",
     "SimConfig",
     "SimResult",
@@ -41,6 +43,10 @@ __all__ = [
     "plan_for",
     "simulate",
 ]
+
+
+#: ``SimConfig.protect`` values: no client hints, or an oracle client (see there).
+PROTECT_MODES = ("none", "oracle")
 
 
 class SimulationError(HybridKVError, ValueError):
@@ -87,6 +93,11 @@ class SimConfig:
     #: The tier that also takes every published block once its step ran
     #: (``KVCacheManager(tier_write_through=)``; None: write-back on eviction only).
     write_through: str | None = None
+    #: ``"oracle"``: play a client that knows which requests a later one continues and
+    #: protects their prefixes in the lower tiers until then
+    #: (:func:`hybridkv.workloads.sessions.continuations`, ``KVCacheManager.protect``);
+    #: ``"none"`` (default): no hints, the tiers' recency order alone.
+    protect: str = "none"
     #: The run's name in tables and plots (default: the strategy).
     label: str | None = None
 
@@ -112,6 +123,11 @@ class SimConfig:
                     f"tiers: {', '.join(have) or 'none'}); give its size "
                     f"({self.write_through}_memory_bytes)"
                 )
+        if self.protect not in PROTECT_MODES:
+            raise SimulationError(
+                f"protect: {self.protect!r} is not a protection mode; valid: "
+                f"{', '.join(PROTECT_MODES)}"
+            )
         if self.accelerator not in ACCELERATORS:
             valid = ", ".join(sorted(ACCELERATORS))
             raise SimulationError(
@@ -350,6 +366,7 @@ def simulate(
     pool = mgr.pool
 
     reqs = list(workload.requests)
+    sessions = continuations(reqs, config.block_size) if config.protect == "oracle" else {}
     by_id: dict[str, WorkloadRequest] = {}
     arrival: dict[str, float] = {}
     first_token: dict[str, float] = {}
@@ -388,7 +405,13 @@ def simulate(
                     progress(finished + len(rejected), len(reqs))
                 continue
             max_tokens = min(r.output_len, config.max_model_len - r.prompt_len)
-            sched.add_request(r.request_id, r.prompt_token_ids, max_tokens=max_tokens)
+            c = sessions.get(r.request_id)
+            sched.add_request(
+                r.request_id,
+                r.prompt_token_ids,
+                max_tokens=max_tokens,
+                protect_as=c.session if c is not None and c.successor is not None else None,
+            )
             by_id[r.request_id] = r
             arrival[r.request_id] = r.arrival_ms / 1000.0 if config.use_arrivals else 0.0
             admitted_tokens += r.prompt_len
@@ -456,6 +479,9 @@ def simulate(
                 ttft.append(clock - arrival[rid])
             if res.finished:
                 finished += 1
+                c = sessions.get(rid)
+                if c is not None and c.successor is None:  # its session ends here
+                    mgr.unprotect(c.session)
                 if res.num_output_tokens > 1:
                     tpot.append((clock - first_token[rid]) / (res.num_output_tokens - 1))
                 if progress is not None:

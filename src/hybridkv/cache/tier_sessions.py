@@ -1,0 +1,110 @@
+"""Protected sessions: prefixes a client says will be read again, kept in the lower tiers.
+
+A recency order keeps what was used last, and on a conversation trace most of that never
+comes back: a conversation ends after its last turn, and nothing in a request tells which
+turn is the last (docs/architecture.md, "How large a host tier must be").  The client often
+knows (a chat session still open, an agent loop that will call again), so it can say so:
+:meth:`~hybridkv.cache.manager.KVCacheManager.protect` names a *session* and the request
+whose cached prefix it will read again.  Every lower-tier entry (host, disk) under one of
+that prefix's block hashes moves to the tier's protected order, evicted only once the tier
+holds nothing else; entries that reach a tier later (the device evicts them after the call)
+go there too.  Protecting a session again replaces its prefix (a conversation's next turn
+contains the last one: the hashes they share stay protected);
+:meth:`~hybridkv.cache.manager.KVCacheManager.unprotect` ends it, and its entries go to the
+evict-first end of their tier (nobody will read them).  A hash several sessions protect (a
+shared system prompt) stays protected until the last of them lets go.
+
+The device's own eviction order is unchanged: a protected block the device evicts is written
+back to the host tier as any other, and its protection starts there.  Without lower tiers a
+session is recorded and changes nothing.  Bookkeeping only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.cache.tiers import TierStack
+from hybridkv.errors import InvariantError
+
+__all__ = ["TierSessions"]
+
+
+class TierSessions:
+    """Named protected prefixes over the tiers ``tiers`` (None: no lower tier)."""
+
+    def __init__(self, tiers: TierStack | None) -> None:
+        self.tiers = tiers
+        #: Session name -> the block hashes it protects.
+        self.sessions: dict[str, list[int]] = {}
+        #: Hash -> how many sessions protect it (the tiers' ``protected``, or a dict of ours).
+        self.counts: dict[int, int] = {} if tiers is None else tiers.protected
+
+    def protect(self, name: str, hashes: Sequence[int]) -> None:
+        """Protect ``hashes`` under ``name``, replacing what ``name`` protected before."""
+        new = list(dict.fromkeys(hashes))  # once each, in order
+        old = self.sessions.pop(name, None)
+        counts = self.counts
+        for h in new:
+            c = counts.get(h, 0)
+            counts[h] = c + 1
+            if not c:
+                self._move(h, protect=True)
+        self.sessions[name] = new
+        if old is not None:
+            self._let_go(old)
+
+    def unprotect(self, name: str) -> bool:
+        """End session ``name``; returns whether there was one."""
+        old = self.sessions.pop(name, None)
+        if old is None:
+            return False
+        self._let_go(old)
+        return True
+
+    def _let_go(self, hashes: list[int]) -> None:
+        counts = self.counts
+        for h in hashes:
+            c = counts[h] - 1
+            if c:
+                counts[h] = c
+            else:
+                del counts[h]
+                self._move(h, protect=False)
+
+    def _move(self, h: int, protect: bool) -> None:
+        """Move every tier entry under hash ``h`` (of any group) into the protected order
+        (``protect``) or out of it, to the evict-first end of the warm order; cold entries
+        stay cold (they are copies the device still holds)."""
+        if self.tiers is None:
+            return
+        for t in self.tiers.tiers:
+            for g, keys in enumerate(t.keys):
+                if h not in keys:
+                    continue
+                key = (g, h)
+                if protect:
+                    if t.lru.pop(key, 0) is None:  # the orders map keys to None: it was warm
+                        t.kept[key] = None
+                elif t.kept.pop(key, 0) is None:
+                    t.lru[key] = None
+                    t.lru.move_to_end(key, last=False)
+
+    @property
+    def protected_hashes(self) -> int:
+        """How many distinct block hashes some session protects."""
+        return len(self.counts)
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` unless the protect counts are exactly the sessions'
+        hashes counted (the tiers check their orders against the counts)."""
+        expected: dict[int, int] = {}
+        for hashes in self.sessions.values():
+            if len(set(hashes)) != len(hashes):
+                raise InvariantError("tier sessions: a session lists a hash twice")
+            for h in hashes:
+                expected[h] = expected.get(h, 0) + 1
+        if expected != self.counts:
+            raise InvariantError(
+                f"tier sessions: {len(self.counts)} protected hashes counted, the "
+                f"{len(self.sessions)} sessions hold {len(expected)}"
+            )

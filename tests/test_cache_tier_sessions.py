@@ -1,0 +1,247 @@
+"""Protected sessions in the lower tiers: exact eviction orders, the manager's and the
+scheduler's calls, checkpoints a protected request saves, and the workload oracle."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.cache import KVCacheManager, TierSpec
+from hybridkv.cache.admission import CheckpointAdmission
+from hybridkv.cache.errors import UnknownRequestError
+from hybridkv.cache.tier_sessions import TierSessions
+from hybridkv.cache.tiers import TierStack
+from hybridkv.errors import InvariantError
+from hybridkv.scheduler import Scheduler, SchedulerConfig
+from hybridkv.workloads import WorkloadRequest
+from hybridkv.workloads.sessions import Continuation, continuations
+from hybridkv.workloads.types import WorkloadError
+from test_cache_factories import admit, full, groups, layout_for, pools, state, tokens
+
+
+def _stack(blocks: int = 3) -> tuple[TierStack, TierSessions]:
+    stack = TierStack([TierSpec("host", 10 * blocks)], [10])
+    return stack, TierSessions(stack)
+
+
+def _order(stack: TierStack) -> list[int]:
+    """The host tier's hashes in eviction order (cold, warm, protected)."""
+    t = stack.tiers[0]
+    return [h for _, h in (*t.cold, *t.lru, *t.kept)]
+
+
+def _check(stack: TierStack, sessions: TierSessions) -> None:
+    stack.check_invariants()
+    sessions.check_invariants()
+
+
+def test_protected_entries_are_evicted_after_every_other_entry() -> None:
+    stack, sessions = _stack(3)
+    stack.evicted(0, (1, 2, 3), (7, 8, 9))
+    sessions.protect("chat", [1])
+    assert _order(stack) == [2, 3, 1]
+    _check(stack, sessions)
+    stack.evicted(0, (4, 5), (7, 8))  # two more: 2 and 3 go, 1 stays though it is oldest
+    assert _order(stack) == [4, 5, 1]
+    assert stack.tiers[0].dropped == 2
+    stack.evicted(0, (6,), (9,))
+    assert _order(stack) == [5, 6, 1]
+    assert stack.stats()["host"]["protected_blocks"] == 1
+    _check(stack, sessions)
+
+
+def test_a_tier_of_protected_entries_evicts_the_oldest_of_them() -> None:
+    stack, sessions = _stack(2)
+    sessions.protect("a", [1, 2, 3])  # protected before any of them reached the tier
+    stack.evicted(0, (1, 2), (7, 8))
+    assert _order(stack) == [1, 2]
+    stack.evicted(0, (3,), (9,))
+    assert _order(stack) == [2, 3]
+    _check(stack, sessions)
+
+
+def test_protecting_a_session_again_replaces_its_prefix() -> None:
+    stack, sessions = _stack(4)
+    stack.evicted(0, (1, 2, 3, 4), (5, 6, 7, 8))
+    sessions.protect("chat", [1, 2])
+    assert _order(stack) == [3, 4, 1, 2]
+    sessions.protect("chat", [1, 3])  # the next turn: 1 stays, 3 joins, 2 is let go
+    # 2 goes to the evict-first end of the warm entries; 3 joins the protected ones
+    assert _order(stack) == [2, 4, 1, 3]
+    assert sessions.sessions == {"chat": [1, 3]}
+    _check(stack, sessions)
+
+
+def test_a_hash_two_sessions_protect_stays_protected_until_both_let_go() -> None:
+    stack, sessions = _stack(3)
+    stack.evicted(0, (1, 2, 3), (5, 6, 7))
+    sessions.protect("a", [1, 2])
+    sessions.protect("b", [1])  # a shared system prompt
+    assert sessions.counts == {1: 2, 2: 1}
+    assert sessions.unprotect("a")
+    assert _order(stack) == [2, 3, 1]
+    assert sessions.counts == {1: 1}
+    assert sessions.unprotect("b")
+    assert not sessions.unprotect("b")
+    assert _order(stack) == [1, 2, 3]
+    assert sessions.counts == {} and stack.protected == {}
+    _check(stack, sessions)
+
+
+def test_refresh_keeps_a_protected_entry_in_its_order_and_cold_copies_stay_cold() -> None:
+    stack, sessions = _stack(4)
+    stack.evicted(0, (1, 2, 3), (5, 6, 7))
+    stack.evicted(0, (4,), (8,), cold=True)  # a write-through copy the device still holds
+    sessions.protect("s", [1, 2, 4])
+    assert _order(stack) == [4, 3, 1, 2]  # the cold copy is still evicted first
+    stack.refresh(0, [1])
+    assert _order(stack) == [4, 3, 2, 1]
+    stack.evicted(0, (4,), (8,))  # the device evicts it: it warms, into the protected order
+    assert _order(stack) == [3, 2, 1, 4]
+    _check(stack, sessions)
+
+
+def test_a_disk_tier_keeps_protected_entries_the_host_moves_down() -> None:
+    stack = TierStack([TierSpec("host", 20), TierSpec("disk", 20)], [10])
+    sessions = TierSessions(stack)
+    sessions.protect("s", [1])
+    stack.evicted(0, (1, 2, 3, 4), (5, 6, 7, 8))
+    host, disk = ([h for _, h in (*t.lru, *t.kept)] for t in stack.tiers)
+    assert host == [4, 1]  # 1 protected: 2 and 3 went down instead
+    assert disk == [2, 3]
+    stack.evicted(0, (5,), (9,))  # the host must evict: 4, then the disk drops 2
+    assert [h for _, h in (*stack.tiers[0].lru, *stack.tiers[0].kept)] == [5, 1]
+    assert [h for _, h in stack.tiers[1].lru] == [3, 4]
+    _check(stack, sessions)
+
+
+def test_the_invariants_catch_an_entry_in_the_wrong_order() -> None:
+    stack, sessions = _stack(2)
+    stack.evicted(0, (1, 2), (5, 6))
+    sessions.protect("s", [1])
+    t = stack.tiers[0]
+    del t.kept[(0, 1)]
+    t.lru[(0, 1)] = None  # a protected hash in the plain order
+    with pytest.raises(InvariantError, match="warm, cold and protected orders differ"):
+        stack.check_invariants()
+    sessions.counts[9] = 1  # a count no session holds
+    with pytest.raises(InvariantError, match="1 sessions hold 1"):
+        sessions.check_invariants()
+
+
+def _mgr(layout, *tiers: TierSpec, admission: str = "all") -> KVCacheManager:
+    return KVCacheManager(layout, hasher="builtin", tiers=tiers, checkpoint_admission=admission)
+
+
+def _compute(mgr: KVCacheManager, rid: str, prompt: list[int]):
+    req = mgr.make_request(rid, prompt)
+    hit, res = admit(mgr, req)
+    assert res is not None
+    req.num_computed_tokens = req.num_tokens
+    return req, hit.num_computed_tokens
+
+
+def test_manager_protects_a_live_request_and_its_blocks_outlast_others_in_the_host() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)  # 4 usable blocks of 4 tokens
+    bb = layout.groups[0].block_bytes
+    mgr = _mgr(layout, TierSpec("host", 3 * bb))
+    before = mgr.snapshot()
+    with pytest.raises(UnknownRequestError, match="protect: no live request has id 'x'"):
+        mgr.protect("x", "chat")
+    assert mgr.snapshot() == before
+    a, _ = _compute(mgr, "a", tokens(9))  # 2 whole blocks computed
+    assert mgr.protect("a", "chat") == 2
+    mgr.free("a")
+    mgr.check_invariants()
+    for n, start in enumerate((100, 200)):  # 2 x 2 more blocks: a's go down, then others
+        _compute(mgr, f"b{n}", tokens(9, start))
+        mgr.free(f"b{n}")
+        mgr.check_invariants()
+    host = mgr._coord.tiers.tiers[0]  # type: ignore[union-attr]
+    # the device evicts a prefix from its end, so its start is the youngest entry
+    assert [h for _, h in host.kept] == a.block_hashes[1::-1]
+    assert len(host.lru) == 1  # one of b0's blocks; the other was dropped, not a's
+    assert mgr.tier_stats()["host"]["protected_blocks"] == 2
+    _, hit = _compute(mgr, "c", tokens(9))
+    assert hit == 8  # the conversation's next turn reads a's prefix back
+    assert mgr.unprotect("chat") and not mgr.unprotect("chat")
+    mgr.check_invariants()
+
+
+def test_without_lower_tiers_a_session_is_recorded_and_changes_nothing_else() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)
+    mgr = _mgr(layout)
+    _compute(mgr, "a", tokens(9))
+    pool = mgr.pool.snapshot()
+    assert mgr.protect("a", "s") == 2
+    assert mgr.pool.snapshot() == pool
+    mgr.check_invariants()
+    assert mgr.unprotect("s")
+
+
+class _RejectEndings(CheckpointAdmission):
+    def admits(self, reason: int, block_hash: int) -> bool:
+        return False
+
+
+def test_a_protected_request_saves_its_prompt_end_checkpoints_whatever_their_yield() -> None:
+    layout = pools(groups((full(), 4), (state(), 8)), [12, 6])
+    for protected, expected in ((False, 0), (True, 16)):
+        mgr = _mgr(layout, TierSpec("host", 1 << 20), admission="yield")
+        mgr._coord.admission = _RejectEndings(1 << 30)
+        for m in mgr._coord.managers:
+            m.admission = mgr._coord.admission
+        req = mgr.make_request("a", tokens(18))
+        req.protected = protected
+        _, res = admit(mgr, req, 16)  # a first chunk ending at the prompt's last boundary
+        assert res is not None
+        req.num_computed_tokens = 16
+        assert mgr.allocate_slots(req, 2) is not None
+        req.num_computed_tokens = 18
+        mgr.free("a")
+        again = mgr.make_request("b", tokens(18))
+        assert mgr.get_computed_blocks(again).num_computed_tokens == expected
+        mgr.check_invariants()
+
+
+def test_the_scheduler_protects_a_finished_request_under_its_session() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 16)
+    bb = layout.groups[0].block_bytes
+    mgr = _mgr(layout, TierSpec("host", 8 * bb))
+    sched = Scheduler(mgr, SchedulerConfig(token_budget=64), max_model_len=64)
+    sched.add_request("a", tokens(10), max_tokens=1, protect_as="chat")
+    assert mgr._known == {} and sched.seqs["a"].request.protected
+    out = sched.schedule()
+    sched.update(out, {"a": 999})
+    sessions = mgr._coord.sessions
+    assert list(sessions.sessions) == ["chat"]
+    assert len(sessions.sessions["chat"]) == 2  # the 10 computed tokens' 2 whole blocks
+    mgr.check_invariants()
+
+
+def _req(rid: str, prompt: list[int], out: list[int]) -> WorkloadRequest:
+    return WorkloadRequest(rid, 0.0, tuple(prompt), tuple(out))
+
+
+def _cat(*parts: tuple[int, ...] | list[int]) -> list[int]:
+    return [t for p in parts for t in p]
+
+
+def test_continuations_find_each_requests_successor_and_session() -> None:
+    sys_prompt = tokens(8, 1000)
+    a = _req("a", sys_prompt + tokens(8), tokens(4, 50))
+    b = _req("b", sys_prompt + tokens(8, 100), [7])  # shares only the system prompt
+    a2 = _req("a2", _cat(a.prompt_token_ids, a.output_token_ids, tokens(4, 60)), [8])
+    c = _req("c", sys_prompt + tokens(5, 300), [9])
+    a3 = _req("a3", _cat(a2.prompt_token_ids, [1, 2, 3, 4]), [5])
+    got = continuations([a, b, a2, c, a3], block_size=4)
+    assert got == {
+        "a": Continuation("a", "a2"),
+        "b": Continuation("b", None),
+        "a2": Continuation("a", "a3"),
+        "c": Continuation("c", None),
+        "a3": Continuation("a", None),
+    }
+    with pytest.raises(WorkloadError, match="block_size must be >= 1, got 0"):
+        continuations([a], block_size=0)
+    with pytest.raises(WorkloadError, match="request id 'a' repeats"):
+        continuations([a, a])
