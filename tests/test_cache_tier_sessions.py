@@ -59,6 +59,20 @@ def test_a_tier_of_protected_entries_evicts_the_oldest_of_them() -> None:
     _check(stack, sessions)
 
 
+def test_an_entry_facing_only_protected_ones_goes_down_a_tier_or_is_dropped() -> None:
+    stack = TierStack([TierSpec("host", 20), TierSpec("disk", 10)], [10], record_ops=True)
+    sessions = TierSessions(stack)
+    sessions.protect("s", [1, 2])
+    stack.evicted(0, (1, 2), (5, 6))
+    stack.evicted(0, (3,), (7,))  # the host holds only protected entries: 3 goes to disk
+    assert [h for _, h in stack.tiers[0].kept] == [1, 2]
+    assert [h for _, h in stack.tiers[1].lru] == [3]
+    stack.evicted(0, (4,), (8,))  # the disk takes 4 in 3's place (3 is not protected)
+    assert [h for _, h in stack.tiers[1].lru] == [4]
+    assert [op.op for op in stack.take_ops()] == ["store", "store", "store", "drop", "store"]
+    _check(stack, sessions)
+
+
 def test_protecting_a_session_again_replaces_its_prefix() -> None:
     stack, sessions = _stack(4)
     stack.evicted(0, (1, 2, 3, 4), (5, 6, 7, 8))

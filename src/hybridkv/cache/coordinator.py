@@ -453,6 +453,9 @@ class HybridCoordinator:
                 blocks = blocks[k:]
             added = managers[i].apply_new(groups[i], p, blocks, out) if blocks else ()
             new_ids.append(cast(tuple[BlockId, ...], tuple(added)))
+        if spots is not None:
+            assert bridge is not None
+            bridge.tiers.pinned.clear()  # every load is recorded
         for i, m in self._scheduled:
             m.publish_scheduled(groups[i], request, step_end)
         if self.events.orphaned:

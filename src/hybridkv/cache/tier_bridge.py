@@ -177,13 +177,16 @@ class TierBridge:
         length: int,
     ) -> list[LoadSpots]:
         """Per group, ``(table index, hash)`` of each tier block of the hit and the tier it is
-        read from.  The entries are refreshed in their tiers first, so the evictions the
-        allocation causes cannot push them out before their loads are recorded."""
+        read from.  The entries are refreshed in their tiers and pinned there until the
+        allocation has recorded its loads (the coordinator then clears the pins), so the
+        evictions the allocation causes cannot drop them, however small the tier."""
         hashes = request.block_hashes
         out: list[LoadSpots] = []
+        pinned = self.tiers.pinned
         for i, k in enumerate(markers):
             spots = self.managers[i].tier_spots(hashes, length, hit[i]) if k else []
             out.append((spots, [self.tiers.load_hash(i, h) for _, h in spots]))
+            pinned.update((i, h) for _, h in spots)
         return out
 
     def install_loads(

@@ -23,7 +23,9 @@ load and store instructions say.
   upper tier moves it down, so the warm entries are exactly those write-back would hold.
 * **Protected entries** (:mod:`hybridkv.cache.tier_sessions`: a client says a request's
   prefix will be read again, e.g. a conversation that goes on): warm entries whose hash is
-  protected sit in a segment of their own, evicted only once the tier holds no other entry.
+  protected sit in an order of their own, evicted only to make room for another protected
+  entry once the tier holds no other; an entry that is not protected and finds only
+  protected ones in its way goes down a tier instead (or is dropped).
 
 Example: two tiers, one block of group 0 (1 KiB) evicted by the device::
 
@@ -170,9 +172,17 @@ class Tier:
         else:
             self.order(key).move_to_end(key)
 
-    def victim(self) -> OrderedDict[tuple[int, int], None]:
-        """The order whose oldest entry goes next: cold, then warm, then protected."""
-        return self.cold if self.cold else self.lru if self.lru else self.kept
+    def victim(
+        self, pinned: set[tuple[int, int]], protected: bool
+    ) -> tuple[OrderedDict[tuple[int, int], None], tuple[int, int]] | None:
+        """The entry that goes next and its order: the oldest cold one, then warm, then (to
+        make room for a ``protected`` entry only) protected, skipping ``pinned`` ones (None:
+        no entry may go)."""
+        for order in (self.cold, self.lru, self.kept) if protected else (self.cold, self.lru):
+            for key in order:
+                if key not in pinned:
+                    return order, key
+        return None
 
     def forget(self, key: tuple[int, int]) -> int:
         """Take ``key`` (held) out; returns its tag."""
@@ -271,6 +281,9 @@ class TierStack:
         self.tiers = [Tier(s, block_bytes) for s in specs]
         #: Protected hashes (:mod:`hybridkv.cache.tier_sessions`), shared by every tier.
         self.protected: dict[int, int] = {}
+        #: Entries an allocation under way reads back (its loads are recorded after its
+        #: evictions): no eviction takes them, so a load never names a dropped entry.
+        self.pinned: set[tuple[int, int]] = set()
         for t in self.tiers:
             t.protected = self.protected
         self.num_groups = len(block_bytes)
@@ -340,15 +353,17 @@ class TierStack:
         size = t.block_bytes[g]
         if cold and t.used_bytes - t.cold_bytes + size > t.capacity_bytes:
             return  # only free room or other cold copies make way for a cold copy
-        if size > t.capacity_bytes:
-            if level + 1 < len(self.tiers):
-                self._put(level + 1, g, h, block, source, tag)
-            elif source is not None and self.record_ops:
-                self.ops.append(TierOp("drop", source, g, h, 0))
-            return
         while t.used_bytes + size > t.capacity_bytes:
-            was_cold = bool(t.cold)
-            og, oh = t.victim().popitem(last=False)[0]
+            found = None if size > t.capacity_bytes else t.victim(self.pinned, h in self.protected)
+            if found is None:  # it cannot fit here (too large, protected or being read)
+                if level + 1 < len(self.tiers):
+                    self._put(level + 1, g, h, block, source, tag)
+                elif source is not None and self.record_ops:
+                    self.ops.append(TierOp("drop", source, g, h, 0))
+                return
+            order, (og, oh) = found
+            was_cold = order is t.cold
+            del order[og, oh]
             otag = t.keys[og].pop(oh)
             t.used_bytes -= t.block_bytes[og]
             if was_cold:
@@ -516,6 +531,8 @@ class TierStack:
 
     def check_invariants(self) -> None:
         """Raise :class:`InvariantError` when a tier's keys, LRU and byte count disagree."""
+        if self.pinned:
+            raise InvariantError(f"tiers: {len(self.pinned)} entries pinned between allocations")
         for t in self.tiers:
             keys = {(g, h) for g, d in enumerate(t.keys) for h in d}
             lru, cold_keys, kept = set(t.lru), set(t.cold), set(t.kept)

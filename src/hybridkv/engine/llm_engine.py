@@ -283,16 +283,26 @@ class LLMEngine:
         max_tokens: int,
         eos_token_ids: Sequence[int] = (),
         hold: bool = False,
+        protect_as: str | None = None,
     ) -> None:
         """Queue a request.  Raises :class:`PromptError` for a prompt :meth:`check_prompt`
         refuses or ``max_tokens < 1``, and :class:`~hybridkv.scheduler.SchedulerError` for a
         duplicate id.  Nothing is queued when it raises.  ``hold``: keep its blocks when it
-        finishes (a handover to a decode engine reads them: :mod:`hybridkv.engine.handover`)."""
+        finishes (a handover to a decode engine reads them: :mod:`hybridkv.engine.handover`).
+        ``protect_as``: the client will send a request that continues this one (the next
+        turn of a chat): once it finishes, its prefix is protected in the host and disk tiers
+        under that session name (replacing the session's earlier prefix) until
+        :meth:`unprotect` (:mod:`hybridkv.cache.tier_sessions`)."""
         prompt = self.check_prompt(request_id, prompt_token_ids)
         if max_tokens < 1:
             raise PromptError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
         seq = self.scheduler.add_request(
-            request_id, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids, hold=hold
+            request_id,
+            prompt,
+            max_tokens=max_tokens,
+            eos_token_ids=eos_token_ids,
+            hold=hold,
+            protect_as=protect_as,
         )
         self._live[request_id] = _Live(seq, prompt)
         self._counts["prompt"] += len(prompt)
@@ -308,6 +318,11 @@ class LLMEngine:
         if problem is not None:
             raise PromptError(f"request {request_id!r}: {problem}")
         return prompt
+
+    def unprotect(self, session: str) -> bool:
+        """End a session ``add_request(protect_as=)`` started (its entries are evicted
+        first from then on); returns whether it protected anything."""
+        return self.manager.unprotect(session)
 
     def has_unfinished(self) -> bool:
         """True while a request is waiting or running."""

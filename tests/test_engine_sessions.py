@@ -1,0 +1,78 @@
+"""Protected sessions through the engine: a conversation its client protects outlasts
+one-off requests in a host tier that holds little more than it, comes back from host memory,
+and the tokens equal transformers' own."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from hybridkv.engine import CacheConfig, Completion, LLMEngine, verify_completions
+from hybridkv.engine.models import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@functools.cache
+def _reference(name: str) -> Any:
+    return load_model(name)
+
+
+def _draw(seed: int, n: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, 200, (n,), generator=gen)]
+
+
+def _engine(name: str, host: int) -> LLMEngine:
+    # 24 blocks of 4 tokens per group: one 96-token request at a time on the device
+    cache = CacheConfig(
+        strategy="pools",
+        block_size=4,
+        state_block_size=8,
+        num_blocks=24,
+        max_model_len=96,
+        host_memory_bytes=host,
+    )
+    return LLMEngine(name, cache=cache, keep_logits=True)
+
+
+def _serve(
+    engine: LLMEngine, rid: str, prompt: list[int], protect_as: str | None = None
+) -> Completion:
+    engine.add_request(rid, prompt, max_tokens=4, protect_as=protect_as)
+    engine.run()
+    return engine.completions[rid]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_a_protected_conversation_outlasts_one_off_requests_in_the_host_tier(name: str) -> None:
+    first = _draw(1, 40)
+    others = [_draw(10 + i, 40) for i in range(8)]
+    # the bytes of everything the first turn caches, once in the host tier
+    probe = _engine(name, 64 << 20)
+    _serve(probe, "a1", first)
+    probe.manager.persist_to_tier("host")
+    held = probe.manager.tier_stats()["host"]["used_bytes"]
+    spare = min(g.block_bytes for g in probe.layout.groups)
+    hits = {}
+    for protect in (False, True):
+        engine = _engine(name, held + spare)  # the first turn and one more (small) block
+        done = [_serve(engine, "a1", first, "chat" if protect else None)]
+        done += [_serve(engine, f"x{i}", p) for i, p in enumerate(others)]  # one-off requests
+        a1 = done[0]
+        second = [*first, *a1.token_ids, *_draw(2, 8)]
+        before = engine.stats().host_hit_tokens
+        done.append(_serve(engine, "a2", second))
+        hits[protect] = engine.stats().host_hit_tokens - before
+        result = verify_completions(_reference(name), done)
+        assert result.ok, result.mismatches
+        if protect:
+            assert engine.manager.tier_stats()["host"]["protected_blocks"] > 0
+            assert engine.unprotect("chat") and not engine.unprotect("chat")
+            assert engine.manager.tier_stats()["host"]["protected_blocks"] == 0
+        engine.check_invariants()
+    # state models hit at their checkpoints (multiples of 8): the first turn's 40 tokens
+    assert hits == {False: 0, True: 40}
