@@ -1,12 +1,12 @@
 """Protected sessions in the lower tiers: exact eviction orders, the manager's and the
-scheduler's calls, checkpoints a protected request saves, and the workload oracle."""
+scheduler's calls, where a protected checkpoint goes, and the workload oracle."""
 
 from __future__ import annotations
 
 import pytest
 
 from hybridkv.cache import KVCacheManager, TierSpec
-from hybridkv.cache.admission import CheckpointAdmission
+from hybridkv.cache.admission import PROMPT_END, CheckpointAdmission
 from hybridkv.cache.errors import UnknownRequestError
 from hybridkv.cache.tier_sessions import TierSessions
 from hybridkv.cache.tiers import TierStack
@@ -192,28 +192,46 @@ def test_without_lower_tiers_a_session_is_recorded_and_changes_nothing_else() ->
     assert mgr.unprotect("s")
 
 
-class _RejectEndings(CheckpointAdmission):
+class _Refusing(CheckpointAdmission):
+    """Admits every checkpoint but those of the reasons in ``refused``."""
+
+    refused: frozenset[int] = frozenset()
+
     def admits(self, reason: int, block_hash: int) -> bool:
-        return False
+        return reason not in self.refused
 
 
-def test_a_protected_request_saves_its_prompt_end_checkpoints_whatever_their_yield() -> None:
-    layout = pools(groups((full(), 4), (state(), 8)), [12, 6])
-    for protected, expected in ((False, 0), (True, 16)):
+def _chunked(mgr: KVCacheManager, rid: str, prompt: list[int]):
+    """Compute ``prompt`` in a chunk of 16 tokens (a checkpoint there), then the rest."""
+    req = mgr.make_request(rid, prompt)
+    _, res = admit(mgr, req, 16)
+    assert res is not None
+    req.num_computed_tokens = 16
+    assert mgr.allocate_slots(req, len(prompt) - 16) is not None
+    req.num_computed_tokens = len(prompt)
+    return req
+
+
+def test_a_protected_checkpoint_the_yield_rule_would_drop_goes_to_the_host_tier() -> None:
+    layout = pools(groups((full(), 4), (state(), 8)), [12, 3])  # 2 state slots
+    for protect, expected in ((False, None), (True, "host")):
         mgr = _mgr(layout, TierSpec("host", 1 << 20), admission="yield")
-        mgr._coord.admission = _RejectEndings(1 << 30)
+        adm = _Refusing(1 << 30)
+        mgr._coord.admission = adm
+        mgr._coord.bridge.admission = adm  # type: ignore[union-attr]
         for m in mgr._coord.managers:
-            m.admission = mgr._coord.admission
-        req = mgr.make_request("a", tokens(18))
-        req.protected = protected
-        _, res = admit(mgr, req, 16)  # a first chunk ending at the prompt's last boundary
-        assert res is not None
-        req.num_computed_tokens = 16
-        assert mgr.allocate_slots(req, 2) is not None
-        req.num_computed_tokens = 18
+            m.admission = adm
+        a = _chunked(mgr, "a", tokens(17))  # a checkpoint at 16, its prompt's end
+        if protect:
+            mgr.protect("a", "chat")
         mgr.free("a")
-        again = mgr.make_request("b", tokens(18))
-        assert mgr.get_computed_blocks(again).num_computed_tokens == expected
+        h = a.block_hashes[3]  # the checkpoint at 16 (state blocks of 8 tokens)
+        assert h in mgr._coord.managers[1].map
+        adm.refused = frozenset({PROMPT_END})  # the yield rule now refuses a's reason
+        _chunked(mgr, "b", tokens(25, 100))  # its checkpoint at 16 evicts a's
+        mgr.free("b")
+        assert h not in mgr._coord.managers[1].map
+        assert mgr._coord.tiers.where(1, h) == expected  # type: ignore[union-attr]
         mgr.check_invariants()
 
 
@@ -223,7 +241,7 @@ def test_the_scheduler_protects_a_finished_request_under_its_session() -> None:
     mgr = _mgr(layout, TierSpec("host", 8 * bb))
     sched = Scheduler(mgr, SchedulerConfig(token_budget=64), max_model_len=64)
     sched.add_request("a", tokens(10), max_tokens=1, protect_as="chat")
-    assert mgr._known == {} and sched.seqs["a"].request.protected
+    assert mgr._known == {}
     out = sched.schedule()
     sched.update(out, {"a": 999})
     sessions = mgr._coord.sessions

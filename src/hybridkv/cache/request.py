@@ -121,7 +121,6 @@ class Request:
         "mm_items",
         "num_computed_tokens",
         "num_prompt_tokens",
-        "protected",
         "request_id",
     )
 
@@ -173,10 +172,6 @@ class Request:
         self.num_prompt_tokens = len(tokens)
         self.num_computed_tokens = 0
         self.is_finished = False
-        #: A client will read this request's prefix again (it sets this and protects the
-        #: prefix once the request finishes, :meth:`KVCacheManager.protect`): the
-        #: recurrent-state checkpoints at its prompt's end are saved whatever their yield.
-        self.protected = False
         self.block_hashes: list[BlockHash] = []
         self._extend_hashes(checked)
 

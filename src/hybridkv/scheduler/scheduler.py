@@ -169,7 +169,6 @@ class Scheduler:
         seq = SequenceState(request, max_tokens, frozenset(eos_token_ids), arrival)
         seq.hold = hold
         seq.protect_as = protect_as
-        request.protected = protect_as is not None
         self.seqs[request_id] = seq
         self.waiting.append(seq)
         self.manager.retain_hit(request)  # its lower-tier hit outlives the wait

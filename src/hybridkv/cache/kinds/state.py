@@ -110,11 +110,7 @@ class StateManager(KindManager):
             if h is not None and h not in self.map:
                 reason = self.reason(request, step_end, marks)
                 adm = self.admission
-                if (
-                    adm is None
-                    or adm.admits(reason, h)
-                    or (request.protected and reason in (PROMPT_END, BEFORE_END))
-                ):
+                if adm is None or adm.admits(reason, h):
                     checkpoint = step_end // self.block_size
                     need += 1
         if not (need or release):
