@@ -4,39 +4,18 @@ and the tokens equal transformers' own."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import pytest
 import torch
 
-from hybridkv.engine import CacheConfig, Completion, LLMEngine, verify_completions
-from hybridkv.engine.models import load_model
+from hybridkv.engine import Completion, LLMEngine, verify_completions
+from test_engine_tiers import _engine, _reference  # one request at a time on the device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@functools.cache
-def _reference(name: str) -> Any:
-    return load_model(name)
 
 
 def _draw(seed: int, n: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return [int(t) for t in torch.randint(0, 200, (n,), generator=gen)]
-
-
-def _engine(name: str, host: int) -> LLMEngine:
-    # 24 blocks of 4 tokens per group: one 96-token request at a time on the device
-    cache = CacheConfig(
-        strategy="pools",
-        block_size=4,
-        state_block_size=8,
-        num_blocks=24,
-        max_model_len=96,
-        host_memory_bytes=host,
-    )
-    return LLMEngine(name, cache=cache, keep_logits=True)
 
 
 def _serve(
