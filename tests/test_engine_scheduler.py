@@ -181,6 +181,9 @@ def test_preemption_and_resume_with_a_small_pool(name: str) -> None:
     assert stats.preemptions > 0
     assert sum(c.num_preemptions for c in done) == stats.preemptions
     assert all(len(c.token_ids) == 10 for c in done)
+    # hits count each request's first admission once (a re-admission mostly hits itself)
+    assert stats.admitted_tokens == sum(len(p) for p in prompts)
+    assert stats.prefix_hit_tokens == sum(c.num_cached_tokens for c in done)
     assert max(stats.peak_blocks) <= 7
     eng.manager.check_invariants()
 

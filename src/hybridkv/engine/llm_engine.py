@@ -361,8 +361,9 @@ class LLMEngine:
         if self._tier_store is not None:  # evicted blocks out, hits back in, before the pass
             self._tier_store.apply(self.manager.take_tier_ops())
             sizes = self._block_sizes
+            counted = self._tracker.counted  # a re-admission's loads are not counted again
             for item in out.scheduled:
-                if item.allocation.loads:
+                if item.allocation.loads and item.request_id not in counted:
                     by_tier = tier_hit_tokens(item.allocation.loads, sizes)
                     self._counts["host"] += by_tier["host"]
                     self._counts["disk"] += by_tier["disk"]

@@ -38,7 +38,9 @@ class EngineStats:
     (prefill chunks, decode tokens and recomputation after preemption);
     ``generated_tokens`` sampled.  ``seconds`` is wall time inside ``step()``,
     ``model_seconds`` the part spent in the runner.  ``admitted_tokens`` /
-    ``prefix_hit_tokens``: tokens of every admission and the part a prefix hit served.
+    ``prefix_hit_tokens``: the tokens of each request's first admission and the part a
+    prefix hit served (a request preempted and admitted again, which mostly hits its own
+    blocks, is not counted twice; the simulator counts the same way).
     ``query_tokens`` / ``group_hit_tokens[g]``: the manager's statistics (every
     ``get_computed_blocks`` query, and the tokens group ``g`` alone could have served).
     ``peak_blocks[g]``, ``window_blocks_released[g]``: see :class:`CacheTracker`.
@@ -47,7 +49,7 @@ class EngineStats:
     ``rollback_passes``: forward passes that ran accepted tokens again to roll a recurrent
     state back past rejected drafts (also counted in ``forward_passes``).
     ``host_hit_tokens`` / ``disk_hit_tokens``: the part of ``prefix_hit_tokens`` read back
-    from the host / disk tier.
+    from the host / disk tier (first admissions too).
     """
 
     groups: tuple[str, ...]
@@ -121,6 +123,8 @@ class CacheTracker:
         self.peak_usage = 0.0
         self.admitted_tokens = 0
         self.prefix_hit_tokens = 0
+        #: Live requests whose first admission is counted.
+        self.counted: set[str] = set()
         self._tables: dict[tuple[str, int], list[int]] = {}
 
     def record_step(
@@ -131,11 +135,13 @@ class CacheTracker:
     ) -> None:
         """Fold in one schedule: preempted requests lose their remembered tables; every
         scheduled request's tables (after allocation) are compared with the last ones seen;
-        ``admitted`` ids (with their token counts in ``num_tokens``) count their hits."""
+        ``admitted`` ids (with their token counts in ``num_tokens``) count their hits at
+        their first admission only."""
         for rid in output.preempted:
             for gid in self.window_groups:
                 self._tables.pop((rid, gid), None)
-        admitted = set(admitted)
+        admitted = set(admitted) - self.counted
+        self.counted |= admitted
         for item in output.scheduled:
             if item.request_id in admitted:
                 self.admitted_tokens += num_tokens[item.request_id]
@@ -165,6 +171,7 @@ class CacheTracker:
         self.peak_usage = max(self.peak_usage, manager.usage)
 
     def forget(self, request_id: str) -> None:
-        """Drop the remembered tables of a finished request."""
+        """Drop the remembered tables (and the counted admission) of a finished request."""
+        self.counted.discard(request_id)
         for gid in self.window_groups:
             self._tables.pop((request_id, gid), None)
