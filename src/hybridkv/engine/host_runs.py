@@ -48,10 +48,14 @@ __all__ = [
 ]
 
 #: Bytes the first run of a batch carries at most; each later run may carry twice its
-#: predecessor's cap, up to :data:`RUN_BYTES`.  A small first run starts the copies after a
-#: few blocks of the host's walk; larger later runs pay the per-run cost (on CUDA an index
-#: upload, a kernel and a copy, ~15 us between them on an H200) fewer times.
-FIRST_RUN_BYTES = 1 << 20
+#: predecessor's cap, up to :data:`RUN_BYTES`.  A smaller first run starts the copies after
+#: fewer blocks of the host's walk; larger runs pay the per-run cost (on CUDA an index
+#: upload, a kernel and a copy, ~15 us between them on an H200) fewer times.  Measured on an
+#: H200 (2026-11-27, 1, 2, 4 and 8 MiB, two interleaved rounds, blocks of 128 KiB to 1 MiB,
+#: 128 and 1,024 of them, both layouts): 8 MiB gave the best round trip in 13 of 16 rows
+#: (128 blocks of 128 KiB, cross-layer: 0.41-0.46 of one contiguous copy with 1 MiB, 0.58-0.66
+#: with 8; 256 KiB 0.77-0.78 -> 0.82; 1 MiB 0.87 -> 0.90).
+FIRST_RUN_BYTES = 8 << 20
 #: Bytes one run carries at most (and so the staging tensor on CUDA).
 RUN_BYTES = 16 << 20
 #: On the CPU, loads of rows of at least this many bytes copy each row on its own (one
