@@ -84,6 +84,10 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         ["simulate", "--protect", "oracle"],
         "--protect oracle: only applies with --host-memory or --disk-memory",
     ),
+    (
+        ["simulate", "--protect", "oracle", "--host-memory", "1GiB", "--disaggregate"],
+        "--protect oracle: not with --disaggregate",
+    ),
     (["plan", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
     (["plan", "no-such-model"], "'no-such-model' is neither a catalog name"),
     # simulate: every check before the first strategy runs

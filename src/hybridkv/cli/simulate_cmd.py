@@ -335,6 +335,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.disaggregate:
             raise CliInputError(f"--write-through {through}: not with --disaggregate")
+    if args.protect is not None and args.disaggregate:
+        raise CliInputError(f"--protect {args.protect}: not with --disaggregate")
     memory = parse_bytes(args.memory, field="--memory")
     hosts: list[int | None] = [None]
     if args.host_memory is not None:
