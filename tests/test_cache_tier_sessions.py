@@ -73,6 +73,25 @@ def test_an_entry_facing_only_protected_ones_goes_down_a_tier_or_is_dropped() ->
     _check(stack, sessions)
 
 
+def test_entries_a_hit_reads_are_held_out_of_the_eviction_orders_until_unpinned() -> None:
+    stack, sessions = _stack(3)
+    stack.evicted(0, (1, 2, 3), (5, 6, 7))
+    stack.pin(0, 1)  # an allocation reads 1 back; its evictions write 4 first
+    stack.evicted(0, (4,), (8,))
+    assert _order(stack) == [3, 4] and stack.tiers[0].held == {(0, 1): 1}
+    with pytest.raises(InvariantError, match="1 entries pinned between allocations"):
+        stack.check_invariants()
+    stack.unpin()
+    assert _order(stack) == [3, 4, 1]  # back at the young end
+    for h in (3, 4, 1):
+        stack.pin(0, h)
+    stack.evicted(0, (9,), (9,))  # every entry is being read: 9 finds no room
+    assert _order(stack) == [] and stack.where(0, 9) is None
+    stack.unpin()
+    assert _order(stack) == [3, 4, 1]
+    _check(stack, sessions)
+
+
 def test_protecting_a_session_again_replaces_its_prefix() -> None:
     stack, sessions = _stack(4)
     stack.evicted(0, (1, 2, 3, 4), (5, 6, 7, 8))

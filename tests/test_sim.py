@@ -288,6 +288,19 @@ def test_an_oracle_client_protecting_conversations_keeps_them_in_the_host_tier()
     assert oracle.cached_tokens > plain.cached_tokens
     assert oracle.tier_hit_tokens["host"] > plain.tier_hit_tokens["host"]
     assert oracle.tiers["host"]["protected_blocks"] == 0  # every session ended
+    # ... also where a later turn is rejected (too long) or finishes before the turn it
+    # continues (no arrival times: they all run at once)
+    for max_len, arrivals in ((3000, True), (32768, False)):
+        cfg = SimConfig(
+            memory_bytes=2 << 30,
+            max_model_len=max_len,
+            host_memory_bytes=1 << 30,
+            protect="oracle",
+            use_arrivals=arrivals,
+        )
+        r = simulate(model, profile, work, cfg)
+        assert r.finished + len(r.rejected) == 80
+        assert r.tiers["host"]["protected_blocks"] == 0
     with pytest.raises(SimulationError, match="protect: 'always' is not a protection mode"):
         SimConfig(memory_bytes=1 << 30, max_model_len=4096, protect="always")
 

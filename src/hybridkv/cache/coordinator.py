@@ -436,26 +436,27 @@ class HybridCoordinator:
         spread = bool(self._spread) and pool.spreads(
             [p.need if p else 0 for p in plans], self._spread
         )
-        for i, p in enumerate(plans):
-            if p is None or not p.need:
-                new_ids.append(())
-                continue
-            # One allocation per group, in group order, as fits() counted it; a hit's tier
-            # blocks take the first ones.
-            if spread and i in self._spread:
-                blocks = pool.allocate_spread(i, p.need)
-            else:
-                blocks = pool.allocate(i, p.need)
-            if spots is not None and spots[i][0]:
-                assert bridge is not None
-                k = len(spots[i][0])
-                bridge.install_loads(request, groups[i], i, spots[i], blocks[:k], loads)
-                blocks = blocks[k:]
-            added = managers[i].apply_new(groups[i], p, blocks, out) if blocks else ()
-            new_ids.append(cast(tuple[BlockId, ...], tuple(added)))
-        if spots is not None:
-            assert bridge is not None
-            bridge.tiers.pinned.clear()  # every load is recorded
+        try:
+            for i, p in enumerate(plans):
+                if p is None or not p.need:
+                    new_ids.append(())
+                    continue
+                # One allocation per group, in group order, as fits() counted it; a hit's
+                # tier blocks take the first ones.
+                if spread and i in self._spread:
+                    blocks = pool.allocate_spread(i, p.need)
+                else:
+                    blocks = pool.allocate(i, p.need)
+                if spots is not None and spots[i][0]:
+                    assert bridge is not None
+                    k = len(spots[i][0])
+                    bridge.install_loads(request, groups[i], i, spots[i], blocks[:k], loads)
+                    blocks = blocks[k:]
+                added = managers[i].apply_new(groups[i], p, blocks, out) if blocks else ()
+                new_ids.append(cast(tuple[BlockId, ...], tuple(added)))
+        finally:
+            if spots is not None and bridge is not None:
+                bridge.tiers.unpin()  # every load is recorded (or the allocation broke)
         for i, m in self._scheduled:
             m.publish_scheduled(groups[i], request, step_end)
         if self.events.orphaned:

@@ -416,7 +416,7 @@ class KVCacheManager:
 
     def unprotect(self, session: str) -> bool:
         """End ``session`` (see :meth:`protect`): its entries are evicted first.  Returns
-        whether it was protecting anything."""
+        whether the session existed."""
         return self._coord.sessions.unprotect(session)
 
     def preempt(self, request_id: str) -> None:

@@ -182,11 +182,12 @@ class TierBridge:
         evictions the allocation causes cannot drop them, however small the tier."""
         hashes = request.block_hashes
         out: list[LoadSpots] = []
-        pinned = self.tiers.pinned
+        tiers = self.tiers
         for i, k in enumerate(markers):
             spots = self.managers[i].tier_spots(hashes, length, hit[i]) if k else []
-            out.append((spots, [self.tiers.load_hash(i, h) for _, h in spots]))
-            pinned.update((i, h) for _, h in spots)
+            out.append((spots, [tiers.load_hash(i, h) for _, h in spots]))
+            for _, h in spots:
+                tiers.pin(i, h)
         return out
 
     def install_loads(

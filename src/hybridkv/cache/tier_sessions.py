@@ -82,7 +82,10 @@ class TierSessions:
                 if h not in keys:
                     continue
                 key = (g, h)
-                if protect:
+                held = t.held.get(key)
+                if held:  # out of its order for an allocation: it returns to the new one
+                    t.held[key] = 2 if protect else 1
+                elif protect:
                     if t.lru.pop(key, 0) is None:  # the orders map keys to None: it was warm
                         t.kept[key] = None
                 elif t.kept.pop(key, 0) is None:

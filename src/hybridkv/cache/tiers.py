@@ -114,6 +114,7 @@ class Tier:
         "cold_bytes",
         "discarded",
         "dropped",
+        "held",
         "kept",
         "keys",
         "loaded",
@@ -141,6 +142,10 @@ class Tier:
         #: it; shared by the stack's tiers), oldest first: evicted after every other entry.
         self.kept: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.protected: dict[int, int] = {}
+        #: Entries an allocation under way reads back, taken out of their order (0: cold,
+        #: 1: warm, 2: protected) so no eviction picks them and none walks past them; they
+        #: return to its young end once the allocation recorded its loads.
+        self.held: dict[tuple[int, int], int] = {}
         self.used_bytes = 0
         #: Blocks written into / loaded from / dropped by this tier, and bytes moved.
         self.stored = self.loaded = self.dropped = 0
@@ -153,11 +158,11 @@ class Tier:
         return key[1] in self.keys[key[0]]
 
     def __len__(self) -> int:
-        return len(self.lru) + len(self.cold) + len(self.kept)
+        return len(self.lru) + len(self.cold) + len(self.kept) + len(self.held)
 
     def entries(self) -> set[tuple[int, int]]:
-        """Every ``(group, hash)`` the tier holds, warm, cold and protected."""
-        return set(self.lru) | set(self.cold) | set(self.kept)
+        """Every ``(group, hash)`` the tier holds, warm, cold, protected and held."""
+        return set(self.lru) | set(self.cold) | set(self.kept) | set(self.held)
 
     def order(self, key: tuple[int, int]) -> OrderedDict[tuple[int, int], None]:
         """The warm order a warm entry ``key`` belongs in (protected or not)."""
@@ -166,28 +171,54 @@ class Tier:
     def warm(self, key: tuple[int, int]) -> None:
         """Make ``key`` (held) the most recently used entry of its order, warming it if it
         is cold."""
+        held = self.held.get(key)
+        if held is not None:  # out of its order while an allocation reads it: warm it there
+            if not held:
+                self.cold_bytes -= self.block_bytes[key[0]]
+            self.held[key] = 2 if key[1] in self.protected else 1
+            return
         if self.cold.pop(key, 0) is None:  # the orders map keys to None: it was cold
             self.cold_bytes -= self.block_bytes[key[0]]
             self.order(key)[key] = None
         else:
             self.order(key).move_to_end(key)
 
-    def victim(
-        self, pinned: set[tuple[int, int]], protected: bool
-    ) -> tuple[OrderedDict[tuple[int, int], None], tuple[int, int]] | None:
-        """The entry that goes next and its order: the oldest cold one, then warm, then (to
-        make room for a ``protected`` entry only) protected, skipping ``pinned`` ones (None:
-        no entry may go)."""
-        for order in (self.cold, self.lru, self.kept) if protected else (self.cold, self.lru):
-            for key in order:
-                if key not in pinned:
-                    return order, key
-        return None
+    def victim(self, protected: bool) -> OrderedDict[tuple[int, int], None] | None:
+        """The order whose oldest entry goes next: cold, then warm, then (to make room for a
+        ``protected`` entry only) protected; None: no entry may go (held ones never do)."""
+        if self.cold:
+            return self.cold
+        if self.lru:
+            return self.lru
+        return self.kept if protected and self.kept else None
+
+    def hold(self, key: tuple[int, int]) -> None:
+        """Take ``key`` (held by this tier) out of its order until :meth:`release_held`."""
+        if key in self.held:
+            return
+        if self.cold.pop(key, 0) is None:
+            self.held[key] = 0
+        elif self.lru.pop(key, 0) is None:
+            self.held[key] = 1
+        else:
+            del self.kept[key]
+            self.held[key] = 2
+
+    def release_held(self) -> None:
+        """Put the held entries back, at the young end of their orders."""
+        orders = (self.cold, self.lru, self.kept)
+        for key, which in self.held.items():
+            orders[which][key] = None
+        self.held.clear()
 
     def forget(self, key: tuple[int, int]) -> int:
         """Take ``key`` (held) out; returns its tag."""
         g, h = key
-        if self.cold.pop(key, 0) is None:  # it was cold
+        held = self.held.pop(key, None)
+        if held is not None:
+            if not held:
+                self.cold_bytes -= self.block_bytes[g]
+        elif self.cold.pop(key, 0) is None:  # it was cold
             self.cold_bytes -= self.block_bytes[g]
         else:
             del self.order(key)[key]
@@ -281,9 +312,6 @@ class TierStack:
         self.tiers = [Tier(s, block_bytes) for s in specs]
         #: Protected hashes (:mod:`hybridkv.cache.tier_sessions`), shared by every tier.
         self.protected: dict[int, int] = {}
-        #: Entries an allocation under way reads back (its loads are recorded after its
-        #: evictions): no eviction takes them, so a load never names a dropped entry.
-        self.pinned: set[tuple[int, int]] = set()
         for t in self.tiers:
             t.protected = self.protected
         self.num_groups = len(block_bytes)
@@ -354,16 +382,15 @@ class TierStack:
         if cold and t.used_bytes - t.cold_bytes + size > t.capacity_bytes:
             return  # only free room or other cold copies make way for a cold copy
         while t.used_bytes + size > t.capacity_bytes:
-            found = None if size > t.capacity_bytes else t.victim(self.pinned, h in self.protected)
-            if found is None:  # it cannot fit here (too large, protected or being read)
+            order = None if size > t.capacity_bytes else t.victim(h in self.protected)
+            if order is None:  # it cannot fit here (too large, protected or being read)
                 if level + 1 < len(self.tiers):
                     self._put(level + 1, g, h, block, source, tag)
                 elif source is not None and self.record_ops:
                     self.ops.append(TierOp("drop", source, g, h, 0))
                 return
-            order, (og, oh) = found
             was_cold = order is t.cold
-            del order[og, oh]
+            og, oh = order.popitem(last=False)[0]
             otag = t.keys[og].pop(oh)
             t.used_bytes -= t.block_bytes[og]
             if was_cold:
@@ -391,6 +418,20 @@ class TierStack:
                 self.ops.append(TierOp("store", t.name, g, h, block, "", tag))
             else:
                 self.ops.append(TierOp("move", source, g, h, 0, t.name, tag))
+
+    def pin(self, group_id: int, h: int) -> None:
+        """An allocation under way reads hash ``h`` of ``group_id`` back (its loads are
+        recorded after its evictions): hold every tier's entry of it out of the eviction
+        orders, so those evictions cannot drop it, until :meth:`unpin`."""
+        for t in self.tiers:
+            if h in t.keys[group_id]:
+                t.hold((group_id, h))
+
+    def unpin(self) -> None:
+        """The allocation recorded its loads: every held entry returns to its order."""
+        for t in self.tiers:
+            if t.held:
+                t.release_held()
 
     def loaded(self, group_id: int, h: int, tier: str, block: int) -> None:
         """Record that device ``block`` is to be filled from ``tier``'s copy of ``h``."""
@@ -531,8 +572,9 @@ class TierStack:
 
     def check_invariants(self) -> None:
         """Raise :class:`InvariantError` when a tier's keys, LRU and byte count disagree."""
-        if self.pinned:
-            raise InvariantError(f"tiers: {len(self.pinned)} entries pinned between allocations")
+        held = sum(len(t.held) for t in self.tiers)
+        if held:
+            raise InvariantError(f"tiers: {held} entries pinned between allocations")
         for t in self.tiers:
             keys = {(g, h) for g, d in enumerate(t.keys) for h in d}
             lru, cold_keys, kept = set(t.lru), set(t.cold), set(t.kept)

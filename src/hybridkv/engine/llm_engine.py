@@ -321,7 +321,7 @@ class LLMEngine:
 
     def unprotect(self, session: str) -> bool:
         """End a session ``add_request(protect_as=)`` started (its entries are evicted
-        first from then on); returns whether it protected anything."""
+        first from then on); returns whether the session existed."""
         return self.manager.unprotect(session)
 
     def has_unfinished(self) -> bool:

@@ -367,6 +367,10 @@ def simulate(
 
     reqs = list(workload.requests)
     sessions = continuations(reqs, config.block_size) if config.protect == "oracle" else {}
+    #: The oracle's bookkeeping: each continued request's predecessor, and the requests that
+    #: finished or were rejected (a session ends once its last live turn is done).
+    before = {c.successor: rid for rid, c in sessions.items() if c.successor is not None}
+    over: set[str] = set()
     by_id: dict[str, WorkloadRequest] = {}
     arrival: dict[str, float] = {}
     first_token: dict[str, float] = {}
@@ -403,6 +407,10 @@ def simulate(
                 )
                 if progress is not None:
                     progress(finished + len(rejected), len(reqs))
+                if sessions:  # the conversation cannot go on: a finished predecessor lets go
+                    over.add(r.request_id)
+                    if before.get(r.request_id) in over:
+                        mgr.unprotect(sessions[r.request_id].session)
                 continue
             max_tokens = min(r.output_len, config.max_model_len - r.prompt_len)
             c = sessions.get(r.request_id)
@@ -480,8 +488,10 @@ def simulate(
             if res.finished:
                 finished += 1
                 c = sessions.get(rid)
-                if c is not None and c.successor is None:  # its session ends here
-                    mgr.unprotect(c.session)
+                if c is not None:
+                    over.add(rid)
+                    if c.successor is None or c.successor in over:  # nothing left to read it
+                        mgr.unprotect(c.session)
                 if res.num_output_tokens > 1:
                     tpot.append((clock - first_token[rid]) / (res.num_output_tokens - 1))
                 if progress is not None:
