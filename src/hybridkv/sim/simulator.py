@@ -94,7 +94,7 @@ class SimConfig:
     #: (``KVCacheManager(tier_write_through=)``; None: write-back on eviction only).
     write_through: str | None = None
     #: ``"oracle"``: play a client that knows which requests a later one continues and
-    #: protects their prefixes in the lower tiers until then
+    #: protects their prefixes in the lower tiers until that one is admitted
     #: (:func:`hybridkv.workloads.sessions.continuations`, ``KVCacheManager.protect``);
     #: ``"none"`` (default): no hints, the tiers' recency order alone.
     protect: str = "none"
@@ -445,6 +445,10 @@ def simulate(
         new_tokens: dict[str, int] = {}
         for item in out.scheduled:
             new_tokens[item.request_id] = item.num_new_tokens
+            if sessions and item.request_id not in admitted_hits and item.request_id in before:
+                # the next turn is admitted: its hit is read now, so the protection its
+                # predecessor left ends (it protects again when it finishes)
+                mgr.unprotect(sessions[item.request_id].session)
             if item.num_cached_tokens and item.request_id not in admitted_hits:
                 admitted_hits[item.request_id] = item.num_cached_tokens
                 if item.allocation.loads:
