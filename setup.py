@@ -17,9 +17,9 @@ from pathlib import Path
 
 from setuptools import setup
 
-#: Interpreted in every build: tier and admission policies (tests and users subclass them)
-#: and the exception types.
-INTERPRETED = {"__init__.py", "tiers.py", "admission.py", "errors.py"}
+#: Interpreted in every build: tier and admission policies (tests and users subclass them;
+#: ``tier_orders`` holds the tiers' own class) and the exception types.
+INTERPRETED = {"__init__.py", "tiers.py", "tier_orders.py", "admission.py", "errors.py"}
 
 
 def _ext_modules() -> list[object]:

@@ -13,7 +13,7 @@ import pytest
 from hybridkv.cache import compiled
 
 COMPILED = ["manager", "coordinator", "pool_arena", "pool_shared", "kinds.attention", "hashing"]
-INTERPRETED = ["tiers", "admission", "errors"]
+INTERPRETED = ["tiers", "tier_orders", "admission", "errors"]
 
 
 def _is_extension(module: str) -> bool:

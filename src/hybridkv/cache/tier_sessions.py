@@ -79,23 +79,8 @@ class TierSessions:
             return
         for t in self.tiers.tiers:
             for g, keys in enumerate(t.keys):
-                if h not in keys:
-                    continue
-                key = (g, h)
-                held = t.held.get(key)
-                if held:  # out of its order for an allocation: it returns to the new one
-                    t.held[key] = 2 if protect else 1
-                elif protect:
-                    if t.lru.pop(key, 0) is None:  # the orders map keys to None: it was warm
-                        t.kept[key] = None
-                elif t.kept.pop(key, 0) is None:
-                    t.lru[key] = None
-                    t.lru.move_to_end(key, last=False)
-
-    @property
-    def protected_hashes(self) -> int:
-        """How many distinct block hashes some session protects."""
-        return len(self.counts)
+                if h in keys:
+                    t.reorder((g, h), protect)
 
     def check_invariants(self) -> None:
         """Raise :class:`InvariantError` unless the protect counts are exactly the sessions'
