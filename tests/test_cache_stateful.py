@@ -96,6 +96,7 @@ class CacheMachine(RuleBasedStateMachine):
         tier_blocks=hst.tuples(hst.integers(1, 6), hst.integers(0, 8)),
         tier_admission=hst.sampled_from(TIER_ADMISSION),
         split_block=hst.sampled_from([2, 4, 8]),
+        protect_share=hst.sampled_from([1.0, 0.5, 0.25]),
     )
     def setup(
         self,
@@ -113,6 +114,7 @@ class CacheMachine(RuleBasedStateMachine):
         tier_blocks: tuple[int, int],
         tier_admission: str,
         split_block: int,
+        protect_share: float,
     ) -> None:
         if self.split_state:
             items = [*items, (state(), split_block), (state(), split_block)]
@@ -136,6 +138,7 @@ class CacheMachine(RuleBasedStateMachine):
             window_chances=window_chances,
             tiers=tiers,
             tier_admission=tier_admission,
+            protect_share=protect_share,
         )
         adm = self.mgr._coord.admission
         if adm is not None:  # decide from the first checkpoints on, explore often
@@ -384,10 +387,15 @@ class TieredArenaMachine(CacheMachine):
         self.running.remove(req)
         mgr = self._m()
         name = f"s{session}"
+        expired = mgr.session_stats()["expired"]
         assert mgr.protect(req.request_id, name) == req.num_computed_tokens // mgr.hash_block_size
         mgr.free(req.request_id)
         tiers = mgr._coord.tiers
         assert tiers is not None
+        assert not tiers.over_limit()
+        if name not in mgr._coord.sessions.sessions:  # over the tiers' share: it ended
+            assert mgr.session_stats()["expired"] > expired
+            return
         mine = set(mgr._coord.sessions.sessions[name])
         for t in tiers.tiers:
             assert not any(h in mine for _, h in t.lru)

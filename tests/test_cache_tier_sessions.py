@@ -10,7 +10,7 @@ from hybridkv.cache.admission import PROMPT_END, CheckpointAdmission
 from hybridkv.cache.errors import UnknownRequestError
 from hybridkv.cache.tier_sessions import TierSessions
 from hybridkv.cache.tiers import TierStack
-from hybridkv.errors import InvariantError
+from hybridkv.errors import InvariantError, PlanError
 from hybridkv.scheduler import Scheduler, SchedulerConfig
 from hybridkv.workloads import WorkloadRequest
 from hybridkv.workloads.sessions import Continuation, continuations
@@ -161,8 +161,10 @@ def test_the_invariants_catch_an_entry_in_the_wrong_order() -> None:
         sessions.check_invariants()
 
 
-def _mgr(layout, *tiers: TierSpec, admission: str = "all") -> KVCacheManager:
-    return KVCacheManager(layout, hasher="builtin", tiers=tiers, checkpoint_admission=admission)
+def _mgr(layout, *tiers: TierSpec, admission: str = "all", share: float = 1.0) -> KVCacheManager:
+    return KVCacheManager(
+        layout, hasher="builtin", tiers=tiers, checkpoint_admission=admission, protect_share=share
+    )
 
 
 def _compute(mgr: KVCacheManager, rid: str, prompt: list[int]):
@@ -198,6 +200,83 @@ def test_manager_protects_a_live_request_and_its_blocks_outlast_others_in_the_ho
     assert hit == 8  # the conversation's next turn reads a's prefix back
     assert mgr.unprotect("chat") and not mgr.unprotect("chat")
     mgr.check_invariants()
+
+
+def _capped(blocks: int, share: float) -> tuple[TierStack, TierSessions]:
+    stack = TierStack([TierSpec("host", 10 * blocks)], [10], protect_share=share)
+    return stack, TierSessions(stack)
+
+
+def test_past_the_protect_share_the_least_recently_protected_session_ends() -> None:
+    stack, sessions = _capped(4, 0.5)  # protected entries may fill 20 of 40 bytes
+    assert stack.tiers[0].keep_limit == 20
+    stack.evicted(0, (1, 2, 3, 4), (5, 6, 7, 8))
+    sessions.protect("a", [1, 2])
+    assert sessions.enforce() == 0 and _order(stack) == [3, 4, 1, 2]
+    sessions.protect("b", [3])  # 30 bytes protected: "a", the older, ends
+    assert stack.over_limit()
+    assert sessions.enforce() == 1 and not stack.over_limit()
+    assert list(sessions.sessions) == ["b"] and sessions.expired == 1
+    assert _order(stack) == [4, 2, 1, 3]  # a's prefix joins the young end, its start last
+    assert stack.stats()["host"]["protected_bytes"] == 10
+    _check(stack, sessions)
+    sessions.protect("a", [1])  # protecting again makes a session the youngest
+    sessions.protect("b", [3, 4])
+    assert sessions.enforce() == 1 and list(sessions.sessions) == ["b"]
+    _check(stack, sessions)
+
+
+def test_a_session_over_the_share_by_itself_ends_and_shared_hashes_stay() -> None:
+    stack, sessions = _capped(4, 0.5)
+    stack.evicted(0, (1, 2, 3, 4), (5, 6, 7, 8))
+    sessions.protect("big", [1, 2, 3])
+    assert sessions.enforce() == 1 and not sessions.sessions
+    assert stack.tiers[0].kept_bytes == 0 and not sessions.unprotect("big")
+    sessions.protect("a", [1, 2])
+    sessions.protect("b", [2, 3])  # 1, 2, 3: "a" ends, 2 stays for "b"
+    assert sessions.enforce() == 1
+    assert sessions.counts == {2: 1, 3: 1} and _order(stack) == [4, 1, 2, 3]
+    _check(stack, sessions)
+
+
+def test_protected_entries_the_device_brings_down_count_against_the_share() -> None:
+    stack, sessions = _capped(4, 0.5)
+    sessions.protect("a", [5, 6])  # none in the tier yet
+    sessions.protect("b", [7])
+    stack.evicted(0, (5, 6, 7), (1, 2, 3))
+    assert stack.over_limit()
+    with pytest.raises(InvariantError, match="over its limit of 20 B"):
+        stack.check_invariants()
+    assert sessions.enforce() == 1 and list(sessions.sessions) == ["b"]
+    _check(stack, sessions)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.5, float("nan"), True, "half", None])
+def test_a_bad_protect_share_is_refused_naming_it(bad: object) -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)
+    for tiers in ((), (TierSpec("host", 1 << 20),)):
+        with pytest.raises(PlanError, match=r"protect_share: .* in \(0, 1\], got"):
+            KVCacheManager(layout, tiers=tiers, protect_share=bad)  # type: ignore[arg-type]
+
+
+def test_the_manager_ends_a_session_its_allocation_brought_over_the_share() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)  # 4 usable blocks of 4 tokens
+    bb = layout.groups[0].block_bytes
+    mgr = _mgr(layout, TierSpec("host", 3 * bb), share=0.5)  # protected: 1 block at most
+    assert mgr.session_stats() == {"sessions": 0, "protected_hashes": 0, "expired": 0}
+    _compute(mgr, "a", tokens(9))
+    assert mgr.protect("a", "chat") == 2  # a's blocks are on the device: nothing counts yet
+    mgr.free("a")
+    assert mgr.session_stats() == {"sessions": 1, "protected_hashes": 2, "expired": 0}
+    _compute(mgr, "b0", tokens(9, 100))  # evicts one of a's blocks: within the share
+    assert mgr.tier_stats()["host"]["protected_blocks"] == 1
+    assert mgr.session_stats()["expired"] == 0
+    mgr.free("b0")
+    _compute(mgr, "b1", tokens(9, 200))  # and the other: over the share
+    assert mgr.session_stats() == {"sessions": 0, "protected_hashes": 0, "expired": 1}
+    assert mgr.tier_stats()["host"]["protected_blocks"] == 0
+    mgr.check_invariants()
+    assert not mgr.unprotect("chat")
 
 
 def test_without_lower_tiers_a_session_is_recorded_and_changes_nothing_else() -> None:

@@ -88,6 +88,15 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         ["simulate", "--protect", "oracle", "--host-memory", "1GiB", "--disaggregate"],
         "--protect oracle: not with --disaggregate",
     ),
+    (
+        ["simulate", "--protect-share", "0.5"],
+        "--protect-share 0.5: only applies with --protect oracle",
+    ),
+    (
+        ["simulate", "--protect", "oracle", "--host-memory", "1GiB", "--protect-share", "0"],
+        "--protect-share 0.0: the share of a tier protected sessions may fill must be a number "
+        "in (0, 1]",
+    ),
     (["plan", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
     (["plan", "no-such-model"], "'no-such-model' is neither a catalog name"),
     # simulate: every check before the first strategy runs

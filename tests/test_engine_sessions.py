@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.engine import Completion, LLMEngine, verify_completions
+from hybridkv.engine import CacheConfig, Completion, LLMEngine, verify_completions
+from hybridkv.errors import PlanError
 from test_engine_tiers import _engine, _reference  # one request at a time on the device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,3 +56,33 @@ def test_a_protected_conversation_outlasts_one_off_requests_in_the_host_tier(nam
         engine.check_invariants()
     # state models hit at their checkpoints (multiples of 8): the first turn's 40 tokens
     assert hits == {False: 0, True: 40}
+
+
+def test_a_session_over_the_protect_share_ends_and_its_turn_is_recomputed() -> None:
+    # the same conversation with protected entries allowed half the host tier only: the
+    # first turn fills more, so its session ends as the device evicts it, and the one-off
+    # requests push it out; the tokens stay exact
+    first = _draw(1, 40)
+    probe = _engine("llama", 64 << 20)
+    _serve(probe, "a1", first)
+    probe.manager.persist_to_tier("host")
+    held = probe.manager.tier_stats()["host"]["used_bytes"]
+    spare = min(g.block_bytes for g in probe.layout.groups)
+    engine = _engine("llama", held + spare, protect_share=0.5)
+    done = [_serve(engine, "a1", first, "chat")]
+    done += [_serve(engine, f"x{i}", _draw(10 + i, 40)) for i in range(8)]
+    assert engine.manager.session_stats() == {"sessions": 0, "protected_hashes": 0, "expired": 1}
+    assert not engine.unprotect("chat")
+    second = [*first, *done[0].token_ids, *_draw(2, 8)]
+    before = engine.stats().host_hit_tokens
+    done.append(_serve(engine, "a2", second))
+    assert engine.stats().host_hit_tokens == before  # nothing of the first turn is left
+    result = verify_completions(_reference("llama"), done)
+    assert result.ok, result.mismatches
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, True])
+def test_a_bad_protect_share_is_a_cache_config_error(bad: object) -> None:
+    with pytest.raises(PlanError, match=r"CacheConfig\.protect_share: .* in \(0, 1\], got"):
+        CacheConfig(protect_share=bad)  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ def conversations(seed: int, n_conv: int, turns: int, first: int, step: int) -> 
     return order
 
 
-def _engine(name: str, host: int, num_blocks: int = 24) -> LLMEngine:
+def _engine(name: str, host: int, num_blocks: int = 24, protect_share: float = 1.0) -> LLMEngine:
     # 24 blocks of 4 tokens per group: one 96-token request; five conversations do not fit.
     cache = CacheConfig(
         strategy="pools",
@@ -63,6 +63,7 @@ def _engine(name: str, host: int, num_blocks: int = 24) -> LLMEngine:
         num_blocks=num_blocks,
         max_model_len=96,
         host_memory_bytes=host,
+        protect_share=protect_share,
     )
     return LLMEngine(name, cache=cache, keep_logits=True)
 

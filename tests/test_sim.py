@@ -303,6 +303,8 @@ def test_an_oracle_client_protecting_conversations_keeps_them_in_the_host_tier()
         assert r.tiers["host"]["protected_blocks"] == 0
     with pytest.raises(SimulationError, match="protect: 'always' is not a protection mode"):
         SimConfig(memory_bytes=1 << 30, max_model_len=4096, protect="always")
+    with pytest.raises(SimulationError, match=r"protect_share: .* in \(0, 1\], got 2"):
+        SimConfig(memory_bytes=1 << 30, max_model_len=4096, protect_share=2)
 
 
 def test_load_seconds() -> None:

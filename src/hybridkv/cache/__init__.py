@@ -46,6 +46,7 @@ from hybridkv.cache.hashing import (
 from hybridkv.cache.manager import KVCacheManager
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats
+from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cache.tiers import TIER_NAMES, TierSpec
 from hybridkv.cache.types import (
     AllocationResult,
@@ -61,6 +62,7 @@ __all__ = [
     "CHECKPOINT_ADMISSION",
     "CHECKPOINT_REASONS",
     "CHECKPOINT_WHEN_FULL",
+    "DEFAULT_PROTECT_SHARE",
     "PUBLISH_MODES",
     "TIER_ADMISSION",
     "TIER_NAMES",

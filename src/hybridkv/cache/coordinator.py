@@ -37,7 +37,7 @@ from hybridkv.cache.request import Request
 from hybridkv.cache.request_state import HitResult, RequestState, check_requests
 from hybridkv.cache.tier_bridge import LoadSpots, TierBridge
 from hybridkv.cache.tier_sessions import TierSessions
-from hybridkv.cache.tiers import TierSpec, TierStack
+from hybridkv.cache.tiers import TierSpec, TierStack, check_protect_share
 from hybridkv.cache.types import AllocationResult, BlockId, TierLoad
 from hybridkv.errors import PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
@@ -81,12 +81,14 @@ class HybridCoordinator:
         tier_admission: str = "yield",
         tier_write_through: str | None = None,
         checkpoint_when_full: str | None = None,
+        protect_share: float = 1.0,
     ) -> None:
         if checkpoint_when_full is not None and checkpoint_when_full not in CHECKPOINT_WHEN_FULL:
             raise PlanError(
                 f"checkpoint_when_full: unknown policy {checkpoint_when_full!r}; valid: "
                 f"{', '.join(CHECKPOINT_WHEN_FULL)} (or None: by layout)"
             )
+        protect_share = check_protect_share(protect_share)
         if tier_admission not in TIER_ADMISSION:
             raise PlanError(
                 f"tier_admission: unknown policy {tier_admission!r}; valid: "
@@ -181,6 +183,7 @@ class HybridCoordinator:
                 record_ops=tier_ops,
                 events=events,
                 block_sizes=[g.block_size for g in layout.groups],
+                protect_share=protect_share,
             )
             self.bridge = TierBridge(
                 self.tiers, self.managers, self.admission, tier_admission, tier_write_through
@@ -461,6 +464,8 @@ class HybridCoordinator:
             m.publish_scheduled(groups[i], request, step_end)
         if self.events.orphaned:
             self.coupling.sweep()
+        if bridge is not None:
+            self.sessions.enforce()  # the evictions may have brought protected entries down
         if total > rs.num_slots:
             rs.num_slots = total
         if reserved > rs.num_reserved:

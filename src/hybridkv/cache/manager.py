@@ -31,8 +31,6 @@ from typing import Any
 
 from hybridkv.cache.coordinator import HybridCoordinator
 from hybridkv.cache.errors import (
-    DuplicateRequestError,
-    FinishedRequestError,
     LayoutMismatchError,
     RequestLengthError,
     StaleComputedBlocksError,
@@ -40,12 +38,14 @@ from hybridkv.cache.errors import (
 )
 from hybridkv.cache.events import EventLog, KVEvent
 from hybridkv.cache.hashing import BlockHasher, make_hasher
+from hybridkv.cache.manager_tiers import TierCalls
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, check_chances
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats, StatsCollector
-from hybridkv.cache.tiers import TierOp, TierSpec
+from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
+from hybridkv.cache.tiers import TierSpec
 from hybridkv.cache.types import AllocationResult, ComputedBlocks
-from hybridkv.errors import InvariantError, PlanError, RequestError
+from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout
 
 __all__ = ["KVCacheManager"]
@@ -57,7 +57,7 @@ def _count(name: str, value: object) -> int:
     return value
 
 
-class KVCacheManager:
+class KVCacheManager(TierCalls):
     """Block bookkeeping and prefix caching for every group of a :class:`MemoryLayout`.
 
     ``hasher``: a :class:`BlockHasher` or a name (``"xxh3"`` default, ``"sha256"``, ``"builtin"``).
@@ -134,6 +134,7 @@ class KVCacheManager:
         tier_admission: str = "yield",
         tier_write_through: str | None = None,
         checkpoint_when_full: str | None = None,
+        protect_share: float = DEFAULT_PROTECT_SHARE,
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -166,6 +167,7 @@ class KVCacheManager:
             tier_admission=tier_admission,
             tier_write_through=tier_write_through,
             checkpoint_when_full=checkpoint_when_full,
+            protect_share=protect_share,
         )
         self.group_hit_stats = bool(group_hit_stats)
         self._stats = StatsCollector(len(layout.groups) if group_hit_stats else 0)
@@ -194,26 +196,6 @@ class KVCacheManager:
             cache_salt=cache_salt,
             mm_items=mm_items,
         )
-
-    def _check_request(self, request: Request) -> None:
-        if not isinstance(request, Request):
-            raise RequestError(f"request: expected a Request, got {type(request).__name__}")
-        rid = request.request_id
-        if request.is_finished:
-            raise FinishedRequestError(f"request {rid!r} was freed (finished); make a new one")
-        if request.hash_block_size != self.hash_block_size:
-            raise LayoutMismatchError(
-                f"request {rid!r}: hash_block_size {request.hash_block_size} differs from the "
-                f"layout's {self.hash_block_size}; build requests with make_request()"
-            )
-        if request.hasher is not self.hasher and request.hasher != self.hasher:
-            raise LayoutMismatchError(
-                f"request {rid!r}: hashed with {request.hasher!r}, the manager uses "
-                f"{self.hasher!r}; build requests with make_request()"
-            )
-        known = self._known.get(rid)
-        if known is not None and known is not request:
-            raise DuplicateRequestError(f"request id {rid!r} already names another Request")
 
     # -- the scheduler's calls --------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -401,24 +383,6 @@ class KVCacheManager:
         del self._known[request_id]
         request.is_finished = True
 
-    def protect(self, request_id: str, session: str) -> int:
-        """Keep what live request ``request_id`` has computed in the lower tiers ahead of
-        other entries, under ``session`` (replacing what it protected before), until
-        :meth:`unprotect` (see :mod:`hybridkv.cache.tier_sessions`).  Call before
-        :meth:`free`.  Returns the block hashes protected; raises
-        :class:`UnknownRequestError` for an id that is not live."""
-        request = self._known.get(request_id)
-        if request is None:
-            raise UnknownRequestError(f"protect: no live request has id {request_id!r}")
-        hashes = request.block_hashes[: request.num_computed_tokens // self.hash_block_size]
-        self._coord.sessions.protect(session, hashes)
-        return len(hashes)
-
-    def unprotect(self, session: str) -> bool:
-        """End ``session`` (see :meth:`protect`): its entries are evicted first.  Returns
-        whether the session existed."""
-        return self._coord.sessions.unprotect(session)
-
     def preempt(self, request_id: str) -> None:
         """Drop every block of ``request_id`` (publishing computed ones) and set its
         ``num_computed_tokens`` to 0 so it can be admitted again.  Raises
@@ -497,92 +461,6 @@ class KVCacheManager:
         if ok:
             self._stats.record_reset()
         return ok
-
-    def take_tier_ops(self) -> list[TierOp]:
-        """The tier storage operations since the last call, in the order they must run
-        (empty without tiers or ``tier_ops``); run them before the step's model pass."""
-        tiers = self._coord.tiers
-        return [] if tiers is None else tiers.take_ops()
-
-    def write_through(self) -> int:
-        """The steps scheduled so far ran: store the blocks they published in the
-        ``tier_write_through`` tier (operations for :meth:`take_tier_ops`).  Returns how many
-        blocks were offered to it (0 without write-through)."""
-        bridge = self._coord.bridge
-        if bridge is None or bridge.write_through is None:
-            return 0
-        return bridge.flush_through()
-
-    def retain_hit(self, request: Request) -> int:
-        """``request`` joined a waiting queue: make the lower-tier entries its prefix hit
-        would read now the most recently used of their tiers, so the wait does not cost the
-        hit (a queue of tens of seconds outlasts the young end of a host tier under load).
-        Device blocks need nothing: an eviction writes them back to the host tier's young
-        end.  Moves no bytes, takes no reference, publishes nothing; returns how many
-        entries moved (0 without tiers).
-
-        Measured on the Mooncake conversation trace (``simulate``, first 2,000 requests,
-        16 GiB device + 128 GiB host, TTFT p50 ~30 s): Qwen3-Next-80B-A3B 15.5% -> 18.2% of
-        prompt tokens from the cache; gpt-oss-20b (no queue to speak of) 20.5% -> 20.6%."""
-        self._check_request(request)
-        return self._coord.retain(request)
-
-    def tier_blocks(self, request: Request, computed: ComputedBlocks) -> list[tuple[int, int, str]]:
-        """``(group, hash, tier)`` of each block of ``computed`` (from
-        :meth:`get_computed_blocks`) that its allocation would read back from a lower tier.
-        Storage that must check a copy before it is used (a disk tier's checksums) checks
-        these, and :meth:`discard_tier_block` the bad ones, before the allocation.  Reads
-        only."""
-        self._check_request(request)
-        return self._coord.tier_blocks(request, computed.blocks, computed.num_computed_tokens)
-
-    def discard_tier_block(self, group_id: int, block_hash: int) -> bool:
-        """Storage found the lower-tier copy of ``block_hash`` of group ``group_id`` unusable
-        (a failed write, a truncated or corrupt copy): forget it, so no hit reads it (a
-        ``drop`` operation and a tier event follow).  Returns whether a tier held it; False,
-        changing nothing, without tiers."""
-        tiers = self._coord.tiers
-        if tiers is None:
-            return False
-        if not 0 <= group_id < self.num_groups:
-            raise LayoutMismatchError(
-                f"group_id: {group_id} is not a group of this layout (0..{self.num_groups - 1})"
-            )
-        return tiers.discard(group_id, block_hash)
-
-    def adopt_tier_entries(self, tier: str, entries: Sequence[tuple[int, int, int]]) -> list[int]:
-        """Take ``(group, hash, tag)`` entries that tier ``tier``'s storage already holds (a
-        persistent disk tier left by an earlier process), oldest first, as cached there.
-        Returns the indices of those adopted; the others found no room or repeat a hash, and
-        storage should free them.  Raises :class:`PlanError` without such a tier."""
-        tiers = self._coord.tiers
-        if tiers is None:
-            raise PlanError(f"tier {tier!r}: this manager has no lower tiers")
-        return tiers.adopt(tier, entries)
-
-    def persist_to_tier(self, tier: str = "disk") -> None:
-        """Copy everything cached (device blocks, upper-tier entries) into ``tier``: what a
-        persistent disk tier needs before the process ends, so the next one finds it.  Only
-        while no request holds blocks (raises :class:`RequestError` otherwise: a running
-        request's blocks may not be written yet); the storage operations follow in
-        :meth:`take_tier_ops`.  Raises :class:`PlanError` without such a tier."""
-        tiers = self._coord.tiers
-        if tiers is None:
-            raise PlanError(f"tier {tier!r}: this manager has no lower tiers")
-        if self._coord.requests:
-            raise RequestError(
-                f"persist_to_tier: {len(self._coord.requests)} requests still hold blocks; "
-                "free them first"
-            )
-        tiers.named(tier)
-        self._coord.persist(tier)
-
-    def tier_stats(self) -> dict[str, dict[str, int]]:
-        """Per lower tier: capacity, bytes and blocks held, blocks stored, loaded (hits read
-        back), dropped (evicted from it), discarded (unusable in storage) and adopted (from an
-        earlier process); empty without tiers."""
-        tiers = self._coord.tiers
-        return {} if tiers is None else tiers.stats()
 
     def checkpoint_admission_report(self) -> dict[str, dict[str, float | bool]] | None:
         """Per checkpoint reason: checkpoints and bytes on record, hit tokens served, yield

@@ -31,7 +31,9 @@ class Tier:
         "discarded",
         "dropped",
         "held",
+        "keep_limit",
         "kept",
+        "kept_bytes",
         "keys",
         "loaded",
         "loaded_bytes",
@@ -58,6 +60,11 @@ class Tier:
         #: it; shared by the stack's tiers), oldest first: evicted after every other entry.
         self.kept: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.protected: dict[int, int] = {}
+        #: Bytes of the protected entries (those in :attr:`kept` and those held out of it),
+        #: and how many of them the tier keeps before the least recently protected session
+        #: ends (:meth:`~hybridkv.cache.tier_sessions.TierSessions.enforce`).
+        self.kept_bytes = 0
+        self.keep_limit = spec.capacity_bytes
         #: Entries an allocation under way reads back, taken out of their order (0: cold,
         #: 1: warm, 2: protected) so no eviction picks them and none walks past them; they
         #: return to its young end once the allocation recorded its loads.
@@ -91,27 +98,56 @@ class Tier:
         if held is not None:  # out of its order while an allocation reads it: warm it there
             if not held:
                 self.cold_bytes -= self.block_bytes[key[0]]
+                if key[1] in self.protected:
+                    self.kept_bytes += self.block_bytes[key[0]]
             self.held[key] = 2 if key[1] in self.protected else 1
             return
         if self.cold.pop(key, 0) is None:  # the orders map keys to None: it was cold
             self.cold_bytes -= self.block_bytes[key[0]]
-            self.order(key)[key] = None
+            self.enter(key)
         else:
             self.order(key).move_to_end(key)
 
-    def reorder(self, key: tuple[int, int], protect: bool) -> None:
+    def enter(self, key: tuple[int, int]) -> None:
+        """Put ``key`` (not in any order) at the young end of the warm order it belongs in."""
+        if key[1] in self.protected:
+            self.kept[key] = None
+            self.kept_bytes += self.block_bytes[key[0]]
+        else:
+            self.lru[key] = None
+
+    def reorder(self, key: tuple[int, int], protect: bool, young: bool = False) -> None:
         """``key`` (held by this tier) became protected (``protect``: to the young end of the
-        protected order) or stopped being so (to the evict-first end of the warm order); a
-        cold entry stays cold, a held one returns to its new order."""
+        protected order) or stopped being so (to the evict-first end of the warm order, or
+        its young end with ``young``); a cold entry stays cold, a held one returns to its new
+        order."""
         held = self.held.get(key)
+        size = self.block_bytes[key[0]]
         if held:
             self.held[key] = 2 if protect else 1
+            self.kept_bytes += (protect - (held == 2)) * size
         elif protect:
             if self.lru.pop(key, 0) is None:  # the orders map keys to None: it was warm
                 self.kept[key] = None
+                self.kept_bytes += size
         elif self.kept.pop(key, 0) is None:
             self.lru[key] = None
-            self.lru.move_to_end(key, last=False)
+            if not young:
+                self.lru.move_to_end(key, last=False)
+            self.kept_bytes -= size
+
+    def pop_oldest(self, order: OrderedDict[tuple[int, int], None]) -> tuple[int, int, int]:
+        """Take the oldest entry of ``order`` (one of this tier's) out; returns its group,
+        hash and tag."""
+        key = order.popitem(last=False)[0]
+        g, h = key
+        size = self.block_bytes[g]
+        self.used_bytes -= size
+        if order is self.cold:
+            self.cold_bytes -= size
+        elif order is self.kept:
+            self.kept_bytes -= size
+        return g, h, self.keys[g].pop(h)
 
     def victim(self, protected: bool) -> OrderedDict[tuple[int, int], None] | None:
         """The order whose oldest entry goes next: cold, then warm, then (to make room for a
@@ -144,13 +180,18 @@ class Tier:
     def forget(self, key: tuple[int, int]) -> int:
         """Take ``key`` (held) out; returns its tag."""
         g, h = key
+        size = self.block_bytes[g]
         held = self.held.pop(key, None)
         if held is not None:
             if not held:
-                self.cold_bytes -= self.block_bytes[g]
+                self.cold_bytes -= size
+            elif held == 2:
+                self.kept_bytes -= size
         elif self.cold.pop(key, 0) is None:  # it was cold
-            self.cold_bytes -= self.block_bytes[g]
+            self.cold_bytes -= size
+        elif self.kept.pop(key, 0) is None:
+            self.kept_bytes -= size
         else:
-            del self.order(key)[key]
-        self.used_bytes -= self.block_bytes[g]
+            del self.lru[key]
+        self.used_bytes -= size
         return self.keys[g].pop(h)

@@ -14,6 +14,15 @@ contains the last one: the hashes they share stay protected);
 evict-first end of their tier (nobody will read them).  A hash several sessions protect (a
 shared system prompt) stays protected until the last of them lets go.
 
+Protection is bounded: protected entries may fill at most a share of each tier
+(``protect_share``, default :data:`DEFAULT_PROTECT_SHARE`), so a client that never lets go
+cannot turn the tiers into its own store.  Once a tier keeps more, the session protected
+least recently ends, and so on until every tier is within its share
+(:meth:`TierSessions.enforce`; :attr:`TierSessions.expired` counts them).  Unlike
+``unprotect`` (the client says nobody will read them), an ended session's entries join the
+young end of their tier's recency order, its prefix's start youngest: they are still
+likely to be read, and compete as what was just used.
+
 The device's own eviction order is unchanged: a protected block the device evicts is written
 back to the host tier as any other, and its protection starts there.  Without lower tiers a
 session is recorded and changes nothing.  Bookkeeping only.
@@ -26,7 +35,10 @@ from collections.abc import Sequence
 from hybridkv.cache.tiers import TierStack
 from hybridkv.errors import InvariantError
 
-__all__ = ["TierSessions"]
+__all__ = ["DEFAULT_PROTECT_SHARE", "TierSessions"]
+
+#: The share of each lower tier protected entries may fill by default (``protect_share``).
+DEFAULT_PROTECT_SHARE = 0.9
 
 
 class TierSessions:
@@ -38,6 +50,8 @@ class TierSessions:
         self.sessions: dict[str, list[int]] = {}
         #: Hash -> how many sessions protect it (the tiers' ``protected``, or a dict of ours).
         self.counts: dict[int, int] = {} if tiers is None else tiers.protected
+        #: Sessions ended because the tiers kept more protected bytes than their share.
+        self.expired = 0
 
     def protect(self, name: str, hashes: Sequence[int]) -> None:
         """Protect ``hashes`` under ``name``, replacing what ``name`` protected before."""
@@ -61,7 +75,21 @@ class TierSessions:
         self._let_go(old)
         return True
 
-    def _let_go(self, hashes: list[int]) -> None:
+    def enforce(self) -> int:
+        """End the least recently protected sessions while a tier keeps more protected bytes
+        than its share (see module); returns how many ended."""
+        tiers = self.tiers
+        if tiers is None or not tiers.over_limit():
+            return 0
+        ended = 0
+        sessions = self.sessions  # protect() re-inserts a session: oldest first
+        while sessions and tiers.over_limit():
+            self._let_go(sessions.pop(next(iter(sessions)))[::-1], young=True)
+            ended += 1
+        self.expired += ended
+        return ended
+
+    def _let_go(self, hashes: list[int], young: bool = False) -> None:
         counts = self.counts
         for h in hashes:
             c = counts[h] - 1
@@ -69,18 +97,18 @@ class TierSessions:
                 counts[h] = c
             else:
                 del counts[h]
-                self._move(h, protect=False)
+                self._move(h, protect=False, young=young)
 
-    def _move(self, h: int, protect: bool) -> None:
+    def _move(self, h: int, protect: bool, young: bool = False) -> None:
         """Move every tier entry under hash ``h`` (of any group) into the protected order
-        (``protect``) or out of it, to the evict-first end of the warm order; cold entries
-        stay cold (they are copies the device still holds)."""
+        (``protect``) or out of it, to the evict-first end of the warm order (its young end
+        with ``young``); cold entries stay cold (they are copies the device still holds)."""
         if self.tiers is None:
             return
         for t in self.tiers.tiers:
             for g, keys in enumerate(t.keys):
                 if h in keys:
-                    t.reorder((g, h), protect)
+                    t.reorder((g, h), protect, young)
 
     def check_invariants(self) -> None:
         """Raise :class:`InvariantError` unless the protect counts are exactly the sessions'

@@ -25,7 +25,8 @@ load and store instructions say.
   prefix will be read again, e.g. a conversation that goes on): warm entries whose hash is
   protected sit in an order of their own, evicted only to make room for another protected
   entry once the tier holds no other; an entry that is not protected and finds only
-  protected ones in its way goes down a tier instead (or is dropped).
+  protected ones in its way goes down a tier instead (or is dropped).  Protected entries fill
+  at most ``protect_share`` of a tier (:attr:`Tier.keep_limit`); the sessions enforce it.
 
 Example: two tiers, one block of group 0 (1 KiB) evicted by the device::
 
@@ -55,6 +56,7 @@ __all__ = [
     "TierSpec",
     "TierStack",
     "TieredMap",
+    "check_protect_share",
     "tier_hit_tokens",
 ]
 
@@ -80,6 +82,17 @@ class TierSpec:
                 f"TierSpec.capacity_bytes: the {self.name} tier needs a positive byte count, "
                 f"got {cap!r}"
             )
+
+
+def check_protect_share(value: object, field: str = "protect_share") -> float:
+    """``value`` as a share of a tier protected sessions may fill: a number in (0, 1];
+    raises :class:`PlanError` naming ``field`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise PlanError(
+            f"{field}: the share of each lower tier protected sessions may fill must be "
+            f"a number in (0, 1], got {value!r}"
+        )
+    return float(value)
 
 
 class TierOp(NamedTuple):
@@ -169,6 +182,7 @@ class TierStack:
         record_ops: bool = False,
         events: EventLog | None = None,
         block_sizes: Sequence[int] = (),
+        protect_share: float = 1.0,
     ) -> None:
         names = [s.name for s in specs]
         if (
@@ -186,7 +200,10 @@ class TierStack:
                     f"{s.name}_memory_bytes: a {s.name} tier of {s.capacity_bytes} B holds no "
                     f"block; the smallest block here is {smallest} B"
                 )
+        protect_share = check_protect_share(protect_share)
         self.tiers = [Tier(s, block_bytes) for s in specs]
+        for t in self.tiers:
+            t.keep_limit = int(t.capacity_bytes * protect_share)
         #: Protected hashes (:mod:`hybridkv.cache.tier_sessions`), shared by every tier.
         self.protected: dict[int, int] = {}
         for t in self.tiers:
@@ -198,6 +215,10 @@ class TierStack:
         #: KV events naming the tier, when the log is enabled (``block_sizes``: tokens).
         self.events = events if events is not None and events.enabled else None
         self.block_sizes = list(block_sizes) or [0] * len(block_bytes)
+
+    def over_limit(self) -> bool:
+        """Whether some tier keeps more protected bytes than its share allows."""
+        return any(t.kept_bytes > t.keep_limit for t in self.tiers)
 
     def view(self, group_id: int, device: dict[int, int]) -> TieredMap:
         """Group ``group_id``'s lookup map over ``device`` and every tier."""
@@ -267,11 +288,7 @@ class TierStack:
                     self.ops.append(TierOp("drop", source, g, h, 0))
                 return
             was_cold = order is t.cold
-            og, oh = order.popitem(last=False)[0]
-            otag = t.keys[og].pop(oh)
-            t.used_bytes -= t.block_bytes[og]
-            if was_cold:
-                t.cold_bytes -= t.block_bytes[og]
+            og, oh, otag = t.pop_oldest(order)
             t.dropped += 1
             if self.events is not None:
                 self.events.tier_removed(og, oh, t.name)
@@ -283,7 +300,7 @@ class TierStack:
             t.cold[key] = None
             t.cold_bytes += size
         else:
-            t.order(key)[key] = None
+            t.enter(key)
         t.keys[g][h] = tag
         t.used_bytes += size
         t.stored += 1
@@ -365,7 +382,7 @@ class TierStack:
             if t.used_bytes + size > t.capacity_bytes:
                 continue
             t.keys[g][h] = tag
-            t.order((g, h))[(g, h)] = None
+            t.enter((g, h))
             t.used_bytes += size
             t.adopted += 1
             taken.append(i)
@@ -421,7 +438,7 @@ class TierStack:
             t.lru.clear()
             t.cold.clear()
             t.kept.clear()
-            t.used_bytes = t.cold_bytes = 0
+            t.used_bytes = t.cold_bytes = t.kept_bytes = 0
 
     # -- reporting ----------------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int]]:
@@ -436,6 +453,7 @@ class TierStack:
                 "blocks": len(t),
                 "cold_blocks": len(t.cold),
                 "protected_blocks": len(t.kept),
+                "protected_bytes": t.kept_bytes,
                 "stored": t.stored,
                 "loaded": t.loaded,
                 "dropped": t.dropped,
@@ -465,11 +483,18 @@ class TierStack:
                     f"tiers: {t.name} keys and its warm, cold and protected orders differ"
                 )
             cold = sum(t.block_bytes[g] for g, _ in t.cold)
-            used = cold + sum(t.block_bytes[g] for g, _ in (*t.lru, *t.kept))
-            if used != t.used_bytes or cold != t.cold_bytes:
+            kept_bytes = sum(t.block_bytes[g] for g, _ in t.kept)
+            used = cold + kept_bytes + sum(t.block_bytes[g] for g, _ in t.lru)
+            if used != t.used_bytes or cold != t.cold_bytes or kept_bytes != t.kept_bytes:
                 raise InvariantError(
-                    f"tiers: {t.name} counts {t.used_bytes} B ({t.cold_bytes} cold), holds "
-                    f"{used} B ({cold} cold)"
+                    f"tiers: {t.name} counts {t.used_bytes} B ({t.cold_bytes} cold, "
+                    f"{t.kept_bytes} protected), holds {used} B ({cold} cold, {kept_bytes} "
+                    "protected)"
+                )
+            if kept_bytes > t.keep_limit:
+                raise InvariantError(
+                    f"tiers: {t.name} keeps {kept_bytes} B of protected entries, over its "
+                    f"limit of {t.keep_limit} B"
                 )
             if used > t.capacity_bytes:
                 raise InvariantError(

@@ -27,6 +27,7 @@ from hybridkv.cache import (
     WINDOW_RETENTION,
 )
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, DEFAULT_WINDOW_CHANCES, MAX_CHANCES
+from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cli.common import (
     CliInputError,
     add_admission,
@@ -200,6 +201,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prefixes in the lower tiers until then (KVCacheManager.protect); default none",
     )
     parser.add_argument(
+        "--protect-share",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="with --protect: the share of each lower tier protected sessions may fill; past "
+        "it the least recently protected session ends (default "
+        f"{DEFAULT_PROTECT_SHARE})",
+    )
+    parser.add_argument(
         "--second-chance",
         type=int,
         default=DEFAULT_CHANCES,
@@ -322,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
                 "--host-memory or --disk-memory",
                 args.host_memory is not None or args.disk_memory is not None,
             ),
+            ("protect_share", "--protect oracle", args.protect == "oracle"),
         ],
     )
     through = args.write_through
@@ -335,6 +346,12 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.disaggregate:
             raise CliInputError(f"--write-through {through}: not with --disaggregate")
+    share = args.protect_share
+    if share is not None and not 0 < share <= 1:
+        raise CliInputError(
+            f"--protect-share {share}: the share of a tier protected sessions may fill must be "
+            "a number in (0, 1]"
+        )
     if args.protect is not None and args.disaggregate:
         raise CliInputError(f"--protect {args.protect}: not with --disaggregate")
     memory = parse_bytes(args.memory, field="--memory")
@@ -399,6 +416,9 @@ def run(args: argparse.Namespace) -> int:
             disk_memory_bytes=disk,
             write_through=through,
             protect=args.protect or "none",
+            protect_share=(
+                DEFAULT_PROTECT_SHARE if args.protect_share is None else args.protect_share
+            ),
             label=f"{strategy} host {format_bytes(host) if host else 'none'}" if sweep else None,
         )
         for strategy in strategies
@@ -497,6 +517,7 @@ def _tier_lines(result: SimResult, through: str | None = None, oracle: bool = Fa
             f"{tokens} prompt tokens read back ({share:.1%} of all), "
             f"{format_bytes(st['stored_bytes'])} written, {format_bytes(st['loaded_bytes'])} "
             f"read, {st['dropped']} blocks dropped"
+            + (f", {result.sessions_expired} sessions expired" if oracle else "")
         )
     return lines
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from hybridkv.cache import PUBLISH_MODES
+from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
+from hybridkv.cache.tiers import check_protect_share
 from hybridkv.errors import HybridKVError, PlanError
 from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
 from hybridkv.plan.options import AUTO_STATE_SPLIT
@@ -62,10 +64,14 @@ class CacheConfig:
     :mod:`hybridkv.storage.disk_slots`).  ``write_through``: ``"host"`` or ``"disk"``: that
     tier also takes every block the device publishes, once the step computing it ran, not
     only what the device evicts (a disk tier then keeps a process's prefixes even if it
-    ends without :meth:`~hybridkv.engine.llm_engine.LLMEngine.close`).  Raises
+    ends without :meth:`~hybridkv.engine.llm_engine.LLMEngine.close`).  ``protect_share``:
+    the share of each lower tier the sessions clients protect may fill (``add_request(
+    protect_as=)``; past it the least recently protected session ends; see
+    :mod:`hybridkv.cache.tier_sessions`).  Raises
     :class:`~hybridkv.errors.PlanError` when both budgets are given, a count is not positive
     (negative where 0 is allowed), ``publish`` is unknown, only one of the two disk fields
-    is given, or ``write_through`` names a tier the config does not have.
+    is given, ``write_through`` names a tier the config does not have, or
+    ``protect_share`` is not in (0, 1].
     """
 
     strategy: str = "arena"
@@ -83,6 +89,7 @@ class CacheConfig:
     disk_cache_dir: str | Path | None = None
     disk_memory_bytes: int | None = None
     write_through: str | None = None
+    protect_share: float = DEFAULT_PROTECT_SHARE
 
     def __post_init__(self) -> None:
         for name in (
@@ -121,6 +128,7 @@ class CacheConfig:
                     f"cache (its tiers: {tiers}); valid: 'host' with host_memory_bytes, 'disk' "
                     "with disk_cache_dir and disk_memory_bytes"
                 )
+        check_protect_share(self.protect_share, "CacheConfig.protect_share")
         if self.memory_bytes is not None and self.num_blocks is not None:
             raise PlanError(
                 f"CacheConfig: give memory_bytes ({self.memory_bytes}) or num_blocks "

@@ -204,6 +204,7 @@ class LLMEngine:
             tiers=tier_specs(cache.host_memory_bytes, cache.disk_memory_bytes),
             tier_ops=True,
             tier_write_through=cache.write_through,
+            protect_share=cache.protect_share,
         )
         self._tier_store = open_tiers(
             self.storage,

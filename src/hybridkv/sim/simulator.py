@@ -16,7 +16,8 @@ from typing import Any
 
 from hybridkv.cache import KVCacheManager, TierSpec
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
-from hybridkv.cache.tiers import tier_hit_tokens
+from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
+from hybridkv.cache.tiers import check_protect_share, tier_hit_tokens
 from hybridkv.errors import HybridKVError
 from hybridkv.plan import Strategy, make_plan
 from hybridkv.plan.options import AUTO_STATE_SPLIT, DEFAULT_CHUNK_ALIGNMENT
@@ -98,6 +99,9 @@ class SimConfig:
     #: (:func:`hybridkv.workloads.sessions.continuations`, ``KVCacheManager.protect``);
     #: ``"none"`` (default): no hints, the tiers' recency order alone.
     protect: str = "none"
+    #: The share of each lower tier protected sessions may fill
+    #: (``KVCacheManager(protect_share=)``: past it the least recently protected one ends).
+    protect_share: float = DEFAULT_PROTECT_SHARE
     #: The run's name in tables and plots (default: the strategy).
     label: str | None = None
 
@@ -123,6 +127,10 @@ class SimConfig:
                     f"tiers: {', '.join(have) or 'none'}); give its size "
                     f"({self.write_through}_memory_bytes)"
                 )
+        try:
+            check_protect_share(self.protect_share)
+        except HybridKVError as exc:
+            raise SimulationError(str(exc)) from None
         if self.protect not in PROTECT_MODES:
             raise SimulationError(
                 f"protect: {self.protect!r} is not a protection mode; valid: "
@@ -198,6 +206,8 @@ class SimResult:
     #: ``cached_tokens``), and :meth:`KVCacheManager.tier_stats` at the end.
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Protected sessions ended because the tiers held more than ``protect_share`` of them.
+    sessions_expired: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -356,6 +366,7 @@ def simulate(
         tiers=config.tiers(),
         tier_write_through=config.write_through,
         checkpoint_when_full=config.checkpoint_when_full,
+        protect_share=config.protect_share,
     )
     sched = scheduler_for(mgr, config)
     cost = StepCostModel(model, profile, ACCELERATORS[config.accelerator])
@@ -551,4 +562,5 @@ def simulate(
         checkpoint_admission=mgr.checkpoint_admission_report(),
         tier_hit_tokens={k: v for k, v in tier_tokens.items() if k in mgr.tier_stats()},
         tiers=mgr.tier_stats(),
+        sessions_expired=mgr.session_stats()["expired"],
     )
