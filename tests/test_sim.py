@@ -265,7 +265,8 @@ def test_write_through_keeps_write_backs_hits() -> None:
 def test_an_oracle_client_protecting_conversations_keeps_them_in_the_host_tier() -> None:
     # chats on Qwen3-Next in 2 GiB with a 1 GiB host tier: a client that knows which
     # requests a later turn continues protects their prefixes until then (measured: 69.70%
-    # -> 75.25% of prompt tokens from the cache); the sessions end with the run
+    # -> 71.87% of prompt tokens from the cache with the default protect_share 0.9, 75.25%
+    # with 1.0); the sessions end with the run
     model = resolve_model("Qwen3-Next-80B-A3B")
     profile = ModelProfile.from_config(load_model_config("Qwen3-Next-80B-A3B"))
     work = synthetic_workload("chat", SyntheticOptions(num_requests=80, seed=3))
