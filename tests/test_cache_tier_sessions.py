@@ -251,6 +251,29 @@ def test_protected_entries_the_device_brings_down_count_against_the_share() -> N
     _check(stack, sessions)
 
 
+def test_sessions_protecting_more_hashes_than_could_ever_be_held_end_too() -> None:
+    # a client that never lets go: its entries have long left the tiers, its hashes stay
+    stack = TierStack([TierSpec("host", 40)], [10])
+    sessions = TierSessions(stack, hash_limit=3)
+    sessions.protect("a", [1, 2])
+    sessions.protect("b", [2, 3])
+    assert sessions.enforce() == 0  # 3 distinct hashes, none in the tier
+    sessions.protect("c", [4])
+    with pytest.raises(InvariantError, match="4 protected hashes, over the limit of 3"):
+        sessions.check_invariants()
+    assert sessions.enforce() == 1 and list(sessions.sessions) == ["b", "c"]
+    assert sessions.counts == {2: 1, 3: 1, 4: 1}
+    _check(stack, sessions)
+
+
+def test_the_managers_hash_limit_is_what_the_device_and_the_tiers_share_could_hold() -> None:
+    layout = layout_for("pools", groups((full(), 4)), 4)
+    bb = layout.groups[0].block_bytes  # one hash per block (4 tokens)
+    mgr = _mgr(layout, TierSpec("host", 10 * bb), share=0.5)
+    assert mgr._coord.sessions.hash_limit == (layout.total_bytes + 5 * bb) // bb
+    assert _mgr(layout)._coord.sessions.hash_limit is None  # no tiers: nothing to bound
+
+
 @pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.5, float("nan"), True, "half", None])
 def test_a_bad_protect_share_is_refused_naming_it(bad: object) -> None:
     layout = layout_for("pools", groups((full(), 4)), 4)

@@ -192,7 +192,14 @@ class HybridCoordinator:
             for m in self.managers:
                 m.hit_map = self.tiers.view(m.group_id, m.map)
         #: Prefixes clients protect in the lower tiers (:mod:`hybridkv.cache.tier_sessions`).
-        self.sessions = TierSessions(self.tiers)
+        # at most as many protected hashes as the device and the tiers' shares could hold
+        # (a hash is protected while its blocks are still on the device, too)
+        limit = None
+        per_hash = sum(m.block_bytes // m.stride for m in self._closed)
+        if self.tiers is not None and per_hash:
+            room = layout.total_bytes + sum(t.keep_limit for t in self.tiers.tiers)
+            limit = room // per_hash
+        self.sessions = TierSessions(self.tiers, limit)
 
     def _set_window_grids(self) -> None:
         """Tail retention also keeps the window before every multiple of a grid, where the

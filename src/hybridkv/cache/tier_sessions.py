@@ -18,7 +18,12 @@ Protection is bounded: protected entries may fill at most a share of each tier
 (``protect_share``, default :data:`DEFAULT_PROTECT_SHARE`), so a client that never lets go
 cannot turn the tiers into its own store.  Once a tier keeps more, the session protected
 least recently ends, and so on until every tier is within its share
-(:meth:`TierSessions.enforce`; :attr:`TierSessions.expired` counts them).  Unlike
+(:meth:`TierSessions.enforce`; :attr:`TierSessions.expired` counts them).  The same
+happens while the sessions protect more distinct block hashes than the device and that
+share of the tiers could hold (``hash_limit``: at the bytes one hash takes in the
+prefix-closed groups), so a
+client that never lets go cannot grow the sessions' own bookkeeping without bound either,
+even once its entries have left the tiers.  Unlike
 ``unprotect`` (the client says nobody will read them), an ended session's entries join the
 young end of their tier's recency order, its prefix's start youngest: they are still
 likely to be read, and compete as what was just used.
@@ -44,8 +49,10 @@ DEFAULT_PROTECT_SHARE = 0.9
 class TierSessions:
     """Named protected prefixes over the tiers ``tiers`` (None: no lower tier)."""
 
-    def __init__(self, tiers: TierStack | None) -> None:
+    def __init__(self, tiers: TierStack | None, hash_limit: int | None = None) -> None:
         self.tiers = tiers
+        #: Distinct protected hashes at most (None: no bound but the tiers' bytes).
+        self.hash_limit = hash_limit
         #: Session name -> the block hashes it protects.
         self.sessions: dict[str, list[int]] = {}
         #: Hash -> how many sessions protect it (the tiers' ``protected``, or a dict of ours).
@@ -77,17 +84,23 @@ class TierSessions:
 
     def enforce(self) -> int:
         """End the least recently protected sessions while a tier keeps more protected bytes
-        than its share (see module); returns how many ended."""
+        than its share, or the sessions protect more than ``hash_limit`` hashes (see module);
+        returns how many ended."""
         tiers = self.tiers
-        if tiers is None or not tiers.over_limit():
+        if tiers is None or not self._over():
             return 0
         ended = 0
         sessions = self.sessions  # protect() re-inserts a session: oldest first
-        while sessions and tiers.over_limit():
+        while sessions and self._over():
             self._let_go(sessions.pop(next(iter(sessions)))[::-1], young=True)
             ended += 1
         self.expired += ended
         return ended
+
+    def _over(self) -> bool:
+        assert self.tiers is not None
+        limit = self.hash_limit
+        return (limit is not None and len(self.counts) > limit) or self.tiers.over_limit()
 
     def _let_go(self, hashes: list[int], young: bool = False) -> None:
         counts = self.counts
@@ -119,6 +132,11 @@ class TierSessions:
                 raise InvariantError("tier sessions: a session lists a hash twice")
             for h in hashes:
                 expected[h] = expected.get(h, 0) + 1
+        limit = self.hash_limit
+        if limit is not None and len(self.counts) > limit:
+            raise InvariantError(
+                f"tier sessions: {len(self.counts)} protected hashes, over the limit of {limit}"
+            )
         if expected != self.counts:
             raise InvariantError(
                 f"tier sessions: {len(self.counts)} protected hashes counted, the "
