@@ -36,7 +36,7 @@ from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
 from hybridkv.cache.request_state import HitResult, RequestState, check_requests
 from hybridkv.cache.tier_bridge import LoadSpots, TierBridge
-from hybridkv.cache.tier_sessions import TierSessions
+from hybridkv.cache.tier_sessions import TierSessions, hash_limit
 from hybridkv.cache.tiers import TierSpec, TierStack, check_protect_share
 from hybridkv.cache.types import AllocationResult, BlockId, TierLoad
 from hybridkv.errors import PlanError
@@ -192,14 +192,10 @@ class HybridCoordinator:
             for m in self.managers:
                 m.hit_map = self.tiers.view(m.group_id, m.map)
         #: Prefixes clients protect in the lower tiers (:mod:`hybridkv.cache.tier_sessions`).
-        # at most as many protected hashes as the device and the tiers' shares could hold
-        # (a hash is protected while its blocks are still on the device, too)
-        limit = None
         per_hash = sum(m.block_bytes // m.stride for m in self._closed)
-        if self.tiers is not None and per_hash:
-            room = layout.total_bytes + sum(t.keep_limit for t in self.tiers.tiers)
-            limit = room // per_hash
-        self.sessions = TierSessions(self.tiers, limit)
+        self.sessions = TierSessions(
+            self.tiers, hash_limit(self.tiers, layout.total_bytes, per_hash)
+        )
 
     def _set_window_grids(self) -> None:
         """Tail retention also keeps the window before every multiple of a grid, where the

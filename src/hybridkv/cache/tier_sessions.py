@@ -40,10 +40,20 @@ from collections.abc import Sequence
 from hybridkv.cache.tiers import TierStack
 from hybridkv.errors import InvariantError
 
-__all__ = ["DEFAULT_PROTECT_SHARE", "TierSessions"]
+__all__ = ["DEFAULT_PROTECT_SHARE", "TierSessions", "hash_limit"]
 
 #: The share of each lower tier protected entries may fill by default (``protect_share``).
 DEFAULT_PROTECT_SHARE = 0.9
+
+
+def hash_limit(tiers: TierStack | None, device_bytes: int, bytes_per_hash: int) -> int | None:
+    """How many distinct hashes sessions may protect: as many as the device (``device_bytes``)
+    and the tiers' protected shares could hold at ``bytes_per_hash`` (the prefix-closed
+    groups' bytes per block hash; a hash is protected while its blocks are still on the
+    device, too).  None (no bound) without tiers or prefix-closed groups."""
+    if tiers is None or bytes_per_hash <= 0:
+        return None
+    return (device_bytes + sum(t.keep_limit for t in tiers.tiers)) // bytes_per_hash
 
 
 class TierSessions:
