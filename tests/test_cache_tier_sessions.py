@@ -239,6 +239,33 @@ def test_a_session_over_the_share_by_itself_ends_and_shared_hashes_stay() -> Non
     _check(stack, sessions)
 
 
+def test_a_session_alone_over_a_limit_ends_without_taking_the_others_along() -> None:
+    stack, sessions = _capped(10, 0.5)  # 50 of 100 bytes
+    stack.evicted(0, tuple(range(1, 11)), tuple(range(10)))
+    for name, h in (("a", 1), ("b", 2), ("c", 3)):
+        sessions.protect(name, [h])
+    sessions.protect("big", [4, 5, 6, 7, 8, 9])  # 60 bytes by itself
+    assert sessions.enforce("big") == 1 and list(sessions.sessions) == ["a", "b", "c"]
+    _check(stack, sessions)
+    hashes = TierSessions(TierStack([TierSpec("host", 100)], [10]), hash_limit=5)
+    hashes.protect("a", [1])
+    hashes.protect("big", list(range(10, 16)))  # 6 hashes by itself
+    assert hashes.enforce("big") == 1 and list(hashes.sessions) == ["a"]
+
+
+def test_only_sessions_that_free_something_where_a_limit_is_passed_end() -> None:
+    stack = TierStack([TierSpec("host", 40), TierSpec("disk", 40)], [10], protect_share=0.5)
+    sessions = TierSessions(stack)
+    stack.evicted(0, (1, 2), (0, 0))
+    stack.evicted(0, (3, 4, 5), (0, 0, 0), level=1)
+    sessions.protect("h1", [1])
+    sessions.protect("h2", [2])
+    sessions.protect("d", [3, 4, 5])  # the disk tier is over its 20 bytes, the host is not
+    sessions.protect("shared", [1])  # 1 is h1's too: ending it would free nothing
+    assert sessions.enforce() == 1 and list(sessions.sessions) == ["h1", "h2", "shared"]
+    _check(stack, sessions)
+
+
 def test_protected_entries_the_device_brings_down_count_against_the_share() -> None:
     stack, sessions = _capped(4, 0.5)
     sessions.protect("a", [5, 6])  # none in the tier yet

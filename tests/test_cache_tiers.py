@@ -10,7 +10,7 @@ from hybridkv.cache import KVCacheManager, TierLoad, TierSpec
 from hybridkv.cache.admission import EXPLORE
 from hybridkv.cache.errors import StaleComputedBlocksError
 from hybridkv.cache.tiers import TieredMap, TierStack
-from hybridkv.errors import PlanError
+from hybridkv.errors import PlanError, StorageError
 from hybridkv.plan import MemoryLayout
 from test_cache_factories import admit, full, groups, layout_for, pools, state, swa, tokens
 
@@ -262,6 +262,11 @@ def test_persist_moves_everything_cached_down_and_a_new_manager_adopts_it() -> N
     assert _run(fresh, "c", tokens(13))[0] == 12  # a's prefix, from disk
     with pytest.raises(PlanError, match="no 'ssd' tier"):
         fresh.adopt_tier_entries("ssd", [])
+    before = fresh.snapshot()
+    other = [(g, h + 1, 0) for g, h, _ in held]  # storage left more, then a broken entry
+    with pytest.raises(StorageError, match=r"entry 6 is \('x', 1, 0\), not \(group, hash"):
+        fresh.adopt_tier_entries("disk", [*other, ("x", 1, 0)])  # type: ignore[list-item]
+    assert fresh.snapshot() == before  # nothing adopted
     with pytest.raises(PlanError, match="no lower tiers"):
         KVCacheManager(layout).persist_to_tier()
 

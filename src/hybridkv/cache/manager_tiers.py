@@ -22,7 +22,7 @@ from hybridkv.cache.hashing import BlockHasher
 from hybridkv.cache.request import Request
 from hybridkv.cache.tiers import TierOp
 from hybridkv.cache.types import ComputedBlocks
-from hybridkv.errors import PlanError, RequestError
+from hybridkv.errors import PlanError, RequestError, StorageError
 
 __all__ = ["TierCalls"]
 
@@ -70,7 +70,7 @@ class TierCalls:
         hashes = request.block_hashes[: request.num_computed_tokens // self.hash_block_size]
         sessions = self._coord.sessions
         sessions.protect(session, hashes)
-        sessions.enforce()
+        sessions.enforce(session)
         return len(hashes)
 
     def unprotect(self, session: str) -> bool:
@@ -81,7 +81,8 @@ class TierCalls:
 
     def session_stats(self) -> dict[str, int]:
         """Protected sessions now, the block hashes they protect, and how many sessions
-        ended because a tier held more protected bytes than its ``protect_share``."""
+        ended because a tier held more protected bytes than its ``protect_share`` or the
+        sessions protected more hashes than the device and those shares could hold."""
         sessions = self._coord.sessions
         return {
             "sessions": len(sessions.sessions),
@@ -149,10 +150,21 @@ class TierCalls:
         """Take ``(group, hash, tag)`` entries that tier ``tier``'s storage already holds (a
         persistent disk tier left by an earlier process), oldest first, as cached there.
         Returns the indices of those adopted; the others found no room or repeat a hash, and
-        storage should free them.  Raises :class:`PlanError` without such a tier."""
+        storage should free them.  Raises :class:`PlanError` without such a tier and
+        :class:`StorageError` for an entry that is not three integers, adopting nothing."""
         tiers = self._coord.tiers
         if tiers is None:
             raise PlanError(f"tier {tier!r}: this manager has no lower tiers")
+        for i, entry in enumerate(entries):
+            if not (
+                isinstance(entry, tuple)
+                and len(entry) == 3
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+            ):
+                raise StorageError(
+                    f"adopt_tier_entries: entry {i} is {entry!r}, not (group, hash, tag) "
+                    "integers; nothing adopted"
+                )
         taken = tiers.adopt(tier, entries)
         self._coord.sessions.enforce()
         return taken

@@ -56,6 +56,25 @@ def hash_limit(tiers: TierStack | None, device_bytes: int, bytes_per_hash: int) 
     return (device_bytes + sum(t.keep_limit for t in tiers.tiers)) // bytes_per_hash
 
 
+def _bytes_in(
+    keys: Sequence[dict[int, int]],
+    block_bytes: Sequence[int],
+    hashes: Sequence[int],
+    enough: int = 0,
+) -> int:
+    """Bytes a tier (``keys`` per group) holds under ``hashes``, counted until they pass
+    ``enough`` (0: all of them)."""
+    total = 0
+    for g, held in enumerate(keys):
+        size = block_bytes[g]
+        for h in hashes:
+            if h in held:
+                total += size
+                if enough and total >= enough:
+                    return total
+    return total
+
+
 class TierSessions:
     """Named protected prefixes over the tiers ``tiers`` (None: no lower tier)."""
 
@@ -67,7 +86,8 @@ class TierSessions:
         self.sessions: dict[str, list[int]] = {}
         #: Hash -> how many sessions protect it (the tiers' ``protected``, or a dict of ours).
         self.counts: dict[int, int] = {} if tiers is None else tiers.protected
-        #: Sessions ended because the tiers kept more protected bytes than their share.
+        #: Sessions ended by :meth:`enforce` (a tier over its protected share, or more
+        #: protected hashes than ``hash_limit``).
         self.expired = 0
 
     def protect(self, name: str, hashes: Sequence[int]) -> None:
@@ -92,25 +112,63 @@ class TierSessions:
         self._let_go(old)
         return True
 
-    def enforce(self) -> int:
-        """End the least recently protected sessions while a tier keeps more protected bytes
-        than its share, or the sessions protect more than ``hash_limit`` hashes (see module);
-        returns how many ended."""
+    def enforce(self, newest: str | None = None) -> int:
+        """While a tier keeps more protected bytes than its share, or the sessions protect
+        more than ``hash_limit`` hashes (see module), end a session: ``newest`` (the one just
+        protected) first if it alone is over a limit, else the least recently protected one
+        whose ending frees something where a limit is exceeded (sessions that do not are
+        left alone).  Returns how many ended."""
         tiers = self.tiers
         if tiers is None or not self._over():
             return 0
         ended = 0
-        sessions = self.sessions  # protect() re-inserts a session: oldest first
+        sessions = self.sessions
+        if newest is not None and newest in sessions and self._alone_over(sessions[newest]):
+            self._end(newest)
+            ended += 1
         while sessions and self._over():
-            self._let_go(sessions.pop(next(iter(sessions)))[::-1], young=True)
+            self._end(self._victim())
             ended += 1
         self.expired += ended
         return ended
+
+    def _end(self, name: str) -> None:
+        # its prefix's start joins the young end last (the youngest): see module
+        self._let_go(self.sessions.pop(name)[::-1], young=True)
 
     def _over(self) -> bool:
         assert self.tiers is not None
         limit = self.hash_limit
         return (limit is not None and len(self.counts) > limit) or self.tiers.over_limit()
+
+    def _alone_over(self, hashes: list[int]) -> bool:
+        """Whether ``hashes`` alone are over the hash limit, or fill more than the share of a
+        tier that is over it."""
+        assert self.tiers is not None
+        if self.hash_limit is not None and len(hashes) > self.hash_limit:
+            return True
+        for t in self.tiers.tiers:
+            if t.kept_bytes > t.keep_limit and _bytes_in(t.keys, t.block_bytes, hashes) > (
+                t.keep_limit
+            ):
+                return True
+        return False
+
+    def _victim(self) -> str:
+        """The least recently protected session whose ending frees a protected hash (when
+        over the hash limit) or bytes in a tier over its share (protect() re-inserts a
+        session, so the sessions are oldest first); the oldest when none does."""
+        assert self.tiers is not None
+        counts = self.counts
+        hashes_over = self.hash_limit is not None and len(counts) > self.hash_limit
+        over = [t for t in self.tiers.tiers if t.kept_bytes > t.keep_limit]
+        for name, hashes in self.sessions.items():
+            sole = [h for h in hashes if counts[h] == 1]
+            if sole and (
+                hashes_over or any(_bytes_in(t.keys, t.block_bytes, sole, 1) for t in over)
+            ):
+                return name
+        return next(iter(self.sessions))
 
     def _let_go(self, hashes: list[int], young: bool = False) -> None:
         counts = self.counts
