@@ -155,7 +155,8 @@ class TierCalls:
         tiers = self._coord.tiers
         if tiers is None:
             raise PlanError(f"tier {tier!r}: this manager has no lower tiers")
-        for i, entry in enumerate(entries):
+        given: Sequence[object] = entries  # checked as objects: the compiled build too
+        for i, entry in enumerate(given):
             if not (
                 isinstance(entry, tuple)
                 and len(entry) == 3
