@@ -315,11 +315,14 @@ class TierStack:
 
     def pin(self, group_id: int, h: int) -> None:
         """An allocation under way reads hash ``h`` of ``group_id`` back (its loads are
-        recorded after its evictions): hold every tier's entry of it out of the eviction
-        orders, so those evictions cannot drop it, until :meth:`unpin`."""
+        recorded after its evictions): hold the entry it reads (the top tier's) out of the
+        eviction orders, so those evictions cannot drop it, until :meth:`unpin`.  Copies in
+        the tiers below stay evictable: nothing reads them, and held they would take room a
+        write-back cache would have (a disk tier's cold write-through copies)."""
         for t in self.tiers:
             if h in t.keys[group_id]:
                 t.hold((group_id, h))
+                return
 
     def unpin(self) -> None:
         """The allocation recorded its loads: every held entry returns to its order."""
