@@ -45,7 +45,9 @@ class Tier:
         "used_bytes",
     )
 
-    def __init__(self, spec: TierSpec, block_bytes: Sequence[int]) -> None:
+    def __init__(
+        self, spec: TierSpec, block_bytes: Sequence[int], protect_share: float = 1.0
+    ) -> None:
         self.name = spec.name
         self.capacity_bytes = spec.capacity_bytes
         self.block_bytes = list(block_bytes)
@@ -61,10 +63,10 @@ class Tier:
         self.kept: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.protected: dict[int, int] = {}
         #: Bytes of the protected entries (those in :attr:`kept` and those held out of it),
-        #: and how many of them the tier keeps before the least recently protected session
-        #: ends (:meth:`~hybridkv.cache.tier_sessions.TierSessions.enforce`).
+        #: and how many of them the tier keeps before a session ends
+        #: (:meth:`~hybridkv.cache.tier_sessions.TierSessions.enforce`).
         self.kept_bytes = 0
-        self.keep_limit = spec.capacity_bytes
+        self.keep_limit = int(spec.capacity_bytes * protect_share)
         #: Entries an allocation under way reads back, taken out of their order (0: cold,
         #: 1: warm, 2: protected) so no eviction picks them and none walks past them; they
         #: return to its young end once the allocation recorded its loads.
@@ -86,6 +88,19 @@ class Tier:
     def entries(self) -> set[tuple[int, int]]:
         """Every ``(group, hash)`` the tier holds, warm, cold, protected and held."""
         return set(self.lru) | set(self.cold) | set(self.kept) | set(self.held)
+
+    def bytes_under(self, hashes: Sequence[int], enough: int = 0) -> int:
+        """Bytes this tier holds under ``hashes`` (every group), counted until they reach
+        ``enough`` (0: all of them)."""
+        total = 0
+        for g, keys in enumerate(self.keys):
+            size = self.block_bytes[g]
+            for h in hashes:
+                if h in keys:
+                    total += size
+                    if enough and total >= enough:
+                        return total
+        return total
 
     def order(self, key: tuple[int, int]) -> OrderedDict[tuple[int, int], None]:
         """The warm order a warm entry ``key`` belongs in (protected or not)."""

@@ -16,17 +16,15 @@ shared system prompt) stays protected until the last of them lets go.
 
 Protection is bounded: protected entries may fill at most a share of each tier
 (``protect_share``, default :data:`DEFAULT_PROTECT_SHARE`), so a client that never lets go
-cannot turn the tiers into its own store.  Once a tier keeps more, the session protected
-least recently ends, and so on until every tier is within its share
-(:meth:`TierSessions.enforce`; :attr:`TierSessions.expired` counts them).  The same
-happens while the sessions protect more distinct block hashes than the device and that
-share of the tiers could hold (``hash_limit``: at the bytes one hash takes in the
-prefix-closed groups), so a
-client that never lets go cannot grow the sessions' own bookkeeping without bound either,
-even once its entries have left the tiers.  Unlike
-``unprotect`` (the client says nobody will read them), an ended session's entries join the
-young end of their tier's recency order, its prefix's start youngest: they are still
-likely to be read, and compete as what was just used.
+cannot turn the tiers into its own store.  Once a tier keeps more, sessions end until every
+tier is within its share: the one just protected if it alone is over, else the least
+recently protected one whose ending frees bytes there (:meth:`TierSessions.enforce`;
+:attr:`TierSessions.expired` counts them).  The same happens while the sessions protect
+more distinct block hashes than the device and those shares could hold (:func:`hash_limit`),
+so sessions a client never ends cannot grow the bookkeeping without bound once their
+entries have left the tiers.  Unlike ``unprotect`` (the client says nobody will read them),
+an ended session's entries join the young end of their tier's recency order, its prefix's
+start youngest: they are still likely to be read, and compete as what was just used.
 
 The device's own eviction order is unchanged: a protected block the device evicts is written
 back to the host tier as any other, and its protection starts there.  Without lower tiers a
@@ -54,25 +52,6 @@ def hash_limit(tiers: TierStack | None, device_bytes: int, bytes_per_hash: int) 
     if tiers is None or bytes_per_hash <= 0:
         return None
     return (device_bytes + sum(t.keep_limit for t in tiers.tiers)) // bytes_per_hash
-
-
-def _bytes_in(
-    keys: Sequence[dict[int, int]],
-    block_bytes: Sequence[int],
-    hashes: Sequence[int],
-    enough: int = 0,
-) -> int:
-    """Bytes a tier (``keys`` per group) holds under ``hashes``, counted until they pass
-    ``enough`` (0: all of them)."""
-    total = 0
-    for g, held in enumerate(keys):
-        size = block_bytes[g]
-        for h in hashes:
-            if h in held:
-                total += size
-                if enough and total >= enough:
-                    return total
-    return total
 
 
 class TierSessions:
@@ -148,9 +127,7 @@ class TierSessions:
         if self.hash_limit is not None and len(hashes) > self.hash_limit:
             return True
         for t in self.tiers.tiers:
-            if t.kept_bytes > t.keep_limit and _bytes_in(t.keys, t.block_bytes, hashes) > (
-                t.keep_limit
-            ):
+            if t.kept_bytes > t.keep_limit and t.bytes_under(hashes) > t.keep_limit:
                 return True
         return False
 
@@ -164,9 +141,7 @@ class TierSessions:
         over = [t for t in self.tiers.tiers if t.kept_bytes > t.keep_limit]
         for name, hashes in self.sessions.items():
             sole = [h for h in hashes if counts[h] == 1]
-            if sole and (
-                hashes_over or any(_bytes_in(t.keys, t.block_bytes, sole, 1) for t in over)
-            ):
+            if sole and (hashes_over or any(t.bytes_under(sole, 1) for t in over)):
                 return name
         return next(iter(self.sessions))
 

@@ -200,10 +200,8 @@ class TierStack:
                     f"{s.name}_memory_bytes: a {s.name} tier of {s.capacity_bytes} B holds no "
                     f"block; the smallest block here is {smallest} B"
                 )
-        protect_share = check_protect_share(protect_share)
-        self.tiers = [Tier(s, block_bytes) for s in specs]
-        for t in self.tiers:
-            t.keep_limit = int(t.capacity_bytes * protect_share)
+        share = check_protect_share(protect_share)
+        self.tiers = [Tier(s, block_bytes, share) for s in specs]
         #: Protected hashes (:mod:`hybridkv.cache.tier_sessions`), shared by every tier.
         self.protected: dict[int, int] = {}
         for t in self.tiers:

@@ -206,7 +206,8 @@ class SimResult:
     #: ``cached_tokens``), and :meth:`KVCacheManager.tier_stats` at the end.
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: Protected sessions ended because the tiers held more than ``protect_share`` of them.
+    #: Protected sessions the manager ended (a tier over its ``protect_share``, or more
+    #: protected hashes than it allows: :meth:`KVCacheManager.session_stats`).
     sessions_expired: int = 0
 
     @property
