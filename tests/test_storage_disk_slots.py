@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -203,16 +204,8 @@ def test_a_full_file_refuses_the_write(tmp_path: Path) -> None:
     assert s.write((0, 2), 0, memoryview(payload(2, 256)))
 
 
-def _run(fn: Any, n: int) -> list[Any]:
-    return [fn(i) for i in range(n)]
-
-
-def _run_backwards(fn: Any, n: int) -> list[Any]:
-    """As ``write_many``'s threads may: the payloads in another order than the slots."""
-    out: list[Any] = [None] * n
-    for i in reversed(range(n)):
-        out[i] = fn(i)
-    return out
+#: A second thread for write_many, as the disk tier's hasher thread.
+_HASHER = ThreadPoolExecutor(1, thread_name_prefix="test-disk-help")
 
 
 def test_write_many_ends_as_writes_one_by_one(tmp_path: Path) -> None:
@@ -222,7 +215,7 @@ def test_write_many_ends_as_writes_one_by_one(tmp_path: Path) -> None:
     items = [((0, 1), 2, memoryview(payload(1, 96))), ((1, 2), 0, memoryview(payload(2, 256)))]
     items += [((0, 9), 1, [memoryview(payload(3, 96))[:40], memoryview(payload(3, 96))[40:]])]
     assert [one.write(*item) for item in items] == [True, True, True]
-    assert many.write_many(items, _run_backwards) == [True, True, True]
+    assert many.write_many(items, _HASHER) == [True, True, True]
     assert one.entries == many.entries  # offsets, tags, stamps
     assert read(many, (0, 9), 96) == payload(3, 96)  # the rewrite, from two pieces
     many.close()
@@ -233,20 +226,31 @@ def test_write_many_ends_as_writes_one_by_one(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize("pieces", [1, 3], ids=["whole", "in-pieces"])
+@pytest.mark.parametrize("helper", [None, _HASHER], ids=["inline", "helper-thread"])
 def test_write_many_fails_only_the_entry_whose_payload_failed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helper: ThreadPoolExecutor | None, pieces: int
 ) -> None:
     s = slots(tmp_path)
-    real = os.pwrite
+    real, real_v = os.pwrite, os.pwritev
 
     def flaky(fd: int, data: Any, offset: int) -> int:
         if bytes(data) == payload(2, 96):
             raise OSError(5, "Input/output error")
         return real(fd, data, offset)
 
+    def flaky_v(fd: int, views: Any, offset: int) -> int:
+        if b"".join(bytes(v) for v in views) == payload(2, 96):
+            raise OSError(5, "Input/output error")
+        return real_v(fd, views, offset)
+
     monkeypatch.setattr(os, "pwrite", flaky)
-    items = [((0, k), 0, memoryview(payload(k, 96))) for k in (1, 2, 3)]
-    assert s.write_many(items, _run) == [True, False, True]
+    monkeypatch.setattr(os, "pwritev", flaky_v)
+    items: list[tuple[tuple[int, int], int, Any]] = []
+    for k in (1, 2, 3):
+        data = memoryview(payload(k, 96))
+        items.append(((0, k), 0, data if pieces == 1 else [data[:10], data[10:50], data[50:]]))
+    assert s.write_many(items, helper) == [True, False, True]
     monkeypatch.undo()
     assert set(s.entries) == {(0, 1), (0, 3)} and s.write_errors == 1
     assert read(s, (0, 2), 96) is None
@@ -258,7 +262,7 @@ def test_write_many_fails_only_the_entry_whose_payload_failed(
 def test_write_many_with_a_repeated_key_writes_in_order(tmp_path: Path) -> None:
     s = slots(tmp_path)
     items = [((0, 1), 0, memoryview(payload(k, 96))) for k in (1, 2)]
-    assert s.write_many(items, _run_backwards) == [True, True]
+    assert s.write_many(items, _HASHER) == [True, True]
     assert len(s) == 1 and read(s, (0, 1), 96) == payload(2, 96)
 
 
@@ -308,9 +312,9 @@ class DiskSlotsMachine(RuleBasedStateMachine):
     @rule(
         keys=st.lists(st.tuples(st.integers(0, 1), st.integers(-3, 3)), min_size=1, max_size=5),
         cuts=st.integers(1, 4),
-        backwards=st.booleans(),
+        threaded=st.booleans(),
     )
-    def write_many(self, keys: list[tuple[int, int]], cuts: int, backwards: bool) -> None:
+    def write_many(self, keys: list[tuple[int, int]], cuts: int, threaded: bool) -> None:
         items = []
         for key in keys:
             self.counter += 1
@@ -318,7 +322,7 @@ class DiskSlotsMachine(RuleBasedStateMachine):
             step = -(-len(data) // cuts)  # in pieces: one pwritev
             pieces = [memoryview(data[i : i + step]) for i in range(0, len(data), step)]
             items.append((key, 0, pieces, data))
-        done = self.s.write_many([i[:3] for i in items], _run_backwards if backwards else _run)
+        done = self.s.write_many([i[:3] for i in items], _HASHER if threaded else None)
         for (key, _, _, data), ok in zip(items, done, strict=True):
             if ok:
                 self.model[key] = data

@@ -19,11 +19,11 @@ threads, so the step neither writes nor reads the disk.
 
 A cache in host memory needs no staging copy: :meth:`DiskTier.write_borrowed` queues the
 blocks' own bytes, which the writer and the hasher thread then write and checksum between
-them (:meth:`~hybridkv.storage.disk_slots.DiskSlots.write_many`: every payload, each
-checksummed right after it is written while its bytes are in cache, then the headers), and
+them (:meth:`~hybridkv.storage.disk_slots.DiskSlots.write_many`: every payload, then the
+headers), and
 :meth:`DiskTier.settle` waits for them before the caller changes that memory.
 
-Reads and writes both release the GIL (``pread``/``pwrite`` and zlib's CRC-32 on large
+Reads and writes both release the GIL (``pread``/``pwrite`` and the XXH3 checksums of large
 buffers), so they overlap each other and the model's step.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -331,7 +331,7 @@ class DiskTier:
                 for it in batch[i - 1 : j]:
                     assert it is not None and isinstance(it[2], tuple)
                     run.append((it[0], it[1], it[2]))
-                slots.write_many(run, self._on_two_threads)
+                slots.write_many(run, self._hasher)
                 i = j
                 continue
             assert digest is not None
@@ -342,29 +342,6 @@ class DiskTier:
             if owner is not None:
                 self.give(owner)
         return None
-
-    def _on_two_threads(
-        self, fn: Callable[[int], int | OSError | None], n: int
-    ) -> list[int | OSError | None]:
-        """``[fn(i) for i in range(n)]``, shared between this (the writer) thread and the
-        hasher thread, each taking the next ``i`` when done with its last."""
-        results: list[int | OSError | None] = [None] * n
-        todo = iter(range(n))
-        lock = threading.Lock()
-
-        def work() -> None:
-            while True:
-                with lock:
-                    i = next(todo, -1)
-                if i < 0:
-                    return
-                results[i] = fn(i)
-
-        helper = self._hasher.submit(work) if n > 1 else None
-        work()
-        if helper is not None:
-            helper.result()
-        return results
 
     def flush(self) -> None:
         """Wait until every queued write, drop and clear is done."""

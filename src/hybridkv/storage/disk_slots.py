@@ -41,8 +41,10 @@ import logging
 import os
 import shutil
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -305,14 +307,22 @@ class DiskSlots:
     def write_many(
         self,
         items: Sequence[tuple[tuple[int, int], int, memoryview | Sequence[memoryview]]],
-        run: Callable[[Callable[[int], int | OSError | None], int], list[int | OSError | None]],
+        helper: Executor | None = None,
     ) -> list[bool]:
         """Store ``items`` (``(key, tag, data)``, as :meth:`write` takes them) with the same
         outcome as writing them one by one, in order (entries, stamps, failures), but every
-        payload first and every header after: slots are taken in order, then
-        ``run(payload, n)`` returns ``[payload(i) for i in range(n)]`` (each writes item
-        ``i``'s payload and returns its checksum; ``run`` may spread them over threads), then
-        the headers go out in order.  Keys repeated in ``items`` are written one by one."""
+        payload first and every header after: slots are taken in order, the payloads go out
+        (with ``helper``, a one-thread executor, sharing the work with it; None: this thread
+        alone), then the headers in order.  Keys repeated in ``items`` are written one by one.
+
+        How the two threads share it, measured on a 2-core machine against one plain write of
+        the same bytes: contiguous payloads are all written by this thread in slot order while
+        the helper checksums them (two writers to one file contend for it: 0.91 of the plain
+        write against 0.76 for the other way); payloads in pieces (one range per layer) are
+        shared out whole, each thread writing a payload and then checksumming it while its
+        bytes are in cache (XXH3 holds the GIL, in many short calls for many pieces, and then
+        starves a writer waiting for the GIL: 0.58 against 0.43).  The checksums read the
+        callers' bytes, which stay unchanged until this returns."""
         keys = [key for key, _, _ in items]
         if len(set(keys)) != len(keys):
             return [self.write(key, tag, data) for key, tag, data in items]
@@ -324,19 +334,8 @@ class DiskSlots:
             if offset is None:
                 self.no_room += 1
             offsets.append(offset)
-
-        def payload(i: int) -> int | OSError | None:
-            offset = offsets[i]
-            if offset is None:
-                return None
-            data = items[i][2]
-            try:
-                self._pwrite(data, offset + HEADER_BYTES)
-            except OSError as exc:
-                return exc
-            return checksum(data)  # right after the write: the bytes are still in cache
-
-        sums = run(payload, len(items))
+        whole = all(isinstance(d, memoryview) or len(d) == 1 for _, _, d in items)
+        sums = (self._split_sums if whole else self._shared_sums)(items, offsets, helper)
         done = []
         for (key, tag, data), offset, crc in zip(items, offsets, sums, strict=True):
             if offset is None:
@@ -348,6 +347,68 @@ class DiskSlots:
                 assert crc is not None
                 done.append(self._commit(key, tag, _nbytes(data), offset, crc))
         return done
+
+    def _split_sums(
+        self,
+        items: Sequence[tuple[tuple[int, int], int, memoryview | Sequence[memoryview]]],
+        offsets: Sequence[int | None],
+        helper: Executor | None,
+    ) -> list[int | OSError | None]:
+        """Write every payload with a slot from this thread while ``helper`` checksums them;
+        per item its checksum, the error its write raised, or None (no slot)."""
+        todo = [d for (_, _, d), offset in zip(items, offsets, strict=True) if offset is not None]
+
+        def checksums() -> list[int]:
+            return [checksum(data) for data in todo]
+
+        summing = helper.submit(checksums) if helper is not None and todo else None
+        errors: list[OSError | None] = []
+        for (_, _, data), offset in zip(items, offsets, strict=True):
+            try:
+                if offset is not None:
+                    self._pwrite(data, offset + HEADER_BYTES)
+                errors.append(None)
+            except OSError as exc:
+                errors.append(exc)
+        sums = iter(summing.result() if summing is not None else checksums())
+        out: list[int | OSError | None] = []
+        for offset, error in zip(offsets, errors, strict=True):
+            crc = None if offset is None else next(sums)
+            out.append(error if error is not None else crc)
+        return out
+
+    def _shared_sums(
+        self,
+        items: Sequence[tuple[tuple[int, int], int, memoryview | Sequence[memoryview]]],
+        offsets: Sequence[int | None],
+        helper: Executor | None,
+    ) -> list[int | OSError | None]:
+        """Write and checksum the payloads, this thread and ``helper`` each taking the next
+        one when done with its last; per item as :meth:`_split_sums`."""
+        out: list[int | OSError | None] = [None] * len(items)
+        todo = iter([i for i, offset in enumerate(offsets) if offset is not None])
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    i = next(todo, -1)
+                if i < 0:
+                    return
+                data, offset = items[i][2], offsets[i]
+                assert offset is not None
+                try:
+                    self._pwrite(data, offset + HEADER_BYTES)
+                except OSError as exc:
+                    out[i] = exc
+                    continue
+                out[i] = checksum(data)  # right after the write: the bytes are in cache
+
+        shared = helper.submit(work) if helper is not None and len(items) > 1 else None
+        work()
+        if shared is not None:
+            shared.result()
+        return out
 
     def _commit(self, key: tuple[int, int], tag: int, size: int, offset: int, crc: int) -> bool:
         """Write the header of a slot whose payload is out; the entry exists once it is."""
