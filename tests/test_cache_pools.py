@@ -49,6 +49,25 @@ def test_uniform_reuses_uncached_first_then_evicts_least_recent() -> None:
     pool.check_invariants()
 
 
+def test_a_huge_uniform_pool_costs_nothing_per_block_until_used() -> None:
+    """Never-used ids are handed out in order after the freed ones, without a free-list entry
+    each (a 2 TiB upper-bound run has millions of blocks), and per-group counts are kept as
+    blocks are referenced, not counted over the pool."""
+    n = 10_000_000
+    pool = make_block_pool(uniform(groups(full(), full()), n), EventLog(enabled=True))
+    core = pool.core  # type: ignore[attr-defined]
+    assert core.free_uncached == {} and pool.num_free(0) == n - 1
+    assert pool.allocate(0, 3) == [1, 2, 3] and pool.allocate(1, 2) == [4, 5]
+    pool.release(0, [2])  # uncached: freed, so it comes back before the never-used ids
+    assert pool.allocate(1, 2) == [2, 6]
+    assert pool.used_per_group() == [2, 4] and pool.num_free(0) == n - 1 - 6
+    pool.cache(0, 1, 11)
+    pool.release(0, [1, 3])
+    assert pool.used_per_group() == [0, 4]
+    pool.touch(0, [1])  # a hit revives the cached block
+    assert pool.used_per_group() == [1, 4] and list(core.free_uncached) == [3]
+
+
 def test_a_block_that_served_a_hit_gets_one_second_chance() -> None:
     for chance in (True, False):
         pool = make_block_pool(

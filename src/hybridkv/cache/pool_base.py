@@ -255,7 +255,9 @@ class FreeListPool:
         "first",
         "free_cached",
         "free_uncached",
+        "fresh",
         "group_ids",
+        "group_used",
         "hashes",
         "hit",
         "maps",
@@ -283,10 +285,15 @@ class FreeListPool:
         self.hashes: list[int | None] = [None] * num_blocks
         self.owner = [-1] * num_blocks
         self.maps: dict[int, dict[int, int]] = {g: {} for g in self.group_ids}
-        # LIFO: popitem() takes the last inserted; inserted high to low so 1 comes out first.
-        self.free_uncached: dict[int, None] = dict.fromkeys(range(num_blocks - 1, first - 1, -1))
+        #: Uncached free blocks that were used before (LIFO: popitem() takes the last freed);
+        #: ids from ``fresh`` up were never handed out and are taken in order after them, so a
+        #: pool of millions of blocks costs nothing until it is used.
+        self.free_uncached: dict[int, None] = {}
+        self.fresh = first
         self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.num_used = 0
+        #: Referenced blocks per owner group (their sum is ``num_used``).
+        self.group_used: dict[int, int] = dict.fromkeys(self.group_ids, 0)
         #: ``hit[b]``: the chances block ``b`` holds (hits served, not yet spent; at most
         #: ``chances``); None when the second chance is off.
         self.chances = check_chances(second_chance)
@@ -294,7 +301,7 @@ class FreeListPool:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_uncached) + len(self.free_cached)
+        return len(self.free_uncached) + len(self.free_cached) + self.num_blocks - self.fresh
 
     def allocate(self, group_id: int, n: int) -> list[int]:
         refs, owner = self.refs, self.owner
@@ -309,9 +316,19 @@ class FreeListPool:
             out.append(b)
             if hit is not None:
                 hit[b] = 0
+        if take < n and self.fresh < self.num_blocks:  # never used: no mark to clear
+            start = self.fresh
+            stop = min(self.num_blocks, start + n - take)
+            for b in range(start, stop):
+                refs[b] = 1
+                owner[b] = group_id
+            out.extend(range(start, stop))
+            self.fresh = stop
+            take += stop - start
         if take < n:
             self._allocate_evicting(group_id, n - take, out)
         self.num_used += n
+        self.group_used[group_id] += n
         return out
 
     def _allocate_evicting(self, group_id: int, n: int, out: list[int]) -> None:
@@ -345,22 +362,27 @@ class FreeListPool:
             for old, h, b in evicted:
                 self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]
 
-    def touch(self, blocks: Sequence[int], most: int = -1) -> None:
-        """Revive or reference ``blocks`` (hits); each gains a chance up to ``most`` (-1: the
-        pool's ``chances``; a shared pool passes the touching group's)."""
+    def touch(self, group_id: int, blocks: Sequence[int], most: int = -1) -> None:
+        """Revive or reference ``blocks`` of ``group_id`` (hits); each gains a chance up to
+        ``most`` (-1: the pool's ``chances``; a shared pool passes the touching group's)."""
         refs, fc, hit = self.refs, self.free_cached, self.hit
         if most < 0:
             most = self.chances
+        revived = 0
         for b in blocks:
             r = refs[b]
             if not r:
                 del fc[b]
-                self.num_used += 1
+                revived += 1
             refs[b] = r + 1
             if hit is not None and hit[b] < most:
                 hit[b] += 1
+        if revived:
+            self.num_used += revived
+            self.group_used[group_id] += revived
 
-    def release(self, blocks: Sequence[int]) -> None:
+    def release(self, group_id: int, blocks: Sequence[int]) -> None:
+        """Drop a reference of each of ``blocks`` of ``group_id``."""
         refs, hashes, owner = self.refs, self.hashes, self.owner
         fu, fc = self.free_uncached, self.free_cached
         freed = 0
@@ -376,6 +398,7 @@ class FreeListPool:
             else:
                 fc[b] = None
         self.num_used -= freed
+        self.group_used[group_id] -= freed
 
     def refresh(self, blocks: Sequence[int]) -> None:
         refs, fc = self.refs, self.free_cached
@@ -429,7 +452,7 @@ class FreeListPool:
         for m in self.maps.values():
             m.clear()
         self.free_uncached.clear()
-        self.free_uncached.update(dict.fromkeys(range(self.num_blocks - 1, self.first - 1, -1)))
+        self.fresh = self.first
         self.free_cached.clear()
         if self.hit is not None:
             self.hit[:] = bytes(self.num_blocks)
@@ -451,8 +474,13 @@ class FreeListPool:
         if hit is not None and max(hit) > self.chances:
             raise InvariantError(f"a block holds more than {self.chances} second chances")
         used = 0
+        fresh = self.fresh
+        if not self.first <= fresh <= self.num_blocks:
+            raise InvariantError(f"fresh {fresh} not in [{self.first}, {self.num_blocks}]")
         for b in range(self.first, self.num_blocks):
             r = refs[b]
+            if r and b >= fresh:
+                raise InvariantError(f"block {b} has {r} references but was never handed out")
             if r < 0:
                 raise InvariantError(f"block {b} has ref count {r}")
             in_fu, in_fc = b in fu, b in fc
@@ -462,6 +490,9 @@ class FreeListPool:
                     raise InvariantError(f"block {b} has {r} references but is in a free queue")
                 if owner[b] not in self.maps:
                     raise InvariantError(f"referenced block {b} has owner {owner[b]}")
+            elif b >= fresh:
+                if in_fu or in_fc or hashes[b] is not None or owner[b] != -1:
+                    raise InvariantError(f"never-used block {b} is queued, cached or owned")
             elif in_fu == in_fc:
                 raise InvariantError(f"free block {b} is in {int(in_fu) + int(in_fc)} free queues")
             elif in_fu and (hashes[b] is not None or owner[b] != -1):
@@ -473,6 +504,12 @@ class FreeListPool:
                 raise InvariantError(f"block {b} holds hash {h:#x} but group map disagrees")
         if used != self.num_used:
             raise InvariantError(f"num_used {self.num_used} != {used} referenced blocks")
+        per_group = dict.fromkeys(self.group_ids, 0)
+        for b in range(self.first, self.num_blocks):
+            if refs[b]:
+                per_group[owner[b]] += 1
+        if per_group != self.group_used:
+            raise InvariantError(f"group_used {self.group_used} != {per_group} referenced blocks")
         mapped = 0
         for g, m in self.maps.items():
             for h, b in m.items():
@@ -489,7 +526,9 @@ class FreeListPool:
             list(self.owner),
             {g: list(m.items()) for g, m in self.maps.items()},
             list(self.free_uncached),
+            self.fresh,
             list(self.free_cached),
             self.num_used,
+            dict(self.group_used),
             None if self.hit is None else bytes(self.hit),
         )

@@ -9,9 +9,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
-from itertools import compress
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
@@ -86,10 +84,10 @@ class UniformPool(BlockPool):
         return self.core.allocate(group_id, n)
 
     def touch(self, group_id: int, blocks: Sequence[int]) -> None:
-        self.core.touch(blocks, self.caps[group_id])
+        self.core.touch(group_id, blocks, self.caps[group_id])
 
     def release(self, group_id: int, blocks: Sequence[int]) -> None:
-        self.core.release(blocks)
+        self.core.release(group_id, blocks)
 
     def refresh(self, group_id: int, blocks: Sequence[int]) -> None:
         self.core.refresh(blocks)
@@ -120,13 +118,7 @@ class UniformPool(BlockPool):
         return self.core.num_used / (self.core.num_blocks - 1)
 
     def num_used(self, group_id: int) -> int:
-        core = self.core  # at C speed: the owners of referenced blocks, counted
-        return list(compress(core.owner, core.refs)).count(group_id)
-
-    def used_per_group(self) -> list[int]:
-        core = self.core
-        counts = Counter(compress(core.owner, core.refs))
-        return [counts[g] for g in range(self.num_groups)]
+        return self.core.group_used[group_id]
 
     def is_allocated(self, group_id: int, block_id: int) -> bool:
         core = self.core
@@ -240,10 +232,10 @@ class PerGroupPools(BlockPool):
         return self.cores[group_id].allocate(group_id, n)
 
     def touch(self, group_id: int, blocks: Sequence[int]) -> None:
-        self.cores[group_id].touch(blocks)
+        self.cores[group_id].touch(group_id, blocks)
 
     def release(self, group_id: int, blocks: Sequence[int]) -> None:
-        self.cores[group_id].release(blocks)
+        self.cores[group_id].release(group_id, blocks)
 
     def refresh(self, group_id: int, blocks: Sequence[int]) -> None:
         self.cores[group_id].refresh(blocks)
