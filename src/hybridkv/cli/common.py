@@ -152,7 +152,8 @@ def add_block_options(
             type=int,
             default=None,
             metavar="TOKENS",
-            help="kernel block size, divides --block-size (default: --block-size)",
+            help="kernel block size, divides --block-size (default: the block size up to 16 "
+            "tokens, else gcd(block size, 16): 64 gives 16, 24 gives 8, an odd size 1)",
         )
     parser.add_argument(
         "--state-block-size",
@@ -223,6 +224,16 @@ def chunk_alignment_arg(args: argparse.Namespace) -> int:
     arena = args.strategy in ("arena", "all")
     check_needs(args, [("chunk_alignment", "--strategy arena (or all)", arena)])
     return parse_bytes(args.chunk_alignment, field="--chunk-alignment")
+
+
+def check_state_split(args: argparse.Namespace) -> None:
+    """Refuse an explicit ``--state-split`` K other than 1 with the ``uniform`` strategy,
+    which never splits state groups, instead of ignoring it."""
+    split = args.state_split
+    if split not in ("auto", 1) and args.strategy == "uniform":
+        raise CliInputError(
+            f"--state-split {split}: only applies with --strategy arena, pools or all"
+        )
 
 
 def check_needs(args: argparse.Namespace, needs: Iterable[tuple[str, str, bool]]) -> None:

@@ -29,6 +29,7 @@ from hybridkv.cli.common import (
     add_pool_options,
     add_tp,
     check_positive,
+    check_state_split,
     chunk_alignment_arg,
     max_model_len_for,
     model_name,
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     )
     memory = parse_bytes(args.memory, field="--memory")
     alignment = chunk_alignment_arg(args)
+    check_state_split(args)
     ratios = parse_ratios(args.pool_ratios)
     name = model_name(args, models.DEFAULT_MODEL)
     model = models.resolve_model(
@@ -184,17 +186,27 @@ def _title(plan: Plan, *, strategy: bool = True) -> str:
     )
 
 
+def _split_note(plan: Plan) -> str:
+    """What ``--state-split`` did: the state groups the layers ended in (nothing when it
+    split nothing)."""
+    from hybridkv.specs import CacheKind
+
+    states = [g for g in plan.layout.groups if g.spec.kind is CacheKind.STATE]
+    if plan.options.state_split == 1 or not states:
+        return ""
+    layers = sum(g.num_members for g in states)
+    return (
+        f"; {layers} state layers in {len(states)} groups "
+        f"(--state-split {plan.options.state_split})"
+    )
+
+
 def _header(plan: Plan) -> list[str]:
     layout = plan.layout
     lines = [
         _title(plan),
         f"hash block {layout.hash_block_size} tokens; schedule alignment "
-        f"{layout.schedule_alignment} tokens"
-        + (
-            f"; state layers split in {plan.options.state_split} groups"
-            if plan.options.state_split != 1
-            else ""
-        ),
+        f"{layout.schedule_alignment} tokens" + _split_note(plan),
     ]
     if layout.arena is not None:
         host = layout.null_host

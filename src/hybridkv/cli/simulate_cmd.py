@@ -354,6 +354,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.protect is not None and args.disaggregate:
         raise CliInputError(f"--protect {args.protect}: not with --disaggregate")
+    if args.report is not None and args.disaggregate:
+        raise CliInputError(
+            f"--report {args.report}: not with --disaggregate (it prints one summary)"
+        )
     memory = parse_bytes(args.memory, field="--memory")
     hosts: list[int | None] = [None]
     if args.host_memory is not None:

@@ -4,6 +4,7 @@ config before any weight is loaded."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from hybridkv.cache import PUBLISH_MODES
 from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cache.tiers import check_protect_share
-from hybridkv.errors import HybridKVError, PlanError
+from hybridkv.errors import BudgetTooSmallError, HybridKVError, PlanError
 from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
 from hybridkv.plan.options import AUTO_STATE_SPLIT
 from hybridkv.specs import ModelSpec
@@ -152,16 +153,54 @@ def plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan:
         return make_plan(spec, memory_bytes=memory, **options)
     # The arena planner may pad state pages differently for another budget (other chunk
     # sizes): size the budget from a plan until the plan it gives agrees.
-    plan = make_plan(spec, memory_bytes=1 << 40, **options)
-    if plan.layout.strategy is Strategy.POOLS:
+    big = make_plan(spec, memory_bytes=1 << 40, **options)
+    if big.layout.strategy is Strategy.POOLS:
         # Weights proportional to block bytes give every pool the same number of blocks.
-        options["pool_ratios"] = [g.block_bytes for g in plan.layout.groups]
-    for _ in range(4):
-        memory = _budget_for_blocks(plan.layout, cache.num_blocks)
-        if memory == plan.memory_bytes:
-            break
-        plan = make_plan(spec, memory_bytes=memory, **options)
-    return plan
+        options["pool_ratios"] = [g.block_bytes for g in big.layout.groups]
+
+    def for_blocks(num_blocks: int) -> Plan:
+        plan = big
+        for _ in range(4):
+            memory = _budget_for_blocks(plan.layout, num_blocks)
+            if memory == plan.memory_bytes:
+                break
+            plan = make_plan(spec, memory_bytes=memory, **options)
+        return plan
+
+    try:
+        return for_blocks(cache.num_blocks)
+    except BudgetTooSmallError as exc:
+        least = _least_blocks(for_blocks, cache.num_blocks)
+        reason = str(exc).partition("; ")[0].partition(" holds ")[2]
+        raise BudgetTooSmallError(
+            f"CacheConfig.num_blocks: {cache.num_blocks} blocks of every group hold {reason}; "
+            + (f"give at least {least}" if least else "no block count up to 2^20 does")
+        ) from None
+
+
+def _least_blocks(for_blocks: Callable[[int], Plan], given: int) -> int:
+    """The least block count above ``given`` whose plan holds a request (0: none up to
+    2^20): doubling, then bisecting (every count returned was planned)."""
+
+    def holds(n: int) -> bool:
+        try:
+            for_blocks(n)
+        except BudgetTooSmallError:
+            return False
+        return True
+
+    low, high = given, given * 2
+    while not holds(high):
+        if high >= 1 << 20:
+            return 0
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        if holds(mid):
+            high = mid
+        else:
+            low = mid
+    return high
 
 
 def preflight_plan(

@@ -69,7 +69,8 @@ def prepare(
     if missing:
         raise ModelSourceError(
             f"model: {name} needs the {model.extra} extra: pip install 'hybridkv[{model.extra}]' "
-            f"(cannot import {', '.join(missing)})"
+            f"(in a checkout: pip install -c constraints.txt '.[{model.extra}]'; cannot import "
+            f"{', '.join(missing)})"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     if log is not None:

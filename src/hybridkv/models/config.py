@@ -106,8 +106,10 @@ def select_text_config(
                     merged[key] = raw[key]
             return text_type, merged
     if top_type is None:
+        given = raw.get("model_type")
+        what = "missing" if given is None else f"must be a non-empty string, got {given!r}"
         raise ConfigError(
-            "config.model_type: missing; a Hugging Face config.json names its architecture in "
+            f"config.model_type: {what}; a Hugging Face config.json names its architecture in "
             "'model_type' (e.g. 'llama', 'gpt_oss', 'qwen3_next')"
         )
     return top_type, raw

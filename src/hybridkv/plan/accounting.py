@@ -4,8 +4,13 @@ Capacity rules (``need[g]`` = :func:`hybridkv.plan.need.blocks_for_request` of g
 
 * pools (``uniform`` and ``pools``): ``N`` requests fit when every pool has
   ``N * sum(need[g] for g in pool) <= num_blocks - 1`` (block 0 is the null block).
-* arena: ``N`` requests fit when ``sum_g ceil(N * need[g] / blocks_per_chunk[g]) <=
-  num_chunks - 1``: each group carves whole chunks (chunk 0 is the null chunk).
+* arena: ``N`` requests fit when ``sum_g ceil(max(0, N * need[g] - loaned[g]) /
+  blocks_per_chunk[g]) <= num_chunks - 1``: each group carves whole chunks (chunk 0 is the
+  null chunk) for what its blocks of chunk 0 (the null host's:
+  :func:`hybridkv.plan.layout.null_loan_blocks`) do not hold.  The tail host's ids past the
+  last chunk are not counted (they are free at the capacity point): a search that counted
+  them would prefer huge chunks whose tail locks a third of the budget to one group
+  (Zamba2-7B-like: 3 chunks of 2 GiB).
 
 Byte ledger at the capacity point ``N`` (every field >= 0; they sum to the budget exactly):
 
@@ -29,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from hybridkv.errors import PlanError
+from hybridkv.errors import BudgetTooSmallError, PlanError
 from hybridkv.plan.layout import MemoryLayout
 from hybridkv.units import format_bytes
 
@@ -100,25 +105,41 @@ def pool_capacity(layout: MemoryLayout, need: Sequence[int]) -> int:
 
 
 def arena_fits(
-    blocks_per_chunk: Sequence[int], usable_chunks: int, need: Sequence[int], requests: int
+    blocks_per_chunk: Sequence[int],
+    usable_chunks: int,
+    need: Sequence[int],
+    requests: int,
+    loaned: Sequence[int] | None = None,
 ) -> bool:
-    """True when ``requests`` requests fit in ``usable_chunks`` chunks (whole chunks/group)."""
+    """True when ``requests`` requests fit in ``usable_chunks`` chunks (whole chunks per
+    group) plus ``loaned[g]`` blocks each group holds outside them (None: none)."""
     chunks = 0
-    for per_chunk, blocks in zip(blocks_per_chunk, need, strict=True):
-        chunks += _cdiv(requests * blocks, per_chunk)
+    for g, (per_chunk, blocks) in enumerate(zip(blocks_per_chunk, need, strict=True)):
+        held = requests * blocks - (loaned[g] if loaned is not None else 0)
+        if held > 0:
+            chunks += _cdiv(held, per_chunk)
     return chunks <= usable_chunks
 
 
-def arena_capacity(blocks_per_chunk: Sequence[int], usable_chunks: int, need: Sequence[int]) -> int:
+def arena_capacity(
+    blocks_per_chunk: Sequence[int],
+    usable_chunks: int,
+    need: Sequence[int],
+    loaned: Sequence[int] | None = None,
+) -> int:
     """Largest ``N`` with :func:`arena_fits` (monotone in ``N``, found by bisection)."""
-    if usable_chunks <= 0 or not arena_fits(blocks_per_chunk, usable_chunks, need, 1):
+
+    def fits(n: int) -> bool:
+        return arena_fits(blocks_per_chunk, usable_chunks, need, n, loaned)
+
+    if usable_chunks <= 0 or not fits(1):
         return 0
     lo, hi = 1, 2
-    while arena_fits(blocks_per_chunk, usable_chunks, need, hi):
+    while fits(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:  # invariant: lo fits, hi does not
         mid = (lo + hi) // 2
-        if arena_fits(blocks_per_chunk, usable_chunks, need, mid):
+        if fits(mid):
             lo = mid
         else:
             hi = mid
@@ -185,21 +206,23 @@ def _arena_ledger(
     assert arena is not None  # dispatched on it
     chunk = arena.chunk_bytes
     allocated = padded_layers = padded_pages = leftovers = free = held_chunks = 0
-    for g in layout.groups:
+    usable = layout.null_chunk_usable_bytes  # chunk 0 past the null region
+    tail = layout.tail_usable_bytes  # lent to the tail host past the last chunk: free
+    free += usable + tail  # less what the held blocks take of chunk 0, below
+    for g, loan in zip(layout.groups, layout.null_loan_blocks, strict=True):
         per_chunk = layout.blocks_per_chunk(g.group_id)
         held = requests * need[g.group_id]
-        chunks = _cdiv(held, per_chunk)
+        in_loans = min(held, loan)  # the loans hold blocks first
+        free -= in_loans * g.block_bytes
+        chunks = _cdiv(held - in_loans, per_chunk)
         held_chunks += chunks
         data, layers, pages = _held_block_bytes(layout, g.group_id, held)
         allocated += data
         padded_layers += layers
         padded_pages += pages
         leftovers += chunks * (chunk - per_chunk * g.block_bytes)
-        free += (chunks * per_chunk - held) * g.block_bytes
+        free += (chunks * per_chunk - (held - in_loans)) * g.block_bytes
     free += (arena.num_chunks - 1 - held_chunks) * chunk
-    usable = layout.null_chunk_usable_bytes  # chunk 0 past the null region: free here
-    tail = layout.tail_usable_bytes  # lent to the tail host past the last chunk: free too
-    free += usable + tail
     waste = Waste(
         padded_layers=padded_layers,
         padded_pages=padded_pages,
@@ -231,7 +254,7 @@ def too_small_error(
         if unit == "chunk":
             levers.append("a smaller chunk_alignment")
     lever = ", ".join(levers[:-1]) + " or " + levers[-1]
-    return PlanError(
+    return BudgetTooSmallError(
         f"memory_bytes: {format_bytes(memory_bytes)} ({memory_bytes} B) holds no request of "
         f"max_model_len {max_model_len} with the {strategy} strategy; one request needs "
         f"{format_bytes(min_bytes)} ({min_bytes} B) including the reserved null {unit} (its "

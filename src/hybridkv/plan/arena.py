@@ -46,6 +46,7 @@ from hybridkv.plan.layout import (
     MemoryLayout,
     Strategy,
     null_chunk_usable_bytes,
+    null_loan_blocks,
     tail_host,
 )
 from hybridkv.plan.need import blocks_for_request
@@ -130,13 +131,28 @@ def _lent(chunk: int, block: int) -> int:
     return chunk // block - (1 if chunk % block else 0)
 
 
+def _min_bytes(groups: Sequence[GroupPlan], need: Sequence[int], chunk: int) -> int:
+    """The least budget that holds one request with chunks of ``chunk`` bytes: the null chunk
+    and each group's whole chunks for what the null host's part of chunk 0 does not hold."""
+    null_loan = null_loan_blocks(groups, chunk)
+    return (
+        1
+        + sum(
+            _cdiv(max(0, n - lent), _lent(chunk, g.block_bytes))
+            for g, n, lent in zip(groups, need, null_loan, strict=True)
+        )
+    ) * chunk
+
+
 def _evaluate_chunk(
     groups: tuple[GroupPlan, ...], need: Sequence[int], memory_bytes: int, chunk: int
 ) -> _Candidate:
     per_chunk = [_lent(chunk, g.block_bytes) for g in groups]
     num_chunks = memory_bytes // chunk
-    min_bytes = (1 + sum(_cdiv(n, p) for n, p in zip(need, per_chunk, strict=True))) * chunk
-    capacity = arena_capacity(per_chunk, num_chunks - 1, need) if num_chunks >= 2 else 0
+    start = num_chunks * chunk
+    min_bytes = _min_bytes(groups, need, chunk)
+    loaned = null_loan_blocks(groups, chunk)
+    capacity = arena_capacity(per_chunk, num_chunks - 1, need, loaned) if num_chunks >= 2 else 0
     padding = sum(
         capacity * n * (g.block_bytes - g.used_block_bytes)
         for g, n in zip(groups, need, strict=True)
@@ -144,10 +160,9 @@ def _evaluate_chunk(
     # Bounded chunks: what a chunk lends a group whose block does not divide it is short of
     # the chunk by less than two blocks; count it for the chunks the capacity point uses.
     inside = sum(
-        _cdiv(capacity * n, p) * (chunk - p * g.block_bytes)
-        for g, n, p in zip(groups, need, per_chunk, strict=True)
+        _cdiv(max(0, capacity * n - lent), p) * (chunk - p * g.block_bytes)
+        for g, n, lent, p in zip(groups, need, loaned, per_chunk, strict=True)
     )
-    start = num_chunks * chunk
     host = tail_host(groups, chunk, num_chunks, memory_bytes - start) if num_chunks >= 2 else None
     tail_bytes = 0 if host is None else host.end * groups[host.group_id].block_bytes - start
     lent = 0 if host is None else host.usable_bytes(groups)
@@ -171,25 +186,31 @@ _BOUNDED_MULTIPLES = 64
 
 def _bounded(
     base: tuple[GroupPlan, ...], need: Sequence[int], memory_bytes: int, alignment: int
-) -> _Candidate | None:
+) -> tuple[_Candidate | None, int]:
     """The best bounded chunk, whatever the page-size mix: ``k`` largest blocks rounded up to
     the alignment, or ``k`` times the least aligned multiple of the largest block (which then
     loses nothing to it), ``k = 1 .. 64``; a group whose block does not divide the chunk
-    gets ``chunk // block - 1`` blocks of every chunk (see :mod:`hybridkv.plan.layout`)."""
+    gets ``chunk // block - 1`` blocks of every chunk (see :mod:`hybridkv.plan.layout`).
+    Also the least budget holding one request with any of those sizes (0: none), the ones
+    too large for ``memory_bytes`` included."""
     largest = max(g.block_bytes for g in base)
     whole = lcm(largest, alignment)
     sizes = {_cdiv(k * largest, alignment) * alignment for k in range(1, _BOUNDED_MULTIPLES + 1)}
     sizes.update(k * whole for k in range(1, _BOUNDED_MULTIPLES + 1))
     best: _Candidate | None = None
+    least = 0
     for chunk in sorted(sizes):
-        if memory_bytes // chunk < 2:
-            break
         if any(chunk % g.block_bytes and chunk < 2 * g.block_bytes for g in base):
             continue
+        if memory_bytes // chunk < 2:
+            low = _min_bytes(base, need, chunk)
+            least = low if not least else min(least, low)
+            continue
         cand = _evaluate_chunk(base, need, memory_bytes, chunk)
+        least = cand.min_bytes if not least else min(least, cand.min_bytes)
         if best is None or cand.score(memory_bytes) > best.score(memory_bytes):
             best = cand
-    return best
+    return best, least
 
 
 def _search(
@@ -239,20 +260,41 @@ def _alignments(requested: int) -> list[int]:
 
 
 def _least_holding_one(
-    base: tuple[GroupPlan, ...], need: Sequence[int], options: PlanOptions, least: int
+    base: tuple[GroupPlan, ...],
+    need: Sequence[int],
+    options: PlanOptions,
+    least: int,
+    none_at: int,
 ) -> int:
-    """The smallest budget from ``least`` up that the search really plans one request in.
+    """A budget above ``none_at`` (which holds no request) that the search really plans one
+    request in, as small as the search finds.
 
     A budget's search reports the least ``min_bytes`` of every candidate it evaluated, but the
     candidates it evaluates depend on the budget (page paddings are kept only when they score
     better there), so the budget named may pick another chunk and still hold none: step up to
-    what that budget's own search names until one holds a request."""
-    budget = least
-    for _ in range(64):
+    what that budget's own search names until one holds a request, then bisect down towards
+    ``none_at`` (to 1/4096 of the budget): a lower budget may pick yet another chunk."""
+
+    def holds_one(budget: int) -> tuple[bool, int]:
         best, low, _ = _best_candidate(base, need, budget, options.chunk_alignment)
-        if best.capacity >= 1:
-            return budget
-        budget = low if low > budget else 2 * budget
+        return best.capacity >= 1, low
+
+    budget, below = least, none_at  # ``below``: a budget that holds none
+    for _ in range(64):
+        ok, low = holds_one(budget)
+        if ok:
+            break
+        below, budget = budget, low if low > budget else 2 * budget
+    else:
+        return budget
+    # A lower budget may hold one with another chunk: bisect down to it (every budget
+    # returned was planned).
+    while budget - below > max(1, budget >> 12):
+        mid = (below + budget) // 2
+        if holds_one(mid)[0]:
+            budget = mid
+        else:
+            below = mid
     return budget
 
 
@@ -278,10 +320,11 @@ def _best_candidate(
     for alignment in _alignments(chunk_alignment):
         if best.meets_aim(memory_bytes):
             break
-        bounded = _bounded(base, need, memory_bytes, alignment)
+        bounded, low = _bounded(base, need, memory_bytes, alignment)
+        if low:
+            least = min(least, low)
         if bounded is not None and bounded.score(memory_bytes) > best.score(memory_bytes):
             best = bounded
-            least = min(least, bounded.min_bytes)
     return best, least, lcm_best
 
 
@@ -303,7 +346,9 @@ def plan_arena(
             strategy=Strategy.ARENA.value,
             memory_bytes=memory_bytes,
             max_model_len=max_model_len,
-            min_bytes=_least_holding_one(base, need, options, max(least, memory_bytes + 1)),
+            min_bytes=_least_holding_one(
+                base, need, options, max(least, memory_bytes + 1), memory_bytes
+            ),
             data_bytes=sum(g.num_members * g.spec.resident_bytes(max_model_len) for g in base),
             unit="chunk",
         )

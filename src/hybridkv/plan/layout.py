@@ -55,6 +55,7 @@ __all__ = [
     "Strategy",
     "null_chunk_usable_bytes",
     "null_host",
+    "null_loan_blocks",
     "tail_host",
 ]
 
@@ -269,6 +270,16 @@ def tail_host(
     return best
 
 
+def null_loan_blocks(groups: Sequence[GroupPlan], chunk_bytes: int) -> list[int]:
+    """Per group, the blocks of chunk ``0`` it holds for good (the null host's, past the null
+    region: :func:`null_host`)."""
+    out = [0] * len(groups)
+    loan = null_host(groups, chunk_bytes)
+    if loan is not None:
+        out[loan.group_id] = loan.end - loan.first
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArenaPlan:
     """One shared region of ``num_chunks`` chunks; chunk 0 holds the null blocks.
@@ -439,6 +450,12 @@ class MemoryLayout:
         """Arena only: the group holding the bytes past the last whole chunk (None: unused)."""
         arena = self._arena_plan("tail_host")
         return tail_host(self.groups, arena.chunk_bytes, arena.num_chunks, arena.tail_bytes)
+
+    @property
+    def null_loan_blocks(self) -> list[int]:
+        """Arena only: per group, its blocks of chunk ``0`` (:func:`null_loan_blocks`)."""
+        chunk = self._arena_plan("null_loan_blocks").chunk_bytes
+        return null_loan_blocks(self.groups, chunk)
 
     @property
     def tail_usable_bytes(self) -> int:

@@ -111,7 +111,8 @@ def parse_strategy(value: Strategy | str) -> Strategy:
 def _capacity(layout: MemoryLayout, need: tuple[int, ...], max_model_len: int) -> Capacity:
     if layout.arena is not None:
         per_chunk = tuple(layout.blocks_per_chunk(g.group_id) for g in layout.groups)
-        n = arena_capacity(per_chunk, layout.arena.num_chunks - 1, need)
+        loaned = layout.null_loan_blocks
+        n = arena_capacity(per_chunk, layout.arena.num_chunks - 1, need, loaned)
         in_use = tuple(n * b for b in need)
         return Capacity(
             max_concurrent_requests=n,
@@ -120,7 +121,10 @@ def _capacity(layout: MemoryLayout, need: tuple[int, ...], max_model_len: int) -
             blocks_in_use=in_use,
             num_chunks=layout.arena.num_chunks,
             blocks_per_chunk=per_chunk,
-            chunks_in_use=tuple(_cdiv(u, p) for u, p in zip(in_use, per_chunk, strict=True)),
+            chunks_in_use=tuple(
+                _cdiv(max(0, u - lent), p)
+                for u, lent, p in zip(in_use, loaned, per_chunk, strict=True)
+            ),
         )
     n = pool_capacity(layout, need)
     return Capacity(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from hybridkv.errors import PlanError
+from hybridkv.errors import BudgetTooSmallError, PlanError
 from hybridkv.plan.grouping import BuiltLayout, SpecGroup, base_group_plans
 from hybridkv.plan.layout import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.plan.need import blocks_for_request
@@ -152,7 +152,7 @@ def _split_error(
         f"{format_bytes(g.block_bytes)} and needs {n}"
         for g, b, n in short
     )
-    return PlanError(
+    return BudgetTooSmallError(
         f"memory_bytes: {format_bytes(memory_bytes)} ({memory_bytes} B) holds no request of "
         f"max_model_len {max_model_len} with the pools strategy: the fixed split {split} "
         f"starves a pool: {starved}; this split needs at least {format_bytes(least)} "

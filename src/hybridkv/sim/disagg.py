@@ -180,7 +180,9 @@ def simulate_pd(
         decode_hit_tokens=0,
         transferred_bytes=0,
     )
-    arrival = {r.request_id: r.arrival_ms / 1000.0 for r in reqs}
+    # ``use_arrivals`` off: every request is there at time 0, as in simulate()
+    arrive = [r.arrival_ms / 1000.0 if prefill.use_arrivals else 0.0 for r in reqs]
+    arrival = {r.request_id: t for r, t in zip(reqs, arrive, strict=True)}
     first: dict[str, float] = {}
     link: list[tuple[float, str]] = []  # (ready time, request id) after prefill
     link_free = 0.0
@@ -191,17 +193,13 @@ def simulate_pd(
     while idx < len(reqs) or pre.has_unfinished() or dec.has_unfinished() or link or waiting_link:
         # the instance whose next event comes first goes: its clock if it has work, else the
         # time of its next input (an arrival; a handover leaving the prefill instance)
-        pre_next = (
-            t_pre
-            if pre.has_unfinished()
-            else (reqs[idx].arrival_ms / 1000.0 if idx < len(reqs) else inf)
-        )
+        pre_next = t_pre if pre.has_unfinished() else (arrive[idx] if idx < len(reqs) else inf)
         dec_next = t_dec if dec.has_unfinished() or waiting_link else (link[0][0] if link else inf)
         if pre_next == inf and dec_next == inf:
             raise SimulationError("prefill/decode: requests remain but nothing can run")
         if pre_next <= dec_next:
             t_pre = max(t_pre, pre_next)
-            while idx < len(reqs) and reqs[idx].arrival_ms / 1000.0 <= t_pre:
+            while idx < len(reqs) and arrive[idx] <= t_pre:
                 r = reqs[idx]
                 idx += 1
                 pre.add_request(r.request_id, r.prompt_token_ids, max_tokens=1, hold=True)
