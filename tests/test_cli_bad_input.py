@@ -110,7 +110,11 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["plan", "no-such-model"], "'no-such-model' is neither a catalog name"),
     # simulate: every check before the first strategy runs
     (["simulate", "--memory", "12XB"], "--memory: cannot parse '12XB' as a size"),
-    (["simulate", "--memory", "1MiB"], "no strategy can plan this model in this budget"),
+    (
+        ["simulate", "--memory", "1MiB"],
+        "--memory 1 MiB: no strategy holds a request of --max-model-len 131072 in it; one "
+        "request needs arena 3.08 GiB, uniform 3.12 GiB, pools 4.72 GiB; give at least that",
+    ),
     (["simulate", "--strategy", "pools", "--memory", "1MiB"], "holds no request"),
     (["simulate", "--requests", "0"], "--requests: must be a positive integer, got 0"),
     (["simulate", "--token-budget", "0"], "--token-budget: must be a positive integer"),

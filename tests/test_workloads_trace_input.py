@@ -92,12 +92,12 @@ CASES = [
     (
         "bool-length",
         _line(input_length=True),
-        "{p}:1: field 'input_length' must be a non-negative integer, got True",
+        "{p}:1: field 'input_length' must be a positive integer, got True",
     ),
     (
         "zero-input",
         _line(input_length=0),
-        "{p}:1: field 'input_length' must be positive, got 0",
+        "{p}:1: field 'input_length' must be a positive integer, got 0",
     ),
     (
         "huge-output",

@@ -46,8 +46,12 @@ class PlanError(HybridKVError, ValueError):
 
 
 class BudgetTooSmallError(PlanError):
-    """The budget holds not even one request of ``max_model_len`` tokens (the message names
-    the least budget that would)."""
+    """The budget holds not even one request of ``max_model_len`` tokens; ``least_bytes``
+    (also in the message) is a budget that would hold one (0: not known)."""
+
+    def __init__(self, message: str, least_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.least_bytes = least_bytes
 
 
 class RequestError(HybridKVError, ValueError):

@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.cache.tiers import TierStack
     from hybridkv.cli.plan_cmd import parse_ratios
     from hybridkv.cli.progress import Progress
-    from hybridkv.errors import PlanError
+    from hybridkv.errors import BudgetTooSmallError, PlanError
     from hybridkv.models import resolve_model
     from hybridkv.plan import Strategy
     from hybridkv.scheduler import SchedulerError
@@ -340,9 +340,10 @@ def run(args: argparse.Namespace) -> int:
         size = args.host_memory if through == "host" else args.disk_memory
         if size is None or "0" in [p.strip() for p in str(size).split(",")]:
             flag = "--host-memory" if through == "host" else "--disk-memory"
+            zero = ", not 0" if through == "host" else ""  # --disk-memory takes no 0 anyway
             raise CliInputError(
-                f"--write-through {through}: needs a {through} tier in every run ({flag} SIZE, "
-                f"not 0); got {'none' if size is None else f'{flag} {size}'}"
+                f"--write-through {through}: needs a {through} tier in every run ({flag} SIZE"
+                f"{zero}); got {'none' if size is None else f'{flag} {size}'}"
             )
         if args.disaggregate:
             raise CliInputError(f"--write-through {through}: not with --disaggregate")
@@ -439,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
     # A host-size sweep plans the same device layout at every size: one strategy's plan
     # error is the command's error, said once.
     failures: list[StrategyFailure] = []
+    least: dict[str, int] = {}  # strategy -> a budget holding one request, where too small
     runnable = []
     for config in configs:
         try:
@@ -447,11 +449,20 @@ def run(args: argparse.Namespace) -> int:
             if len(strategies) == 1:
                 raise
             failures.append(StrategyFailure(str(config.strategy), str(exc)))
+            if isinstance(exc, BudgetTooSmallError) and exc.least_bytes:
+                least[str(config.strategy)] = exc.least_bytes
         else:
             if config.tiers():  # a tier too small for any block: refused here, not mid-run
                 TierStack(config.tiers(), [g.block_bytes for g in plan.layout.groups])
             runnable.append(config)
     if not runnable:
+        if len(least) == len(failures):  # every strategy: the budget is too small, said once
+            needs = ", ".join(f"{s} {format_bytes(b)}" for s, b in least.items())
+            raise SimulationError(
+                f"--memory {format_bytes(memory)}: no strategy holds a request of "
+                f"--max-model-len {configs[0].max_model_len} in it; one request needs {needs}; "
+                "give at least that much --memory or a shorter --max-model-len"
+            )
         reasons = "; ".join(f"{f.strategy}: {f.reason}" for f in failures)
         raise SimulationError(f"no strategy can plan this model in this budget: {reasons}")
     report_dir = None if args.report is None else _check_report_dir(args.report)

@@ -259,5 +259,6 @@ def too_small_error(
         f"max_model_len {max_model_len} with the {strategy} strategy; one request needs "
         f"{format_bytes(min_bytes)} ({min_bytes} B) including the reserved null {unit} (its "
         f"cache data alone is {data_bytes} B), {format_bytes(min_bytes - memory_bytes)} more "
-        f"than given; give at least that much {lever}"
+        f"than given; give at least that much {lever}",
+        min_bytes,
     )

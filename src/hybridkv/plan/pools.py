@@ -158,7 +158,8 @@ def _split_error(
         f"starves a pool: {starved}; this split needs at least {format_bytes(least)} "
         f"({least} B) although one request's cache data is only {format_bytes(data_bytes)}; "
         "give more memory, a shorter max_model_len, pool ratios that match the need "
-        "(--pool-ratios), or the arena strategy, which has no fixed split"
+        "(--pool-ratios), or the arena strategy, which has no fixed split",
+        least,
     )
 
 

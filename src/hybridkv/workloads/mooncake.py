@@ -86,14 +86,13 @@ def _lines(fh: io.BufferedIOBase, p: Path, gz: bool) -> Iterator[tuple[int, str]
         yield lineno, line
 
 
-def _count(obj: dict[str, object], name: str, where: str) -> int:
+def _count(obj: dict[str, object], name: str, where: str, least: int) -> int:
     if name not in obj:
         raise WorkloadError(f"{where}: missing field {name!r}; {_FORMAT}")
     value = obj[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise WorkloadError(
-            f"{where}: field {name!r} must be a non-negative integer, got {value!r}"
-        )
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        what = "a positive integer" if least == 1 else "a non-negative integer"
+        raise WorkloadError(f"{where}: field {name!r} must be {what}, got {value!r}")
     return value
 
 
@@ -112,8 +111,8 @@ def _parse(line: str, where: str, source_block: int) -> tuple[float, int, int, l
         raise WorkloadError(
             f"{where}: field 'timestamp' must be a non-negative number of ms, got {ts!r}"
         )
-    n_in = _count(obj, "input_length", where)
-    n_out = _count(obj, "output_length", where)
+    n_in = _count(obj, "input_length", where, 1)
+    n_out = _count(obj, "output_length", where, 0)
     if "hash_ids" not in obj:
         raise WorkloadError(f"{where}: missing field 'hash_ids'; {_FORMAT}")
     hash_ids = obj["hash_ids"]
@@ -124,8 +123,6 @@ def _parse(line: str, where: str, source_block: int) -> tuple[float, int, int, l
             f"{where}: field 'hash_ids' must be a list of non-negative integers, got "
             f"{_short(hash_ids)}"
         )
-    if n_in <= 0:
-        raise WorkloadError(f"{where}: field 'input_length' must be positive, got {n_in}")
     if n_out >= _OUTPUT_STRIDE:
         raise WorkloadError(
             f"{where}: field 'output_length' must be below {_OUTPUT_STRIDE}, got {n_out}"
@@ -160,10 +157,11 @@ def load_mooncake_trace(
 
     Lines whose ``input_length`` exceeds ``max_prompt_tokens`` are validated but skipped: they
     do not count toward ``limit`` and are counted in :attr:`Workload.skipped`.  Reading stops
-    once ``limit`` requests are kept.  The file may be gzip-compressed (recognised by its magic
-    bytes, whatever its name).  Raises :class:`WorkloadError` (one line, naming the file, the
-    line and the field) for a missing file, a directory, binary or non-UTF-8 data, a broken
-    gzip stream, a malformed line, or a file that holds no request.
+    once ``limit`` requests are kept.  An ``output_length`` of 0 (a prefill-only request) is
+    read as one output token: the prefill samples it.  The file may be gzip-compressed
+    (recognised by its magic bytes, whatever its name).  Raises :class:`WorkloadError` (one
+    line, naming the file, the line and the field) for a missing file, a directory, binary or
+    non-UTF-8 data, a broken gzip stream, a malformed line, or a file that holds no request.
     """
     p = Path(path)
     for name, value in (("limit", limit), ("max_prompt_tokens", max_prompt_tokens)):
