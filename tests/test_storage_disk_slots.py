@@ -62,19 +62,29 @@ def test_a_second_process_on_the_directory_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("fp", "capacity", "field"),
+    ("fp", "capacity", "said"),
     [
-        ({"model": "other", "layout": {"groups": [1, 2]}}, 4096, "model"),
-        ({"model": "m", "layout": {"groups": [1, 3]}}, 4096, "layout"),
-        (FP, 8192, "capacity_bytes"),
+        ({"model": "other", "layout": {"groups": [1, 2]}}, 4096, 'another model (it has model="m"'),
+        (
+            {"model": "m", "layout": {"groups": [1, 3]}},
+            4096,
+            "another layout (it has layout.groups[1]=2, this engine layout.groups[1]=3)",
+        ),
+        (FP, 8192, "another capacity_bytes (it has capacity_bytes=4096, this engine"),
+        (  # the model is named first, whatever else differs
+            {"model": "other", "layout": {"groups": [1, 3]}},
+            4096,
+            'another model, layout (it has model="m", this engine model="other")',
+        ),
     ],
 )
 def test_a_directory_made_for_something_else_is_refused(
-    tmp_path: Path, fp: dict[str, Any], capacity: int, field: str
+    tmp_path: Path, fp: dict[str, Any], capacity: int, said: str
 ) -> None:
     slots(tmp_path).close()
-    with pytest.raises(DiskCacheError, match=f"another {field} .*use another directory"):
+    with pytest.raises(DiskCacheError) as info:
         DiskSlots(tmp_path, capacity, fp, SIZES)
+    assert said in str(info.value) and str(info.value).endswith("use another directory or empty it")
 
 
 def test_paths_that_cannot_hold_a_cache_are_refused(tmp_path: Path) -> None:

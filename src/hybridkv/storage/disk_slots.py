@@ -177,14 +177,18 @@ class DiskSlots:
                     f"disk cache: {manifest} is unreadable ({exc}); use an empty directory"
                 ) from exc
             if have != want:
-                diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k)) or [
-                    "?"
-                ]
+                keys = set(have) | set(want) if isinstance(have, dict) else set(want)
+                old = have if isinstance(have, dict) else {}
+                diff = sorted(
+                    (k for k in keys if old.get(k) != want.get(k)),
+                    key=lambda k: (_PRIORITY.get(k, len(_PRIORITY)), k),
+                ) or ["?"]
+                where, theirs, mine = _first_difference(old.get(diff[0]), want.get(diff[0]))
+                field = diff[0] + where
                 raise DiskCacheError(
                     f"disk cache: {d} holds a cache made for another "
-                    f"{', '.join(diff)} (it has {diff[0]}={_short(have.get(diff[0]))}, this "
-                    f"engine {diff[0]}={_short(want.get(diff[0]))}); use another directory or "
-                    "empty it"
+                    f"{', '.join(diff)} (it has {field}={_short(theirs)}, this engine "
+                    f"{field}={_short(mine)}); use another directory or empty it"
                 )
         else:
             others = sorted(p.name for p in d.iterdir() if p.name not in ours)
@@ -553,6 +557,24 @@ def _parse(raw: bytes) -> tuple[int, int, int, int, int, int, int] | None:
     if magic != _MAGIC or state not in (_EMPTY, _COMMITTED):
         return None
     return group, size, state, tag, stamp, int.from_bytes(h, "little", signed=True), crc
+
+
+#: Which differing manifest field a refusal names first (the rest alphabetically after).
+_PRIORITY = {"model": 0, "dtype": 1, "hasher": 2, "format": 3, "capacity_bytes": 4}
+
+
+def _first_difference(have: Any, want: Any, path: str = "") -> tuple[str, Any, Any]:
+    """The path (``.groups[1].block_size``) of the first leaf where ``have`` and ``want``
+    differ, and the two values there."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        for key in sorted(set(have) | set(want), key=str):
+            if have.get(key) != want.get(key):
+                return _first_difference(have.get(key), want.get(key), f"{path}.{key}")
+    if isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
+        for i, (a, b) in enumerate(zip(have, want, strict=True)):
+            if a != b:
+                return _first_difference(a, b, f"{path}[{i}]")
+    return path, have, want
 
 
 def _short(value: Any) -> str:
