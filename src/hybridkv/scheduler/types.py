@@ -69,8 +69,9 @@ class SchedulerConfig:
     ``"greedy"``: admit whenever the first chunk fits, as vLLM does; later chunks preempt the
     newest requests when the cache is full.  Measured with ``hybridkv simulate`` on the
     Mooncake trace's first 2,000 requests, greedy -> reserve: Qwen3-Next-80B-A3B at 32 GiB,
-    arena TTFT p50 42.9 -> 20.1 s (90 -> 53 preemptions), ``uniform`` 20.6 -> 17.2 s (518 ->
-    17); the other models and sizes in ``docs/architecture.md`` (section 5).
+    arena TTFT p50 53.1 -> 13.5 s (469 -> 21 preemptions), ``uniform`` 22.7 -> 17.0 s (500 ->
+    16), measured 2026-11-27 (42.9 -> 20.1 s and 20.6 -> 17.2 s when the rule was made); the
+    other models and sizes in ``docs/architecture.md`` (section 5), as measured then.
     """
 
     token_budget: int = 8192
