@@ -288,6 +288,11 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
         ("--model", "llama", "--attention-sinks", "2"),
         "--attention-sinks 2: sink tokens need sliding-window layers; llama has no sliding_window",
     ),
+    (
+        "shared-prefix-over-the-model",
+        ("--shared-prefix", "5000"),
+        "(the model's limit, at most 2048); lower --shared-prefix to at most 498",
+    ),
     ("memory-0", ("--memory", "0"), "--memory: size must be positive"),
     ("memory-too-small", ("--memory", "4KiB"), "--memory: 4 KiB (4096 B) holds no request"),
     (

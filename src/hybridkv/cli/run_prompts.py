@@ -134,10 +134,14 @@ def prompts_for(
         )
         longest = max(len(p) for p in prompts)
         if longest >= max_model_len:
+            room = max_model_len - 1 - (longest - args.shared_prefix)  # one output token
+            fix = f"lower --shared-prefix to at most {room}" if room >= 0 else "lower it"
+            if args.max_model_len is not None:  # not the model's own limit: it may grow
+                fix += " or raise --max-model-len"
             raise RunInputError(
                 f"--shared-prefix {args.shared_prefix}: the generated prompts have up to "
                 f"{longest} tokens (the shared prefix + their own), too long for "
-                f"{length_hint}; lower --shared-prefix or raise --max-model-len"
+                f"{length_hint}; {fix}"
             )
         return prompts
     numbered = _numbered_prompts(args.prompts, lines, tokenizer)
