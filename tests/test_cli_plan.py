@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -271,3 +272,29 @@ def test_the_state_split_line_says_what_was_split(capsys: pytest.CaptureFixture[
     assert out.splitlines()[1].endswith("; 36 state layers in 4 groups (--state-split 4)")
     code, out, _ = _run(capsys, "gpt-oss-20b", "--state-split", "4")
     assert code == 0 and "state layers" not in out.splitlines()[1]
+
+
+def test_what_the_config_leaves_out_is_said(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """No max_position_embeddings: the length planned for is said on stderr; a model type
+    without a registry entry: the spec's note is printed with the plan."""
+    config = {
+        "model_type": "somethingnew",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "torch_dtype": "bfloat16",
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    code, out, err = _run(capsys, str(path), "--memory", "1GiB")
+    assert code == 0
+    assert err == (
+        f"hybridkv plan: note: {tmp_path.name}'s config names no max_position_embeddings; "
+        "planning for 131072 tokens (give --max-model-len)\n"
+    )
+    assert "note: somethingnew: no registry entry; derived generically" in out
+    code, out, err = _run(capsys, str(path), "--memory", "1GiB", "--max-model-len", "4096")
+    assert code == 0 and err == ""

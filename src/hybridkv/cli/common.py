@@ -273,7 +273,16 @@ def max_model_len_for(
                 file=sys.stderr,
             )
         return requested
-    return MAX_MODEL_LEN_CAP if limit is None else min(limit, MAX_MODEL_LEN_CAP)
+    if limit is None:
+        if warn:
+            prog = f"hybridkv {command}" if command else "hybridkv"
+            print(
+                f"{prog}: note: {spec.name}'s config names no max_position_embeddings; "
+                f"planning for {MAX_MODEL_LEN_CAP} tokens (give --max-model-len)",
+                file=sys.stderr,
+            )
+        return MAX_MODEL_LEN_CAP
+    return min(limit, MAX_MODEL_LEN_CAP)
 
 
 #: Library field names (what typed errors name) -> the flag that sets them on the command line.

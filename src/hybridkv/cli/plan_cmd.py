@@ -309,7 +309,7 @@ def plan_report(plan: Plan) -> str:
         f"ledger         allocated {format_bytes(plan.allocated_bytes)}, waste "
         f"{format_bytes(w.total)}, free {format_bytes(plan.free_bytes)}"
     )
-    lines.extend(f"note: {note}" for note in plan.notes)
+    lines.extend(f"note: {note}" for note in (*plan.model.notes, *plan.notes))
     return "\n".join(lines)
 
 
@@ -343,6 +343,8 @@ def comparison_report(comparison: StrategyComparison) -> str:
     )
     lines.append(render_table(headers, rows, align="lrrrrr"))
     lines.extend(f"{f.strategy.value}: {f.reason}" for f in comparison.failures)
+    if comparison.plans:
+        lines.extend(f"note: {note}" for note in comparison.plans[0].model.notes)
     lines.extend(f"note: {note}" for p in comparison.plans for note in p.notes)
     lines.append(
         "naive: every caching layer keeps every token; its waste is what it reserves for "
