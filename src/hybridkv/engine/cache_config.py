@@ -17,6 +17,7 @@ from hybridkv.cache.tiers import check_protect_share
 from hybridkv.errors import BudgetTooSmallError, HybridKVError, PlanError
 from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
 from hybridkv.plan.options import AUTO_STATE_SPLIT
+from hybridkv.plan.search import first_true
 from hybridkv.specs import ModelSpec
 
 __all__ = [
@@ -194,13 +195,7 @@ def _least_blocks(for_blocks: Callable[[int], Plan], given: int) -> int:
         if high >= 1 << 20:
             return 0
         low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        if holds(mid):
-            high = mid
-        else:
-            low = mid
-    return high
+    return first_true(holds, low, high)
 
 
 def preflight_plan(

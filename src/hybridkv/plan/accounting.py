@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 from hybridkv.errors import BudgetTooSmallError, PlanError
 from hybridkv.plan.layout import MemoryLayout
+from hybridkv.plan.search import first_true
 from hybridkv.units import format_bytes
 
 __all__ = [
@@ -137,13 +138,7 @@ def arena_capacity(
     lo, hi = 1, 2
     while fits(hi):
         lo, hi = hi, hi * 2
-    while hi - lo > 1:  # invariant: lo fits, hi does not
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return first_true(lambda n: not fits(n), lo, hi) - 1  # the last that fits
 
 
 def ledger(layout: MemoryLayout, need: Sequence[int], requests: int, memory_bytes: int) -> Ledger:

@@ -51,6 +51,7 @@ from hybridkv.plan.layout import (
 )
 from hybridkv.plan.need import blocks_for_request
 from hybridkv.plan.options import PlanOptions
+from hybridkv.plan.search import first_true
 
 __all__ = ["ARENA_MAX_WASTE_FRACTION", "ARENA_MIN_CHUNKS", "plan_arena", "state_page_candidates"]
 
@@ -289,13 +290,7 @@ def _least_holding_one(
         return budget
     # A lower budget may hold one with another chunk: bisect down to it (every budget
     # returned was planned).
-    while budget - below > max(1, budget >> 12):
-        mid = (below + budget) // 2
-        if holds_one(mid)[0]:
-            budget = mid
-        else:
-            below = mid
-    return budget
+    return first_true(lambda b: holds_one(b)[0], below, budget, budget >> 12)
 
 
 def _best_candidate(
