@@ -278,14 +278,13 @@ def test_what_the_config_leaves_out_is_said(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """No max_position_embeddings: the length planned for is said on stderr; a model type
-    without a registry entry: the spec's note is printed with the plan."""
+    without a registry entry and no dtype: the spec's notes are printed with the plan."""
     config = {
         "model_type": "somethingnew",
         "num_hidden_layers": 2,
         "hidden_size": 64,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "torch_dtype": "bfloat16",
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config), encoding="utf-8")
@@ -296,5 +295,6 @@ def test_what_the_config_leaves_out_is_said(
         "planning for 131072 tokens (give --max-model-len)\n"
     )
     assert "note: somethingnew: no registry entry; derived generically" in out
+    assert "note: the config names no dtype (dtype, torch_dtype): bfloat16 assumed" in out
     code, out, err = _run(capsys, str(path), "--memory", "1GiB", "--max-model-len", "4096")
     assert code == 0 and err == ""

@@ -119,6 +119,8 @@ def spec_from_config(
     layers = arch.derive(view, ctx)
     if ctx.kv_dtype is not dtype:
         ctx.note(f"kv_cache_dtype={ctx.kv_dtype.value} applies to attention/MLA caches only")
+    if data.get("dtype") is None and data.get("torch_dtype") is None:
+        ctx.note(f"the config names no dtype (dtype, torch_dtype): {dtype.value} assumed")
     spec_name = name or str(raw.get("_name_or_path") or "") or model_type
     spec = ModelSpec(
         name=spec_name,
