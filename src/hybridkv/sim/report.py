@@ -60,9 +60,38 @@ COLUMNS: dict[str, str] = {
 }
 
 
+def compact_groups(rates: dict[str, float]) -> str:
+    """``{"g0:state, 9 layers": 0.521, "g1:state, 9 layers": 0.521, ...}`` as one cell:
+    consecutive groups of the same kind and size with the same rate share an entry
+    (``g0-g3:state, 4x9 layers 52.1%``), as a state split's parts always do."""
+    runs: list[tuple[int, int, str, int, str]] = []  # first, last, kind, layers, rate
+    for label, rate in rates.items():
+        gid, _, rest = label.partition(":")
+        kind, _, layers = rest.rpartition(", ")
+        try:
+            g, n = int(gid.removeprefix("g")), int(layers.split()[0])
+        except (ValueError, IndexError):  # not a group label of ours: shown as it is
+            runs.append((-1, -1, label, 0, f"{rate:.1%}"))
+            continue
+        text = f"{rate:.1%}"
+        if runs and runs[-1][1] == g - 1 and runs[-1][2:] == (kind, n, text):
+            runs[-1] = (runs[-1][0], g, kind, n, text)
+        else:
+            runs.append((g, g, kind, n, text))
+    cells = []
+    for first, last, kind, n, text in runs:
+        if first < 0:
+            cells.append(f"{kind} {text}")
+        elif first == last:
+            cells.append(f"g{first}:{kind}, {n} layer{'s' if n != 1 else ''} {text}")
+        else:
+            cells.append(f"g{first}-g{last}:{kind}, {last - first + 1}x{n} layers {text}")
+    return ", ".join(cells)
+
+
 def _row(r: SimResult) -> dict[str, str]:
     s = r.summary()
-    groups = ", ".join(f"{k} {v:.1%}" for k, v in s["group_hit_rates"].items())
+    groups = compact_groups(s["group_hit_rates"])
     return {
         "strategy": r.strategy,
         "hit rate": f"{s['token_hit_rate']:.1%}",
