@@ -96,6 +96,10 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         ["plan", "--strategy", "uniform", "--state-split", "4"],
         "--state-split 4: only applies with --strategy arena, pools or all",
     ),
+    (
+        ["simulate", "--strategy", "uniform", "--state-split", "4"],
+        "--state-split 4: only applies with --strategy arena, pools or all",
+    ),
     (["models", "{tmp}/model_type_5.json"], "config.model_type: must be a non-empty string, got 5"),
     (
         ["simulate", "--protect-share", "0.5"],
@@ -113,7 +117,8 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (
         ["simulate", "--memory", "1MiB"],
         "--memory 1 MiB: no strategy holds a request of --max-model-len 131072 in it; one "
-        "request needs arena 3.08 GiB, uniform 3.12 GiB, pools 4.72 GiB; give at least that",
+        "request needs arena 3.08 GiB (3312451584 B), uniform 3.12 GiB (3347841024 B), pools "
+        "4.72 GiB (5065408512 B); give at least that",
     ),
     (["simulate", "--strategy", "pools", "--memory", "1MiB"], "holds no request"),
     (["simulate", "--requests", "0"], "--requests: must be a positive integer, got 0"),

@@ -41,6 +41,7 @@ from hybridkv.cli.common import (
     add_tp,
     check_needs,
     check_positive,
+    check_state_split,
     chunk_alignment_arg,
     max_model_len_for,
     model_name,
@@ -370,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         None if args.disk_memory is None else parse_bytes(args.disk_memory, field="--disk-memory")
     )
     alignment = chunk_alignment_arg(args)
+    check_state_split(args)
     ratios = parse_ratios(args.pool_ratios)
     name = model_name(args, DEFAULT_MODEL)
     model = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp)
@@ -457,7 +459,7 @@ def run(args: argparse.Namespace) -> int:
             runnable.append(config)
     if not runnable:
         if len(least) == len(failures):  # every strategy: the budget is too small, said once
-            needs = ", ".join(f"{s} {format_bytes(b)}" for s, b in least.items())
+            needs = ", ".join(f"{s} {format_bytes(b)} ({b} B)" for s, b in least.items())
             raise SimulationError(
                 f"--memory {format_bytes(memory)}: no strategy holds a request of "
                 f"--max-model-len {configs[0].max_model_len} in it; one request needs {needs}; "
