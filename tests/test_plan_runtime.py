@@ -4,6 +4,7 @@ windowed groups), counting the blocks chunk 0 lends its host group."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +14,7 @@ from hybridkv.errors import PlanError
 from hybridkv.plan import Plan, Strategy, make_plan
 from hybridkv.specs import CacheKind, ModelSpec
 from hybridkv.units import parse_bytes
+from test_plan_factories import full, model, state
 from test_plan_properties import models
 
 
@@ -94,3 +96,21 @@ def test_qwen3_next_fits_one_request_with_chunk_zero_lent() -> None:
     assert plan.layout.null_loan_blocks == [0, 197]
     assert plan.capacity.chunks_in_use == (1, 41)
     _hold_all(plan)
+
+
+@pytest.mark.parametrize("when_full", ["refuse", "skip_minor", "skip"])
+def test_a_request_alone_runs_without_the_checkpoint_it_has_no_room_for(when_full: str) -> None:
+    """A plan counts one state slot per request; a step that would also save a checkpoint
+    and finds no room for it skips the checkpoint when its request is the only one (nothing
+    could be preempted to make room), under every ``checkpoint_when_full`` mode: at a
+    ``uniform`` plan's capacity of one, ``refuse`` used to fail the decode step for good."""
+    m = model([state((3,)), full(kv=1, hd=2, dtype="bf16")])
+    plan = make_plan(m, memory_bytes=384, max_model_len=16, strategy=Strategy.UNIFORM, block_size=1)
+    assert plan.capacity.max_concurrent_requests == 1
+    manager = KVCacheManager(plan.layout, max_model_len=16, checkpoint_when_full=when_full)
+    request = Request("r", list(range(100, 115)), hash_block_size=plan.layout.hash_block_size)
+    assert manager.allocate_slots(request, 15) is not None
+    request.num_computed_tokens = 15
+    request.append_token_ids([7])
+    assert manager.allocate_slots(request, 1) is not None
+    manager.check_invariants()

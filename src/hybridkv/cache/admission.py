@@ -67,6 +67,8 @@ TIER_ADMISSION: Final = ("yield", "all")
 #: it, while a first allocation, and a step saving one of those two, is refused; ``"skip"``:
 #: every such checkpoint is skipped.  ``KVCacheManager(checkpoint_when_full=None)`` picks by
 #: layout (see :meth:`~hybridkv.cache.coordinator.HybridCoordinator.when_full_default`).
+#: Under every mode, a request alone in the cache skips a checkpoint it has no room for:
+#: nothing could be preempted to make room, so a refusal would stop it for good.
 CHECKPOINT_WHEN_FULL: Final = ("refuse", "skip_minor", "skip")
 #: Reason codes, indexed by :meth:`CheckpointAdmission.admits`' ``reason`` (0: untagged).
 CHECKPOINT_REASONS: Final = ("", "junction", "prompt_end", "chunk", "decode", "before_end")

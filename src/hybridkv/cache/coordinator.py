@@ -388,9 +388,10 @@ class HybridCoordinator:
             else:
                 markers = None
         if not self._fits(plans):
-            # The checkpoint is an optimisation: under ``skip`` / ``skip_minor`` the step may
-            # run without it rather than be refused (a refusal preempts a running request).
-            mode = self.when_full
+            # The checkpoint is an optimisation: under ``skip`` / ``skip_minor`` the step may run
+            # without it (a refusal preempts a running request; alone, nothing could be).
+            alone = not self.requests or (rs is not None and len(self.requests) == 1)
+            mode = "skip" if alone else self.when_full
             if mode == "refuse" or not any(p is not None and p.checkpoint for p in plans):
                 return None
             if mode == "skip_minor" and (
