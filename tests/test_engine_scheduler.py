@@ -263,13 +263,14 @@ def test_a_checkpoint_its_own_state_pool_cannot_hold_is_skipped() -> None:
 
 def test_scheduler_refuses_a_request_that_cannot_progress_even_alone() -> None:
     # One shared pool of 3 usable blocks: 2 attention blocks and the running state fit, the
-    # checkpoint at token 8 never does (a shared pool refuses rather than drop it).
-    # Preempting and recomputing would loop forever; the scheduler says so instead.
+    # checkpoint at token 8 never does (alone, the request runs without it) and neither
+    # does the third attention block past token 8.  Preempting and recomputing would loop
+    # forever; the scheduler says so instead.
     manager = KVCacheManager(_state_layout(0, shared=4))
     sched = Scheduler(manager, SchedulerConfig(token_budget=4), max_model_len=64)
     sched.add_request("a", list(range(10, 30)), max_tokens=2)
     chunks: list[tuple[int, int]] = []
-    with pytest.raises(SchedulerError, match="cannot hold it past 7 tokens even alone"):
+    with pytest.raises(SchedulerError, match="cannot hold it past 8 tokens even alone"):
         for _ in range(20):
             before = manager.snapshot()
             out = sched.schedule()
@@ -277,7 +278,7 @@ def test_scheduler_refuses_a_request_that_cannot_progress_even_alone() -> None:
             sched.update(out, {})
     # the refusing call changed nothing; before it, halving chunks tried to fit
     assert manager.snapshot() == before
-    assert chunks[:2] == [(0, 4), (0, 2)] and chunks[-1] == (6, 1)
+    assert chunks[:3] == [(0, 4), (4, 4), (0, 2)] and chunks[-1] == (7, 1)
     assert sched.num_preemptions == 2
 
 
