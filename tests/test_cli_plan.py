@@ -239,6 +239,7 @@ def test_a_max_model_len_beyond_the_model_is_planned_with_a_warning(
         ("1.5GiB", 3 * 2**29),
         ("3.2GiB", 3435973836),  # a fraction of a unit is rounded down to whole bytes
         ("1.0001kB", 1000),
+        ("2.9999999999999999999999999999999GiB", 3 * 2**30 - 1),  # past 28 digits: still down
         (" 40 GiB ", 40 * 2**30),
     ],
 )

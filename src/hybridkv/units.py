@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal
+from decimal import Decimal, localcontext
 
 from hybridkv.errors import HybridKVError
 
@@ -53,7 +53,9 @@ def parse_bytes(text: str | int, *, field: str = "size") -> int:
                 "powers of 1024), e.g. '40GiB'"
             )
         unit = _UNITS[match.group(3).lower()]
-        exact = Decimal(match.group(2)) * unit
+        with localcontext() as ctx:  # exact: the default 28 digits could round up
+            ctx.prec = len(match.group(2)) + 16
+            exact = Decimal(match.group(2)) * unit
         if unit == 1 and exact != exact.to_integral_value():
             raise SizeError(f"{field}: {text!r} is not a whole number of bytes")
         value = -int(exact) if match.group(1) else int(exact)  # int() rounds towards 0
