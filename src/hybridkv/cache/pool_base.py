@@ -474,6 +474,7 @@ class FreeListPool:
         if hit is not None and max(hit) > self.chances:
             raise InvariantError(f"a block holds more than {self.chances} second chances")
         used = 0
+        per_group = dict.fromkeys(self.group_ids, 0)
         fresh = self.fresh
         if not self.first <= fresh <= self.num_blocks:
             raise InvariantError(f"fresh {fresh} not in [{self.first}, {self.num_blocks}]")
@@ -490,6 +491,7 @@ class FreeListPool:
                     raise InvariantError(f"block {b} has {r} references but is in a free queue")
                 if owner[b] not in self.maps:
                     raise InvariantError(f"referenced block {b} has owner {owner[b]}")
+                per_group[owner[b]] += 1
             elif b >= fresh:
                 if in_fu or in_fc or hashes[b] is not None or owner[b] != -1:
                     raise InvariantError(f"never-used block {b} is queued, cached or owned")
@@ -504,10 +506,6 @@ class FreeListPool:
                 raise InvariantError(f"block {b} holds hash {h:#x} but group map disagrees")
         if used != self.num_used:
             raise InvariantError(f"num_used {self.num_used} != {used} referenced blocks")
-        per_group = dict.fromkeys(self.group_ids, 0)
-        for b in range(self.first, self.num_blocks):
-            if refs[b]:
-                per_group[owner[b]] += 1
         if per_group != self.group_used:
             raise InvariantError(f"group_used {self.group_used} != {per_group} referenced blocks")
         mapped = 0

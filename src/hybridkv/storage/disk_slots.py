@@ -86,6 +86,10 @@ class DiskCacheError(StorageError):
     disk, in use by another process, or made for another model, layout or capacity."""
 
 
+#: ``(key, tag, payload)`` items :meth:`DiskSlots.write_many` stores.
+_Items = Sequence[tuple[tuple[int, int], int, memoryview | Sequence[memoryview]]]
+
+
 class SlotEntry(NamedTuple):
     """A committed slot: its entry ``(group, block hash)``, admission ``tag``, payload
     ``size``, file ``offset`` of its header and ``stamp`` (store order)."""
@@ -310,7 +314,7 @@ class DiskSlots:
 
     def write_many(
         self,
-        items: Sequence[tuple[tuple[int, int], int, memoryview | Sequence[memoryview]]],
+        items: _Items,
         helper: Executor | None = None,
     ) -> list[bool]:
         """Store ``items`` (``(key, tag, data)``, as :meth:`write` takes them) with the same
@@ -354,7 +358,7 @@ class DiskSlots:
 
     def _split_sums(
         self,
-        items: Sequence[tuple[tuple[int, int], int, memoryview | Sequence[memoryview]]],
+        items: _Items,
         offsets: Sequence[int | None],
         helper: Executor | None,
     ) -> list[int | OSError | None]:
@@ -366,14 +370,10 @@ class DiskSlots:
             return [checksum(data) for data in todo]
 
         summing = helper.submit(checksums) if helper is not None and todo else None
-        errors: list[OSError | None] = []
-        for (_, _, data), offset in zip(items, offsets, strict=True):
-            try:
-                if offset is not None:
-                    self._pwrite(data, offset + HEADER_BYTES)
-                errors.append(None)
-            except OSError as exc:
-                errors.append(exc)
+        errors = [
+            None if offset is None else self._write_payload(data, offset)
+            for (_, _, data), offset in zip(items, offsets, strict=True)
+        ]
         sums = iter(summing.result() if summing is not None else checksums())
         out: list[int | OSError | None] = []
         for offset, error in zip(offsets, errors, strict=True):
@@ -383,7 +383,7 @@ class DiskSlots:
 
     def _shared_sums(
         self,
-        items: Sequence[tuple[tuple[int, int], int, memoryview | Sequence[memoryview]]],
+        items: _Items,
         offsets: Sequence[int | None],
         helper: Executor | None,
     ) -> list[int | OSError | None]:
@@ -401,18 +401,25 @@ class DiskSlots:
                     return
                 data, offset = items[i][2], offsets[i]
                 assert offset is not None
-                try:
-                    self._pwrite(data, offset + HEADER_BYTES)
-                except OSError as exc:
-                    out[i] = exc
-                    continue
-                out[i] = checksum(data)  # right after the write: the bytes are in cache
+                error = self._write_payload(data, offset)
+                # right after the write: the bytes are in cache
+                out[i] = error if error is not None else checksum(data)
 
         shared = helper.submit(work) if helper is not None and len(items) > 1 else None
         work()
         if shared is not None:
             shared.result()
         return out
+
+    def _write_payload(
+        self, data: memoryview | Sequence[memoryview], offset: int
+    ) -> OSError | None:
+        """Write the payload of the slot at ``offset``; the error it raised, if any."""
+        try:
+            self._pwrite(data, offset + HEADER_BYTES)
+        except OSError as exc:
+            return exc
+        return None
 
     def _commit(self, key: tuple[int, int], tag: int, size: int, offset: int, crc: int) -> bool:
         """Write the header of a slot whose payload is out; the entry exists once it is."""
