@@ -10,6 +10,7 @@ from hybridkv.cache.events import BlockRemoved, EventLog
 from hybridkv.cache.pool_arena import ArenaPool
 from hybridkv.cache.pool_shared import FlatArenaPool
 from hybridkv.cache.pools import make_block_pool
+from hybridkv.cache.request import Request
 from hybridkv.errors import InvariantError, PlanError
 from test_cache_factories import (
     arena,
@@ -292,10 +293,12 @@ def test_a_spread_allocation_takes_whole_free_chunks_before_holes() -> None:
         assert pool.free_chunks == [5, 4, 3, 2]
         # group 1 spreading: 8 blocks = the 4 free chunks; 9 would evict; group 0 (no free
         # block) needs a chunk of its own for 1; not spreading, group 1's hole covers one
-        assert pool.spreads([0, 8], {1}) and not pool.spreads([0, 9], {1})
-        assert not pool.spreads([1, 8], {1}) and pool.spreads([0, 9], set())
+        assert pool.spreads([0, 8], {1: 8}) and not pool.spreads([0, 9], {1: 9})
+        assert not pool.spreads([1, 8], {1: 8}) and pool.spreads([0, 9], {})
+        # 8 of 9 spread: the hole takes the ninth; 8 of 10: the tenth needs a fifth chunk
+        assert pool.spreads([0, 9], {1: 8}) and not pool.spreads([0, 10], {1: 8})
         before = pool.snapshot()
-        assert pool.spreads([4, 2], {0, 1}) and pool.snapshot() == before  # a query
+        assert pool.spreads([4, 2], {0: 4, 1: 2}) and pool.snapshot() == before  # a query
         if spread:
             # whole chunks first (2, then 3), the hole and chunk 3's other block left over
             assert pool.allocate_spread(1, 3) == [4, 5, 6]
@@ -305,16 +308,46 @@ def test_a_spread_allocation_takes_whole_free_chunks_before_holes() -> None:
             assert not pool.free_uncached[1] and pool.free_chunks == [5, 4, 3]
         pool.check_invariants()
     flat = make_block_pool(uniform(groups(full(), swa(8)), 6), EventLog(enabled=False))
-    assert flat.blocks_per_chunk(1) == 1 and not flat.spreads([0, 1], {1})
+    assert flat.blocks_per_chunk(1) == 1 and not flat.spreads([0, 1], {1: 1})
     assert flat.allocate_spread(1, 2) == [1, 2]  # no chunks: allocate as usual
     flat.check_invariants()
 
 
 def test_windowed_groups_of_a_chunked_arena_spread() -> None:
     gs = groups(full(), (swa(8), 8), (chunked(8), 8))
-    assert KVCacheManager(arena(gs, 6))._coord._spread == {1, 2}
-    assert not KVCacheManager(uniform(groups(full(), swa(8)), 6))._coord._spread
-    assert not KVCacheManager(arena(groups(full(), swa(8)), 6, 1))._coord._spread
+    assert set(KVCacheManager(arena(gs, 6))._coord.spread.groups) == {1, 2}
+    assert not KVCacheManager(uniform(groups(full(), swa(8)), 6))._coord.spread.groups
+    assert not KVCacheManager(arena(groups(full(), swa(8)), 6, 1))._coord.spread.groups
+
+
+def test_only_the_blocks_a_step_pushes_out_of_the_window_take_whole_chunks() -> None:
+    # 512-byte chunks of 4 blocks for both groups; chunk 0 lends group 0 ids 1..3.  Window 8,
+    # blocks of 4 tokens: a 32-token prompt takes 8 window blocks, the step's end (32)
+    # keeps blocks 6 and 7 (first kept token 25), so blocks 0..5 are transient: 4 of them
+    # (a whole chunk's worth) take a fresh chunk, the other 4 the group's free blocks first.
+    layout = arena(groups(full(), swa(8)), 8, 4)
+    manager = KVCacheManager(layout)
+    pool = manager._coord.pool
+    assert isinstance(pool, ArenaPool) and pool.free_chunks == [7, 6, 5, 4, 3, 2, 1]
+    a = Request("a", list(range(100, 132)), hash_block_size=layout.hash_block_size)
+    out = manager.allocate_slots(a, 32)
+    assert out is not None
+    # full attention: the loan's 1..3, chunk 1, then chunk 2's first block; the window: the
+    # kept part carves chunk 3 (12..15), the transient part chunk 4 (16..19) in front of it
+    assert out.new_block_ids == ((1, 2, 3, 4, 5, 6, 7, 8), (16, 17, 18, 19, 12, 13, 14, 15))
+    assert pool.free_chunks == [7, 6, 5]
+    a.num_computed_tokens = 32
+    a.append_token_ids([7])
+    out = manager.allocate_slots(a, 1)
+    assert out is not None
+    # blocks 0..5 leave the window: chunk 4 is free again as a whole, chunk 3 keeps 14, 15
+    # and 13 (cached: the window before the prompt's end), and the decoded token's block
+    # takes 12, a free block of chunk 3, not a fresh chunk (which the old rule carved for
+    # every new window block while free chunks lasted, stranding them)
+    assert out.new_block_ids == ((9,), (12,))
+    assert pool.free_chunks == [7, 6, 5, 4]
+    assert [pool.chunk_owner(c) for c in range(8)] == [0, 0, 0, 1, None, None, None, None]
+    manager.check_invariants()
 
 
 def test_one_group_flat_arena_counts_the_tail_as_its_last_ids() -> None:

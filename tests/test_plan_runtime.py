@@ -1,18 +1,18 @@
 """A plan's capacity is real: the cache manager built from an arena plan holds that many
-max-length requests at once (hypothesis over random small models and budgets without
-windowed groups), counting the blocks chunk 0 lends its host group."""
+max-length requests at once (hypothesis over random small models and budgets, windowed
+groups included), counting the blocks chunk 0 lends its host group."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.cache.request import Request
 from hybridkv.errors import PlanError
 from hybridkv.plan import Plan, Strategy, make_plan
-from hybridkv.specs import CacheKind, ModelSpec
+from hybridkv.specs import ModelSpec
 from hybridkv.units import parse_bytes
 from test_plan_factories import full, model, state
 from test_plan_properties import models
@@ -70,13 +70,6 @@ def test_an_arena_holds_its_capacity_of_max_length_requests(
         )
     except PlanError:
         return
-    # Windowed groups are left out: while free chunks last, a windowed group spreads its
-    # blocks over whole chunks (docs/architecture.md, the arena), which can strand the last
-    # chunk another group needs at exactly the planned capacity (a known gap, e.g. full
-    # attention and a 1-token window at 2 tokens: 12 of 16 planned requests).
-    assume(
-        all(g.spec.kind not in (CacheKind.SLIDING, CacheKind.CHUNKED) for g in plan.layout.groups)
-    )
     _hold_all(plan, chunk=1)  # the need is the peak of a request growing token by token
 
 
@@ -96,6 +89,26 @@ def test_qwen3_next_fits_one_request_with_chunk_zero_lent() -> None:
     assert plan.layout.null_loan_blocks == [0, 197]
     assert plan.capacity.chunks_in_use == (1, 41)
     _hold_all(plan)
+
+
+@pytest.mark.parametrize(("name", "memory", "length"), [("gemma-3-27b", "4GiB", 4096)])
+def test_a_windowed_model_holds_its_planned_requests_decoding_side_by_side(
+    name: str, memory: str, length: int
+) -> None:
+    """gemma-3-27b's sliding-window group (5 blocks a chunk) used to take a whole free chunk
+    for every new block while free chunks lasted, stranding the chunks full attention needs:
+    5 planned requests grown side by side token by token failed the first at 416 tokens."""
+    from hybridkv.models import resolve_model
+
+    plan = make_plan(
+        resolve_model(name),
+        memory_bytes=parse_bytes(memory),
+        max_model_len=length,
+        strategy=Strategy.ARENA,
+    )
+    assert plan.capacity.max_concurrent_requests == 5
+    assert plan.capacity.blocks_per_chunk == (5, 26)
+    _hold_all(plan, chunk=1)
 
 
 @pytest.mark.parametrize("when_full", ["refuse", "skip_minor", "skip"])

@@ -39,9 +39,10 @@ from hybridkv.cache.tier_bridge import LoadSpots, TierBridge
 from hybridkv.cache.tier_sessions import TierSessions, hash_limit
 from hybridkv.cache.tiers import TierSpec, TierStack, check_protect_share
 from hybridkv.cache.types import AllocationResult, BlockId, TierLoad
+from hybridkv.cache.window_spread import WindowSpread
 from hybridkv.errors import PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
-from hybridkv.specs import WINDOW_KINDS, CacheKind, SlidingWindowSpec
+from hybridkv.specs import CacheKind, SlidingWindowSpec
 
 __all__ = ["PUBLISH_MODES", "WINDOW_RETENTION", "HybridCoordinator"]
 
@@ -139,18 +140,9 @@ class HybridCoordinator:
         for g in self.coupling.groups[1:]:
             self.managers[g].credits = False
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
-        #: Windowed groups whose blocks share chunks (arena): while whole free chunks cover a
-        #: call's needs without evicting, their new blocks take whole chunks first
-        #: (``BlockPool.spreads``).
-        #: Most of what a windowed group takes for a prefill chunk leaves the window when the
-        #: step ends and is released uncached; in chunks of its own it frees whole chunks that
-        #: any group can take, where in the free slots of chunks still holding other requests'
-        #: windows it would stay stranded there (gemma-3-27b at 64 GiB, docs/vllm.md).
-        self._spread = frozenset(
-            m.group_id
-            for m in self.managers
-            if m.spec.kind in WINDOW_KINDS and self.pool.blocks_per_chunk(m.group_id) > 1
-        )
+        #: Windowed groups whose blocks share chunks (arena): the blocks a step's end pushes
+        #: out of the window take whole free chunks (:mod:`~hybridkv.cache.window_spread`).
+        self.spread = WindowSpread(self.managers, self.pool)
         #: :data:`~hybridkv.cache.admission.CHECKPOINT_WHEN_FULL`, resolved.
         self.when_full = checkpoint_when_full or self.when_full_default(layout.strategy)
         #: Where hits land (windowed groups also keep the window before a prompt's last point
@@ -440,9 +432,7 @@ class HybridCoordinator:
             spots = bridge.load_spots(request, hit, markers, num_new_computed_tokens)
         new_ids: list[tuple[BlockId, ...]] = []
         pool = self.pool
-        spread = bool(self._spread) and pool.spreads(
-            [p.need if p else 0 for p in plans], self._spread
-        )
+        spans = self.spread.spans(plans, markers, total, step_end) if self.spread.groups else {}
         try:
             for i, p in enumerate(plans):
                 if p is None or not p.need:
@@ -450,8 +440,9 @@ class HybridCoordinator:
                     continue
                 # One allocation per group, in group order, as fits() counted it; a hit's
                 # tier blocks take the first ones.
-                if spread and i in self._spread:
-                    blocks = pool.allocate_spread(i, p.need)
+                span = spans.get(i) if spans else None
+                if span is not None:
+                    blocks = self.spread.allocate(i, p.need, span)
                 else:
                     blocks = pool.allocate(i, p.need)
                 if spots is not None and spots[i][0]:

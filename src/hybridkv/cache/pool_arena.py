@@ -52,13 +52,13 @@ after step 2 a group evicts its own cached blocks in active chunks, then reopens
 chunks, and only then empties another group's least-recently idled chunk.
 
 Placement: :meth:`ArenaPool.allocate_spread` takes whole free chunks before step 1's free
-blocks of active chunks.  The coordinator uses it for windowed groups (sliding window, local
-chunks) with several blocks per chunk, and only when :meth:`ArenaPool.spreads` says whole
-free chunks cover what those groups need and what the other groups' free blocks do not, so
-neither order evicts anything and ``fits`` does not depend on it.  Most of what such a group
-takes for a prefill chunk leaves the window when the step ends and is released uncached: in
-chunks of its own it frees whole chunks, which return to the free stack for any group, where
-in the free slots of chunks holding other requests' windows it would stay stranded.
+blocks of active chunks.  The coordinator uses it for the blocks of a windowed group (sliding
+window, local chunks; several blocks per chunk) that leave the window when the step ends, a
+whole number of chunks of them (:mod:`~hybridkv.cache.window_spread`), and only when
+:meth:`ArenaPool.spreads` says whole free chunks cover them and what the call's other blocks
+do not find free, so neither order evicts anything and ``fits`` does not depend on it.
+Released at the request's next call, they free whole chunks for any group, where in the free
+slots of chunks holding other requests' windows they would stay stranded.
 
 :meth:`ArenaPool.fits` stays exact: it replays the call's releases and touches on counters and
 on the stamps they would hand out, then walks each group's LRU against the shared idle LRU in
@@ -70,8 +70,7 @@ O(1) per block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from hybridkv.cache.arena_invariants import check_arena
@@ -271,14 +270,15 @@ class ArenaPool(ArenaReturns):
     def blocks_per_chunk(self, group_id: int) -> int:
         return self.bpc[group_id]
 
-    def spreads(self, needs: Sequence[int], spreading: AbstractSet[int]) -> bool:
+    def spreads(self, needs: Sequence[int], spreading: Mapping[int, int]) -> bool:
         bpc, fu = self.bpc, self.free_uncached
         want = 0
         for g, n in enumerate(needs):
-            if n and g not in spreading:
-                n = max(0, n - len(fu[g]))
-            if n:
-                want += -(-n // bpc[g])
+            if not n:
+                continue
+            whole = spreading.get(g, 0)
+            rest = max(0, n - whole - len(fu[g]))
+            want += -(-whole // bpc[g]) - (-rest // bpc[g])
         return want <= len(self.free_chunks)
 
     def allocate_spread(self, group_id: int, n: int) -> list[int]:

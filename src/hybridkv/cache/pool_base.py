@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
@@ -133,17 +132,18 @@ class BlockPool(ABC):
         """Blocks of ``group_id`` one chunk of the pool holds (1: the pool has no chunks)."""
         return 1
 
-    def spreads(self, needs: Sequence[int], spreading: AbstractSet[int]) -> bool:
+    def spreads(self, needs: Sequence[int], spreading: Mapping[int, int]) -> bool:
         """Whether ``needs[g]`` blocks for every group ``g`` come without evicting anything
-        when the ``spreading`` groups take all of theirs from whole free chunks
-        (:meth:`allocate_spread`) and the others their chunks' free blocks first: then
-        :meth:`allocate` would evict nothing either.  False for a pool without chunks."""
+        when ``spreading[g]`` of a group's blocks come from whole free chunks
+        (:meth:`allocate_spread`, after the rest of its blocks) and every other block from
+        its group's free blocks first: then :meth:`allocate` would evict nothing either.
+        False for a pool without chunks."""
         return False
 
     def allocate_spread(self, group_id: int, n: int) -> list[int]:
         """:meth:`allocate`, but taking whole free chunks before the free blocks of chunks
-        already in use (only when :meth:`spreads` said so for the call's needs); a pool without
-        chunks allocates as usual."""
+        already in use (only when :meth:`spreads` said so for the call's needs); a pool
+        without chunks allocates as usual."""
         return self.allocate(group_id, n)
 
     @abstractmethod

@@ -6,6 +6,7 @@ from hybridkv.cache.kinds.attention import (
     ChunkedLocalManager,
     FullAttentionManager,
     SlidingWindowManager,
+    WindowedManager,
 )
 from hybridkv.cache.kinds.base import GroupState, KindManager, StepOutputs, StepPlan
 from hybridkv.cache.kinds.state import StateManager
@@ -22,6 +23,7 @@ __all__ = [
     "StateManager",
     "StepOutputs",
     "StepPlan",
+    "WindowedManager",
     "manager_class",
 ]
 

@@ -25,7 +25,12 @@ from hybridkv.cache.request import Request
 from hybridkv.errors import InvariantError
 from hybridkv.specs import CacheKind, ChunkedLocalSpec, SlidingWindowSpec
 
-__all__ = ["ChunkedLocalManager", "FullAttentionManager", "SlidingWindowManager"]
+__all__ = [
+    "ChunkedLocalManager",
+    "FullAttentionManager",
+    "SlidingWindowManager",
+    "WindowedManager",
+]
 
 
 def _merged(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -181,7 +186,7 @@ class FullAttentionManager(_AttentionManager):
         return StepPlan(cache, upto, None, 0, None, max(need, 0), 0)
 
 
-class _WindowedManager(_AttentionManager):
+class WindowedManager(_AttentionManager):
     """Kinds that keep only the blocks overlapping ``[first_kept(n), n)`` (plus sinks)."""
 
     #: Leading blocks kept forever (attention sinks).
@@ -356,7 +361,7 @@ class _WindowedManager(_AttentionManager):
             )
 
 
-class SlidingWindowManager(_WindowedManager):
+class SlidingWindowManager(WindowedManager):
     """Sliding window ``W`` (query ``q`` reads ``q-W+1 .. q``) with optional sink tokens."""
 
     kinds: ClassVar[tuple[CacheKind, ...]] = (CacheKind.SLIDING,)
@@ -414,7 +419,7 @@ class SlidingWindowManager(_WindowedManager):
         return (block + 1) * self.block_size + self.window - 2
 
 
-class ChunkedLocalManager(_WindowedManager):
+class ChunkedLocalManager(WindowedManager):
     """Chunked local attention: a query reads only its own ``chunk_size``-aligned chunk."""
 
     kinds: ClassVar[tuple[CacheKind, ...]] = (CacheKind.CHUNKED,)
