@@ -302,6 +302,14 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
         "arena strategy; give at least 15",
     ),
     (
+        "num-blocks-too-few-pools",  # the split is the count's, not ratios the user gave
+        ("--model", "qwen3_next", "--strategy", "pools", "--num-blocks", "1"),
+        "--num-blocks: 1 blocks of every group hold no request of max_model_len 512 with the "
+        "pools strategy (each group's pool gets 2 blocks, one its null block): group 0 (state) "
+        "gets 1 usable blocks of 18 KiB and needs 2; group 1 (full_attention) gets 1 usable "
+        "blocks of 4 KiB and needs 32; give at least 32",
+    ),
+    (
         "model-unknown",
         ("--model", "no-such-model"),
         f"--model: 'no-such-model' is neither a built-in tiny model ({_TINY}",

@@ -172,7 +172,15 @@ def plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan:
         return for_blocks(cache.num_blocks)
     except BudgetTooSmallError as exc:
         least = _least_blocks(for_blocks, cache.num_blocks)
-        reason = str(exc).partition("; ")[0].partition(" holds ")[2]
+        text = str(exc)
+        reason = text.partition("; ")[0].partition(" holds ")[2]
+        if big.layout.strategy is Strategy.POOLS and " starves a pool: " in text:
+            # The split is this count's, not ratios the user gave: name what runs short.
+            starved = text.partition(" starves a pool: ")[2].partition("; this split")[0]
+            reason = (
+                f"{reason.partition(': the fixed split')[0]} (each group's pool gets "
+                f"{cache.num_blocks + 1} blocks, one its null block): {starved}"
+            )
         raise BudgetTooSmallError(
             f"CacheConfig.num_blocks: {cache.num_blocks} blocks of every group hold {reason}; "
             + (f"give at least {least}" if least else "no block count up to 2^20 does")
