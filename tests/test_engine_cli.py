@@ -352,6 +352,21 @@ def test_bad_input_is_one_line_and_exit_2(
     assert out == ""
 
 
+@pytest.mark.parametrize("flag", ["--memory", "--host-memory"])
+def test_a_budget_past_the_host_is_one_line_and_exit_2(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """1000 TiB is more than any address space: torch's allocation error (after the model
+    loaded: the buffers are sized from it) becomes the flag's one line (found by review:
+    a traceback and exit 1)."""
+    code, out, err = run(capsys, flag, "1000TiB", "--num-requests", "1", "--quiet")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.splitlines() == [
+        f"hybridkv run: error: {flag}: cannot allocate 1000 TiB (1099511627776000 B) on cpu "
+        "(not enough memory there); give a smaller size"
+    ]
+
+
 def test_argparse_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["run", "--strategy", "bogus"])

@@ -87,6 +87,25 @@ def test_a_directory_made_for_something_else_is_refused(
     assert said in str(info.value) and str(info.value).endswith("use another directory or empty it")
 
 
+def test_slots_without_a_manifest_are_discarded(tmp_path: Path) -> None:
+    """A file of slots whose manifest is gone (removed, or a process killed before writing
+    it) was written by an unknown model: its checksums hold, but nothing in it is read,
+    whichever fingerprint opens it (found by review: another seed's blocks were read)."""
+    s = slots(tmp_path)
+    assert s.write((0, 11), 0, memoryview(payload(1, 96)))
+    s.close()
+    (tmp_path / "manifest.json").unlink()
+    (tmp_path / "manifest.json.tmp").write_text("{")  # a manifest write cut short
+    other = {"model": "other", "layout": {"groups": [1, 2]}}
+    again = slots(tmp_path, fp=other)
+    assert not again.recovered and read(again, (0, 11), 96) is None
+    assert again.write((0, 12), 0, memoryview(payload(2, 96)))
+    again.close()
+    with pytest.raises(DiskCacheError, match="another model"):  # the new manifest is its own
+        slots(tmp_path)
+    assert [e.block_hash for e in slots(tmp_path, fp=other).recovered] == [12]
+
+
 def test_paths_that_cannot_hold_a_cache_are_refused(tmp_path: Path) -> None:
     afile = tmp_path / "f"
     afile.write_text("x")

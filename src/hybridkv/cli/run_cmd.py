@@ -450,6 +450,7 @@ def _build(args: argparse.Namespace, cache: CacheConfig, scheduler: SchedulerCon
     from hybridkv.engine.speculative import NgramProposer, SpeculativeConfig
     from hybridkv.errors import PlanError
     from hybridkv.storage.disk_slots import DiskCacheError
+    from hybridkv.storage.errors import StorageAllocationError
 
     try:
         speculative = SpeculativeConfig(NgramProposer(), args.speculate) if args.speculate else None
@@ -479,6 +480,8 @@ def _build(args: argparse.Namespace, cache: CacheConfig, scheduler: SchedulerCon
     except DiskCacheError as exc:
         text = str(exc).removeprefix("disk cache: ")
         raise RunInputError(f"--disk-cache {args.disk_cache}: {text}") from None
+    except StorageAllocationError as exc:  # more than the device or the host holds
+        raise flagged(exc, args) from None
 
 
 def run(args: argparse.Namespace) -> int:

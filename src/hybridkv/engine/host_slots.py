@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from hybridkv.errors import InvariantError
+from hybridkv.storage import allocate_bytes
 
 __all__ = ["HostSlots"]
 
@@ -15,7 +16,9 @@ class HostSlots:
     """Byte slots of one buffer: bump allocation plus a free list per slot size."""
 
     def __init__(self, capacity: int, pin: bool) -> None:
-        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        (self.buffer,) = allocate_bytes(
+            [capacity], torch.device("cpu"), pin, "host_memory_bytes", zeroed=False
+        )
         self.top = 0
         self.free: dict[int, list[int]] = {}
 

@@ -22,6 +22,7 @@ from hybridkv.storage.errors import (
     KernelViewError,
     LayoutUnsupportedError,
     MemoryBackendError,
+    StorageAllocationError,
     TransferError,
     UnknownLayerError,
     ViewKindError,
@@ -37,7 +38,7 @@ from hybridkv.storage.placement import (
     place,
 )
 from hybridkv.storage.segments import Segment, page_segments
-from hybridkv.storage.storage import KVCacheStorage, KVView
+from hybridkv.storage.storage import KVCacheStorage, KVView, allocate_bytes
 from hybridkv.storage.transfer import (
     BlockLiveness,
     ByteRange,
@@ -69,11 +70,13 @@ __all__ = [
     "Piece",
     "Segment",
     "SegmentPlacement",
+    "StorageAllocationError",
     "StoragePlacement",
     "TransferDescriptor",
     "TransferError",
     "UnknownLayerError",
     "ViewKindError",
+    "allocate_bytes",
     "batch_kernel_table",
     "build_descriptor",
     "copy_blocks",

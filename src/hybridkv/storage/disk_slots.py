@@ -172,8 +172,9 @@ class DiskSlots:
             raise DiskCacheError(f"disk cache: directory {d} is not writable")
         manifest = d / _MANIFEST
         want = {"format": FORMAT_VERSION, "capacity_bytes": self.capacity_bytes, **fingerprint}
-        ours = {_MANIFEST, _DATA, _LOCK}
-        if manifest.exists():
+        ours = {_MANIFEST, _DATA, _LOCK, _MANIFEST + ".tmp"}
+        known = manifest.exists()
+        if known:
             try:
                 have = json.loads(manifest.read_text())
             except (OSError, ValueError) as exc:
@@ -209,6 +210,12 @@ class DiskSlots:
             self._lock_fd = -1
             raise DiskCacheError(f"disk cache: {d} is in use by another process") from exc
         self._fd = os.open(d / _DATA, os.O_RDWR | os.O_CREAT, 0o644)
+        if not known and os.fstat(self._fd).st_size:
+            # No manifest says which model, layout and hasher wrote these slots (one was
+            # removed, or a process died before writing it): checksums that hold prove
+            # nothing about that, so nothing in the file is read.
+            logger.warning("disk cache: %s has no %s; its %s is discarded", d, _MANIFEST, _DATA)
+            os.ftruncate(self._fd, 0)
         more = self.file_bytes - os.fstat(self._fd).st_size
         free = shutil.disk_usage(d).free
         if more > free:
@@ -229,7 +236,7 @@ class DiskSlots:
                     f"disk cache: cannot reserve {self.file_bytes} bytes in {d}: "
                     f"{exc.strerror} (free space, or a smaller --disk-memory)"
                 ) from exc
-        if not manifest.exists():
+        if not known:
             tmp = d / (_MANIFEST + ".tmp")
             tmp.write_text(json.dumps(want, sort_keys=True))
             os.replace(tmp, manifest)

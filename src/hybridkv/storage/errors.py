@@ -11,6 +11,7 @@ __all__ = [
     "KernelViewError",
     "LayoutUnsupportedError",
     "MemoryBackendError",
+    "StorageAllocationError",
     "TransferError",
     "UnknownLayerError",
     "ViewKindError",
@@ -51,3 +52,8 @@ class TransferError(StorageError):
 
 class MemoryBackendError(StorageError):
     """On-demand memory could not be reserved, committed or released."""
+
+
+class StorageAllocationError(StorageError):
+    """A buffer the plan asks for could not be allocated (more than the device or the host
+    has).  The message starts with the budget's field, e.g. ``memory_bytes: ...``."""

@@ -31,7 +31,12 @@ from hybridkv.errors import StorageError
 from hybridkv.plan import GroupPlan, MemoryLayout
 from hybridkv.specs import CacheKind
 from hybridkv.storage.block_table import BlockTable, kernel_ratio
-from hybridkv.storage.errors import BlockRangeError, LayoutUnsupportedError, ViewKindError
+from hybridkv.storage.errors import (
+    BlockRangeError,
+    LayoutUnsupportedError,
+    StorageAllocationError,
+    ViewKindError,
+)
 from hybridkv.storage.ondemand import CpuMmapBackend, OnDemandArena, PageBackend
 from hybridkv.storage.placement import (
     GroupPlacement,
@@ -44,8 +49,32 @@ from hybridkv.storage.placement import (
 from hybridkv.storage.segments import HEADED_KINDS
 from hybridkv.storage.transfer import BlockLiveness, TransferDescriptor, build_descriptor
 from hybridkv.storage.views import kernel_block_view, segment_tensor
+from hybridkv.units import format_bytes
 
-__all__ = ["KVCacheStorage", "KVView"]
+__all__ = ["KVCacheStorage", "KVView", "allocate_bytes"]
+
+
+def allocate_bytes(
+    sizes: Sequence[int], device: torch.device, pin: bool, field: str, *, zeroed: bool = True
+) -> list[torch.Tensor]:
+    """Byte buffers of ``sizes`` on ``device`` (pinned host memory with ``pin``; zeroed
+    unless ``zeroed`` is False).
+    Raises :class:`StorageAllocationError` naming ``field`` (the budget that asked for
+    them) and the bytes when the device or host cannot hold them, not torch's error."""
+    try:
+        make = torch.zeros if zeroed else torch.empty
+        return [make(n, dtype=torch.uint8, device=device, pin_memory=pin) for n in sizes]
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        total = sum(sizes)
+        text = str(exc).strip()
+        if "memory" in text.lower():
+            reason = "not enough memory there"
+        else:
+            reason = text.splitlines()[0] if text else type(exc).__name__
+        raise StorageAllocationError(
+            f"{field}: cannot allocate {format_bytes(total)} ({total} B) on {device} "
+            f"({reason}); give a smaller size"
+        ) from exc
 
 
 class KVView(NamedTuple):
@@ -81,9 +110,7 @@ class KVCacheStorage:
         if buffers is None:
             self.device = torch.device(device)
             pin = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
-            buffers = [
-                torch.zeros(n, dtype=torch.uint8, device=self.device, pin_memory=pin) for n in sizes
-            ]
+            buffers = allocate_bytes(sizes, self.device, pin, "memory_bytes")
         else:
             _check_buffers(buffers, sizes)
             self.device = buffers[0].device
