@@ -78,11 +78,27 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     ),
     (
         ["simulate", "--tier-admission", "all"],
-        "--tier-admission all: only applies with --host-memory or --disk-memory",
+        "--tier-admission all: only applies with --host-memory SIZE (not 0) or --disk-memory",
     ),
     (
         ["simulate", "--protect", "oracle"],
-        "--protect oracle: only applies with --host-memory or --disk-memory",
+        "--protect oracle: only applies with --host-memory SIZE (not 0) or --disk-memory",
+    ),
+    (  # 0 is no host tier: nothing to protect (it used to run, protecting nothing)
+        ["simulate", "--protect", "oracle", "--host-memory", "0"],
+        "--protect oracle: only applies with --host-memory SIZE (not 0) or --disk-memory",
+    ),
+    (  # the tiers are what --disaggregate refuses, not the strategy given
+        ["simulate", "--disaggregate", "--strategy", "arena", "--host-memory", "0,1GiB"],
+        "--disaggregate: not with --host-memory / --disk-memory",
+    ),
+    (
+        ["simulate", "--disaggregate", "--strategy", "all"],
+        "--disaggregate: one strategy at a time (add --strategy arena)",
+    ),
+    (  # the prefill budget is named, not --memory
+        ["simulate", "--disaggregate", "--strategy", "arena", "--prefill-memory", "1B"],
+        "--prefill-memory: 1 B (1 B) holds no request of max_model_len",
     ),
     (
         ["simulate", "--protect", "oracle", "--host-memory", "1GiB", "--disaggregate"],

@@ -318,21 +318,18 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None and not 0 <= value <= MAX_CHANCES:
             raise CliInputError(f"{flag}: must be an integer in [0, {MAX_CHANCES}], got {value}")
+    # A tier in some run: --host-memory 0 alone means none.
+    tiered = args.disk_memory is not None or (
+        args.host_memory is not None
+        and any(part.strip() != "0" for part in str(args.host_memory).split(","))
+    )
     check_needs(
         args,
         [
             ("prefill_memory", "--disaggregate", args.disaggregate),
             ("link_bandwidth", "--disaggregate", args.disaggregate),
-            (
-                "tier_admission",
-                "--host-memory or --disk-memory",
-                args.host_memory is not None or args.disk_memory is not None,
-            ),
-            (
-                "protect",
-                "--host-memory or --disk-memory",
-                args.host_memory is not None or args.disk_memory is not None,
-            ),
+            ("tier_admission", "--host-memory SIZE (not 0) or --disk-memory", tiered),
+            ("protect", "--host-memory SIZE (not 0) or --disk-memory", tiered),
             ("protect_share", "--protect oracle", args.protect == "oracle"),
         ],
     )
@@ -432,10 +429,10 @@ def run(args: argparse.Namespace) -> int:
         for host in hosts
     ]
     if args.disaggregate:
+        if any(c.host_memory_bytes or c.disk_memory_bytes for c in configs):
+            raise CliInputError("--disaggregate: not with --host-memory / --disk-memory")
         if len(configs) != 1:
-            raise CliInputError(
-                "--disaggregate: one strategy and no host-size sweep (add --strategy arena)"
-            )
+            raise CliInputError("--disaggregate: one strategy at a time (add --strategy arena)")
         return _run_disaggregated(args, model, profile, workload, configs[0], title_of=name)
     # Plans are cheap: make them all before simulating, so a plan that cannot exist is
     # reported at once (exit 2 for one strategy, n/a among several).
@@ -552,7 +549,9 @@ def _run_disaggregated(
     decode instance and, with ``--prefill-memory``, another budget for the prefill one."""
     from dataclasses import replace
 
+    from hybridkv.errors import PlanError
     from hybridkv.sim.disagg import simulate_pd
+    from hybridkv.sim.simulator import plan_for
     from hybridkv.units import format_bytes, parse_bytes
 
     if config.host_memory_bytes or config.disk_memory_bytes:
@@ -562,6 +561,11 @@ def _run_disaggregated(
         prefill = replace(
             config, memory_bytes=parse_bytes(args.prefill_memory, field="--prefill-memory")
         )
+        try:  # the prefill budget is --prefill-memory's, not --memory's
+            plan_for(model, prefill)
+        except PlanError as exc:
+            text = str(exc).removeprefix("memory_bytes: ")
+            raise CliInputError(f"--prefill-memory: {text}") from None
     link = parse_bytes(args.link_bandwidth or DEFAULT_LINK_BANDWIDTH, field="--link-bandwidth")
     result = simulate_pd(model, profile, workload, prefill, config, link_bandwidth=float(link))
     summary = result.summary()
