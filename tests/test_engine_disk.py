@@ -288,6 +288,11 @@ def test_run_refuses_bad_disk_settings(capsys: pytest.CaptureFixture[str], tmp_p
     afile.write_text("x")
     cases = [
         (("--disk-cache", str(afile), "--disk-memory", "1MiB"), "is a file, not a directory"),
+        (  # under a file: the file is named (it said "not writable")
+            ("--disk-cache", str(afile / "sub"), "--disk-memory", "1MiB"),
+            f"--disk-cache {afile / 'sub'}: {afile} is a file, not a directory",
+        ),
+        (("--disk-cache", "", "--disk-memory", "1MiB"), "--disk-cache: got an empty path"),
         (("--disk-cache", str(tmp_path / "d")), "--disk-cache: a disk tier also needs"),
         (("--disk-memory", "1MiB"), "--disk-memory: a disk tier also needs --disk-cache"),
         (("--disk-cache", str(tmp_path / "d"), "--disk-memory", "0"), "--disk-memory"),

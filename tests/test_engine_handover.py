@@ -196,6 +196,19 @@ def test_run_disaggregate(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--disaggregate: not with --speculate" in capsys.readouterr().err
 
 
+def test_quiet_silences_the_processes_of_a_disaggregated_run(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """--quiet: nothing on stderr, the prefill and decode processes included (their
+    transformers used to note its fused-kernel fallback for qwen3_next; found by review)."""
+    from hybridkv.cli.main import main
+
+    argv = ["run", "--model", "qwen3_next", "--disaggregate", "--num-requests", "2"]
+    assert main([*argv, "--max-tokens", "2", "--quiet"]) == 0
+    out, err = capfd.readouterr()
+    assert "disaggregated: 2 of 2 requests decoded" in out and err == ""
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3_next", "deepseek_v3", "lfm2", "gpt_oss"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
 def test_handover_between_tensor_parallel_sizes(name: str, prefill_tp: int, decode_tp: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -493,10 +494,17 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)
+    # --disaggregate's processes import transformers afresh: they read this variable
+    env = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     try:
         return _run(args)
     finally:
         hf_logging.set_verbosity(previous)
+        if env is None:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = env
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -165,10 +165,14 @@ def _check_disk_dir(path: str) -> None:
     import os
     from pathlib import Path
 
+    if not path.strip():
+        raise RunInputError("--disk-cache: got an empty path; give a directory for the cache")
     d = Path(path)
     if d.exists() and not d.is_dir():
         raise RunInputError(f"--disk-cache {path}: is a file, not a directory")
     probe = d if d.exists() else next((p for p in d.parents if p.exists()), Path("."))
+    if not probe.is_dir():
+        raise RunInputError(f"--disk-cache {path}: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise RunInputError(f"--disk-cache {path}: {probe} is not writable")
 
