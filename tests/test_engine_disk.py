@@ -281,6 +281,12 @@ def test_run_reuses_its_disk_cache_across_runs(
     # the first wave's shared prefix comes from the first run's disk cache
     assert "disk tier: 32 of the 256 hit tokens read back from disk" in second
     assert "verify: all 8 requests (128 tokens) identical" in second
+    # another device budget: the same blocks, so the same cache (it used to be refused as
+    # "another layout": the arena's chunk count was in the manifest)
+    code, third, err = run_cli(capsys, *args, "--memory", "32MiB")
+    assert code == 0, err
+    assert "disk tier: 32 of the 256 hit tokens read back from disk" in third
+    assert "verify: all 8 requests (128 tokens) identical" in third
 
 
 def test_run_refuses_bad_disk_settings(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -65,11 +65,19 @@ def fingerprint(
 ) -> dict[str, Any]:
     """What a disk cache's bytes depend on: the model (name, dtype, ``extra`` such as the
     seed of a built-in model or the attention sinks), the layout's groups and packing, the
-    block hasher and the file format.  A directory made with another one is refused."""
+    block hasher and the file format.  A directory made with another one is refused.  The
+    budget's share of the layout (the arena's chunks, the pools' block counts) is left out:
+    a block's bytes do not depend on it, so a run with another ``--memory`` reuses the
+    cache (found by review: it was refused)."""
+    shape = layout.to_dict()
+    shape.pop("arena", None)
+    shape["pools"] = [
+        {k: v for k, v in pool.items() if k != "num_blocks"} for pool in shape["pools"]
+    ]
     return {
         "model": model,
         "dtype": str(dtype).removeprefix("torch."),
-        "layout": layout.to_dict(),
+        "layout": shape,
         "hasher": hasher,
         "format": FORMAT_VERSION,
         **extra,
