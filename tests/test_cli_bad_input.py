@@ -84,6 +84,10 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         ["simulate", "--protect", "oracle"],
         "--protect oracle: only applies with --host-memory SIZE (not 0) or --disk-memory",
     ),
+    (
+        ["simulate", "--strategy", "arena", "--host-memory", "1GiB,1024MiB"],
+        "--host-memory 1GiB,1024MiB: a sweep runs each size once; a size is repeated",
+    ),
     (  # 0 is no host tier: nothing to protect (it used to run, protecting nothing)
         ["simulate", "--protect", "oracle", "--host-memory", "0"],
         "--protect oracle: only applies with --host-memory SIZE (not 0) or --disk-memory",
@@ -123,7 +127,7 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     ),
     (
         ["simulate", "--protect", "oracle", "--host-memory", "1GiB", "--protect-share", "0"],
-        "--protect-share 0.0: the share of a tier protected sessions may fill must be a number "
+        "--protect-share 0: the share of a tier protected sessions may fill must be a number "
         "in (0, 1]",
     ),
     (["plan", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),

@@ -13,7 +13,13 @@ from hybridkv.errors import PlanError
 from hybridkv.models import resolve_model
 from hybridkv.plan import Strategy
 from hybridkv.sim import ModelProfile, SimConfig, load_model_config, simulate
-from hybridkv.sim.report import COLUMNS, StrategyFailure, interpretation, write_report
+from hybridkv.sim.report import (
+    COLUMNS,
+    StrategyFailure,
+    interpretation,
+    tier_lines,
+    write_report,
+)
 from hybridkv.sim.simulator import SimulationError, _need_function
 from hybridkv.workloads import SyntheticOptions, load_workload, synthetic_workload
 
@@ -233,7 +239,7 @@ def test_lower_tiers_serve_what_the_device_evicts() -> None:
     assert summary["tiers"]["host"]["loaded_bytes"] > 0
 
 
-def test_write_through_keeps_write_backs_hits() -> None:
+def test_write_through_keeps_write_backs_hits(tmp_path: Path) -> None:
     # the agent loops above with a 256 MiB host tier (it drops entries): write-through
     # copies are cold, so they take only spare room and the hits equal write-back's
     # (measured: 79.16% both; 7,627 -> 9,835 blocks stored)
@@ -253,6 +259,11 @@ def test_write_through_keeps_write_backs_hits() -> None:
     assert through.cached_tokens == back.cached_tokens > 0
     assert through.tier_hit_tokens == back.tier_hit_tokens
     assert through.tiers["host"]["stored"] > back.tiers["host"]["stored"]
+    # the report's page lists each run's tiers as the terminal does (it had none of them)
+    page = (write_report(runs, tmp_path, title="t", through="host") / "index.html").read_text()
+    lines = [line for r in runs for line in tier_lines(r, "host")]
+    assert len(lines) == 2 and "arena host tier (write-through): 256 MiB, " in lines[0]
+    assert "<h2>Lower tiers</h2><ul>" + "".join(f"<li>{x}</li>" for x in lines) in page
     with pytest.raises(SimulationError, match="write_through: 'disk' is not a tier of this run"):
         SimConfig(
             memory_bytes=1 << 30,

@@ -293,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         StrategyFailure,
         format_summary_table,
         interpretation,
+        tier_lines,
         write_report,
     )
     from hybridkv.units import format_bytes, parse_bytes
@@ -348,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     share = args.protect_share
     if share is not None and not 0 < share <= 1:
         raise CliInputError(
-            f"--protect-share {share}: the share of a tier protected sessions may fill must be "
+            f"--protect-share {share:g}: the share of a tier protected sessions may fill must be "
             "a number in (0, 1]"
         )
     if args.protect is not None and args.disaggregate:
@@ -364,6 +365,10 @@ def run(args: argparse.Namespace) -> int:
             None if part.strip() == "0" else parse_bytes(part.strip(), field="--host-memory")
             for part in str(args.host_memory).split(",")
         ]
+        if len(set(hosts)) < len(hosts):
+            raise CliInputError(
+                f"--host-memory {args.host_memory}: a sweep runs each size once; a size is repeated"
+            )
     disk = (
         None if args.disk_memory is None else parse_bytes(args.disk_memory, field="--disk-memory")
     )
@@ -501,39 +506,23 @@ def run(args: argparse.Namespace) -> int:
         print(title)
         print(format_summary_table(results, failures))
         for r in results:
-            for line in _tier_lines(r, args.write_through, args.protect == "oracle"):
+            for line in tier_lines(r, args.write_through, args.protect == "oracle"):
                 print(line)
         for f in failures:
             print(f"{f.strategy}: n/a: {f.reason}")
         print(interpretation(results, failures))
     if report_dir is not None:
-        out = write_report(results, report_dir, title=title, failures=failures)
+        out = write_report(
+            results,
+            report_dir,
+            title=title,
+            failures=failures,
+            through=args.write_through,
+            oracle=args.protect == "oracle",
+        )
         if not args.quiet:
             print(f"report written to {out / 'index.html'}", file=sys.stderr)
     return 0
-
-
-def _tier_lines(result: SimResult, through: str | None = None, oracle: bool = False) -> list[str]:
-    """One line per lower tier: hit tokens read back from it, bytes written and read (and
-    whether it is the write-through tier ``through``, and whether an oracle client protected
-    conversations in it)."""
-    from hybridkv.units import format_bytes
-
-    lines = []
-    for name, st in result.tiers.items():
-        tokens = result.tier_hit_tokens.get(name, 0)
-        share = tokens / result.prompt_tokens if result.prompt_tokens else 0.0
-        lines.append(
-            f"{result.strategy} {name} tier"
-            f"{' (write-through)' if name == through else ''}"
-            f"{' (oracle-protected sessions)' if oracle else ''}: "
-            f"{format_bytes(st['capacity_bytes'])}, "
-            f"{tokens} prompt tokens read back ({share:.1%} of all), "
-            f"{format_bytes(st['stored_bytes'])} written, {format_bytes(st['loaded_bytes'])} "
-            f"read, {st['dropped']} blocks dropped"
-            + (f", {result.sessions_expired} sessions expired" if oracle else "")
-        )
-    return lines
 
 
 def _run_disaggregated(

@@ -333,17 +333,42 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def tier_lines(result: SimResult, through: str | None = None, oracle: bool = False) -> list[str]:
+    """One line per lower tier: hit tokens read back from it, bytes written and read (and
+    whether it is the write-through tier ``through``, and whether an oracle client protected
+    conversations in it)."""
+    lines = []
+    for name, st in result.tiers.items():
+        tokens = result.tier_hit_tokens.get(name, 0)
+        share = tokens / result.prompt_tokens if result.prompt_tokens else 0.0
+        lines.append(
+            f"{result.strategy} {name} tier"
+            f"{' (write-through)' if name == through else ''}"
+            f"{' (oracle-protected sessions)' if oracle else ''}: "
+            f"{format_bytes(st['capacity_bytes'])}, "
+            f"{tokens} prompt tokens read back ({share:.1%} of all), "
+            f"{format_bytes(st['stored_bytes'])} written, {format_bytes(st['loaded_bytes'])} "
+            f"read, {st['dropped']} blocks dropped"
+            + (f", {result.sessions_expired} sessions expired" if oracle else "")
+        )
+    return lines
+
+
 def write_report(
     results: list[SimResult],
     out_dir: str | Path,
     *,
     title: str,
     failures: list[StrategyFailure] | None = None,
+    through: str | None = None,
+    oracle: bool = False,
 ) -> Path:
     """Write ``report.json``, the PNG plots and ``index.html`` into ``out_dir``; returns it.
 
     ``title`` names what was simulated (model, workload, budget, accelerator); every plot
-    and the page carry it.  Raises ``OSError`` when ``out_dir`` cannot be written.
+    and the page carry it; the page lists each run's lower tiers as the terminal does
+    (:func:`tier_lines`, with ``through`` and ``oracle``).  Raises ``OSError`` when
+    ``out_dir`` cannot be written.
     """
     failures = failures or []
     out = Path(out_dir)
@@ -374,6 +399,10 @@ def write_report(
         f"<p><b>{html.escape(f.strategy)}: n/a</b>: {html.escape(f.reason)}</p>" for f in failures
     )
     imgs = "".join(f'<p><img src="{name}" alt="{name}"></p>' for name in images)
+    tiers = "".join(
+        f"<li>{html.escape(line)}</li>" for r in results for line in tier_lines(r, through, oracle)
+    )
+    tiers = f"<h2>Lower tiers</h2><ul>{tiers}</ul>" if tiers else ""
     page = (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title>"
@@ -382,7 +411,7 @@ def write_report(
         "dt{font-weight:bold;margin-top:.4em}</style></head><body>"
         f"<h1>hybridkv simulate</h1><p>{html.escape(title)}</p>"
         f"<table><tr>{head}</tr>{body}</table>{failed}"
-        f"<p>{html.escape(interpretation(results, failures))}</p>"
+        f"<p>{html.escape(interpretation(results, failures))}</p>{tiers}"
         f"<h2>Columns</h2><dl>{legend}</dl>{imgs}"
         "<p>Raw data: <a href='report.json'>report.json</a></p></body></html>"
     )
