@@ -38,6 +38,11 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["plan", "--strategy", "pools", "--pool-ratios", "1,2,3"], "--pool-ratios: got 3 ratios"),
     (["plan", "--chunk-alignment=-1MiB"], "--chunk-alignment: size must be positive"),
     (["plan", "--memory=-1GiB"], "--memory: size must be positive, got '-1GiB'"),
+    (  # accepted before and shown rounded (100000000000000000000 TiB; found by review)
+        ["simulate", "--host-memory", "99999999999999999999TiB"],
+        "--host-memory: '99999999999999999999TiB' is more than any machine addresses; give at "
+        "most 16777216 TiB (2^64 B)",
+    ),
     (["plan", "--memory", "1.5"], "--memory: '1.5' is not a whole number of bytes"),
     (
         ["plan", "--strategy", "uniform", "--chunk-alignment", "1MiB"],

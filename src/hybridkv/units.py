@@ -7,7 +7,7 @@ from decimal import Decimal, localcontext
 
 from hybridkv.errors import HybridKVError
 
-__all__ = ["SizeError", "format_bytes", "parse_bytes"]
+__all__ = ["MAX_BYTES", "SizeError", "format_bytes", "parse_bytes"]
 
 
 class SizeError(HybridKVError, ValueError):
@@ -31,6 +31,9 @@ _UNITS: dict[str, int] = {
     "tib": 1024**4,
 }
 
+#: The largest size accepted: 2^64 bytes (16 EiB), past any address space or disk.
+MAX_BYTES = 1 << 64
+
 _SIZE_RE = re.compile(r"^\s*(-?)\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -40,7 +43,7 @@ def parse_bytes(text: str | int, *, field: str = "size") -> int:
     Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers
     of 1024.  A fraction of a unit is rounded down to whole bytes (``3.2GiB`` is 3435973836
     bytes); a fraction of a byte (``1.5``, ``0.5B``) is refused.  Raises :class:`SizeError`
-    naming ``field`` when the text is not a positive size.
+    naming ``field`` when the text is not a positive size or is past :data:`MAX_BYTES`.
     """
     if isinstance(text, int):
         value = text
@@ -61,6 +64,11 @@ def parse_bytes(text: str | int, *, field: str = "size") -> int:
         value = -int(exact) if match.group(1) else int(exact)  # int() rounds towards 0
     if value <= 0:
         raise SizeError(f"{field}: size must be positive, got {text!r}")
+    if value > MAX_BYTES:
+        raise SizeError(
+            f"{field}: {text!r} is more than any machine addresses; give at most 16777216 TiB "
+            "(2^64 B)"
+        )
     return value
 
 
