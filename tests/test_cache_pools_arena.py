@@ -3,15 +3,22 @@ flat one-group / equal-page arena."""
 
 from __future__ import annotations
 
-import pytest
+import copy
+import random
+from typing import Any
 
-from hybridkv.cache import KVCacheManager
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.cache import KVCacheManager, compiled
 from hybridkv.cache.events import BlockRemoved, EventLog
 from hybridkv.cache.pool_arena import ArenaPool
 from hybridkv.cache.pool_shared import FlatArenaPool
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
 from hybridkv.errors import InvariantError, PlanError
+from hybridkv.specs import CacheSpec
 from test_cache_factories import (
     arena,
     chunked,
@@ -392,3 +399,56 @@ def test_equal_page_arena_is_flat_and_own_first_keeps_the_arena_pool() -> None:
     assert isinstance(own, ArenaPool)
     mixed = arena(groups(full(), (full(), 8)), 5)  # 128- and 256-byte blocks: real chunks
     assert isinstance(make_block_pool(mixed, EventLog(enabled=False)), ArenaPool)
+
+
+@pytest.mark.skipif(compiled(), reason="deep-copies managers; compiled classes do not copy")
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    window=st.sampled_from([swa(4), swa(8, sinks=2), chunked(8)]),
+    per_chunk=st.sampled_from([2, 3, 4]),
+    chunks=st.integers(8, 24),
+    window_first=st.booleans(),
+)
+def test_spreading_never_changes_what_a_call_gets_or_evicts(
+    seed: int, window: CacheSpec, per_chunk: int, chunks: int, window_first: bool
+) -> None:
+    """Before every allocation, a twin of the manager with spreading off makes the same call:
+    both succeed or both refuse, and both leave the same cached blocks (a spread takes only
+    whole free chunks, so it never evicts, and leaves the groups allocated after it the
+    free blocks they would have had).  Random prompts sharing prefixes, hits, prefill
+    chunks of 1-24 tokens, decodes and frees."""
+    rng = random.Random(seed)
+    order = ((window, 2), full()) if window_first else (full(), (window, 2))
+    manager = KVCacheManager(arena(groups(*order), chunks, per_chunk))
+    live: dict[str, Request] = {}
+    for step in range(200):
+        if live and rng.random() < 0.15:
+            manager.free(live.pop(rng.choice(sorted(live))).request_id)
+            continue
+        kwargs: dict[str, Any] = {}
+        if not live or rng.random() < 0.3:
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(2, 60))]
+            req = Request(f"r{step}", prompt, hash_block_size=manager.layout.hash_block_size)
+            hit = manager.get_computed_blocks(req)
+            kwargs = {"num_new_computed_tokens": hit.num_computed_tokens}
+            kwargs["new_computed_blocks"] = hit
+            done = hit.num_computed_tokens
+        else:
+            req = live[rng.choice(sorted(live))]
+            if req.num_computed_tokens >= req.num_tokens:
+                req.append_token_ids([rng.randrange(3)])
+            done = req.num_computed_tokens
+        n = min(rng.randrange(1, 25), req.num_tokens - done)
+        twin, twin_req, twin_kwargs = copy.deepcopy((manager, req, kwargs))
+        twin._coord.spread.groups = {}
+        want = twin.allocate_slots(twin_req, n, **twin_kwargs)
+        got = manager.allocate_slots(req, n, **kwargs)
+        assert (got is None) == (want is None), step
+        ours, theirs = manager._coord.pool, twin._coord.pool
+        assert isinstance(ours, ArenaPool) and isinstance(theirs, ArenaPool)
+        assert [set(m) for m in ours.maps] == [set(m) for m in theirs.maps], step
+        manager.check_invariants()
+        if got is not None:
+            req.num_computed_tokens = done + n
+            live[req.request_id] = req

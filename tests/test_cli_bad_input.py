@@ -135,6 +135,18 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         "--protect-share 0: the share of a tier protected sessions may fill must be a number "
         "in (0, 1]",
     ),
+    (  # not rounded to the 1 it refuses (found by review)
+        [
+            "simulate",
+            "--protect",
+            "oracle",
+            "--host-memory",
+            "1GiB",
+            "--protect-share",
+            "1.0000001",
+        ],
+        "--protect-share 1.0000001: the share of a tier",
+    ),
     (["plan", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
     (["plan", "no-such-model"], "'no-such-model' is neither a catalog name"),
     # simulate: every check before the first strategy runs

@@ -352,18 +352,31 @@ def test_bad_input_is_one_line_and_exit_2(
     assert out == ""
 
 
-@pytest.mark.parametrize("flag", ["--memory", "--host-memory"])
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (("--memory", "1000TiB"), "--memory: cannot allocate 1000 TiB (1099511627776000 B)"),
+        (
+            ("--host-memory", "1000TiB"),
+            "--host-memory: cannot allocate 1000 TiB (1099511627776000 B)",
+        ),
+        (
+            ("--num-blocks", "100000000000"),
+            "--num-blocks 100000000000: cannot allocate 1816 TiB (1996800000090112 B)",
+        ),
+    ],
+)
 def test_a_budget_past_the_host_is_one_line_and_exit_2(
-    flag: str, capsys: pytest.CaptureFixture[str]
+    argv: tuple[str, str], said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """1000 TiB is more than any address space: torch's allocation error (after the model
-    loaded: the buffers are sized from it) becomes the flag's one line (found by review:
-    a traceback and exit 1)."""
-    code, out, err = run(capsys, flag, "1000TiB", "--num-requests", "1", "--quiet")
+    """More than any address space: torch's allocation error (after the model loaded: the
+    buffers are sized from it) becomes the flag's one line (found by review: a traceback
+    and exit 1)."""
+    code, out, err = run(capsys, *argv, "--num-requests", "1", "--quiet")
     assert code == 2 and out == "" and "Traceback" not in err
+    fix = "give fewer blocks" if argv[0] == "--num-blocks" else "give a smaller size"
     assert err.splitlines() == [
-        f"hybridkv run: error: {flag}: cannot allocate 1000 TiB (1099511627776000 B) on cpu "
-        "(not enough memory there); give a smaller size"
+        f"hybridkv run: error: {said} on cpu (not enough memory there); {fix}"
     ]
 
 

@@ -1,6 +1,10 @@
 """A plan's capacity is real: the cache manager built from an arena plan holds that many
-max-length requests at once (hypothesis over random small models and budgets, windowed
-groups included), counting the blocks chunk 0 lends its host group."""
+max-length requests at once, grown token by token (hypothesis over random small models and
+budgets, windowed groups included), counting the blocks chunk 0 lends its host group.  The
+plan does not count a prefill chunk's transient window blocks per request, so requests
+prefilled side by side in chunks can need more (under `uniform` too); that spreading a
+window's transient blocks never changes what a call gets is
+``test_cache_pools_arena.test_spreading_never_changes_what_a_call_gets_or_evicts``."""
 
 from __future__ import annotations
 

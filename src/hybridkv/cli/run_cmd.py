@@ -482,6 +482,10 @@ def _build(args: argparse.Namespace, cache: CacheConfig, scheduler: SchedulerCon
         text = str(exc).removeprefix("disk cache: ")
         raise RunInputError(f"--disk-cache {args.disk_cache}: {text}") from None
     except StorageAllocationError as exc:  # more than the device or the host holds
+        field, _, rest = str(exc).partition(": ")
+        if field == "memory_bytes" and args.num_blocks is not None:
+            rest = rest.replace("give a smaller size", "give fewer blocks")
+            raise RunInputError(f"--num-blocks {args.num_blocks}: {rest}") from None
         raise flagged(exc, args) from None
 
 

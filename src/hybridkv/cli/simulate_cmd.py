@@ -349,7 +349,8 @@ def run(args: argparse.Namespace) -> int:
     share = args.protect_share
     if share is not None and not 0 < share <= 1:
         raise CliInputError(
-            f"--protect-share {share:g}: the share of a tier protected sessions may fill must be "
+            f"--protect-share {repr(share).removesuffix('.0')}: the share of a tier protected "
+            "sessions may fill must be "
             "a number in (0, 1]"
         )
     if args.protect is not None and args.disaggregate:
