@@ -440,7 +440,7 @@ class HybridCoordinator:
                     continue
                 # One allocation per group, in group order, as fits() counted it; a hit's
                 # tier blocks take the first ones.
-                span = spans.get(i) if spans else None
+                span = spans.get(i)
                 if span is not None:
                     blocks = self.spread.allocate(i, p.need, span)
                 else:

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridkv.cache.kinds import KindManager, StepPlan, WindowedManager
-from hybridkv.cache.pool_arena import ArenaPool
 from hybridkv.cache.pool_base import BlockPool
 
 __all__ = ["WindowSpread"]
@@ -38,9 +37,9 @@ class WindowSpread:
     """The windowed groups of a chunked pool whose transient blocks take whole chunks."""
 
     def __init__(self, managers: Sequence[KindManager], pool: BlockPool) -> None:
-        #: The pool, when it has chunks of several blocks (only an arena's do).
-        self.pool = pool if isinstance(pool, ArenaPool) else None
-        #: Group id -> its manager, for windowed groups with several blocks per chunk.
+        self.pool = pool
+        #: Group id -> its manager, for windowed groups with several blocks per chunk (none
+        #: where the pool has no chunks).
         self.groups: dict[int, WindowedManager] = {
             m.group_id: m
             for m in managers
@@ -76,7 +75,6 @@ class WindowSpread:
             if hi > lo:
                 cut[g] = (k + lo - first, k + hi - first)
         if cut:
-            assert self.pool is not None
             needs = [p.need if p is not None else 0 for p in plans]
             if not self.pool.spreads(needs, {g: b - a for g, (a, b) in cut.items()}):
                 return {}
@@ -88,7 +86,6 @@ class WindowSpread:
         transient ones carve), then the transient ones."""
         a, b = span
         pool = self.pool
-        assert pool is not None
         kept = pool.allocate(group_id, need - (b - a)) if need > b - a else []
         moving = pool.allocate_spread(group_id, b - a)
         return kept[:a] + moving + kept[a:]

@@ -320,10 +320,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and not 0 <= value <= MAX_CHANCES:
             raise CliInputError(f"{flag}: must be an integer in [0, {MAX_CHANCES}], got {value}")
     # A tier in some run: --host-memory 0 alone means none.
-    tiered = args.disk_memory is not None or (
-        args.host_memory is not None
-        and any(part.strip() != "0" for part in str(args.host_memory).split(","))
-    )
+    tiered = args.disk_memory is not None or any(p != "0" for p in _sizes(args.host_memory))
     check_needs(
         args,
         [
@@ -337,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     through = args.write_through
     if through is not None:
         size = args.host_memory if through == "host" else args.disk_memory
-        if size is None or "0" in [p.strip() for p in str(size).split(",")]:
+        if size is None or "0" in _sizes(size):
             flag = "--host-memory" if through == "host" else "--disk-memory"
             zero = ", not 0" if through == "host" else ""  # --disk-memory takes no 0 anyway
             raise CliInputError(
@@ -363,8 +360,8 @@ def run(args: argparse.Namespace) -> int:
     hosts: list[int | None] = [None]
     if args.host_memory is not None:
         hosts = [
-            None if part.strip() == "0" else parse_bytes(part.strip(), field="--host-memory")
-            for part in str(args.host_memory).split(",")
+            None if part == "0" else parse_bytes(part, field="--host-memory")
+            for part in _sizes(args.host_memory)
         ]
         if len(set(hosts)) < len(hosts):
             raise CliInputError(
@@ -524,6 +521,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"report written to {out / 'index.html'}", file=sys.stderr)
     return 0
+
+
+def _sizes(text: str | None) -> list[str]:
+    """The comma-separated sizes of a sweep option (``--host-memory 0,64GiB``), stripped;
+    none when it was not given."""
+    return [] if text is None else [part.strip() for part in str(text).split(",")]
 
 
 def _run_disaggregated(
