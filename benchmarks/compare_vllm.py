@@ -32,7 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, os.environ.get("HYBRIDKV_SRC", str(ROOT / "src")))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from hybridkv.cache import ComputedBlocks, KVCacheManager, Request, compiled  # noqa: E402
+from hybridkv.cache import (  # noqa: E402
+    AllocationResult,
+    ComputedBlocks,
+    KVCacheManager,
+    Request,
+    compiled,
+)
 from hybridkv.cache.pool_base import DEFAULT_CHANCES  # noqa: E402
 from hybridkv.models import resolve_model  # noqa: E402
 from hybridkv.plan import make_plan  # noqa: E402
@@ -66,9 +72,15 @@ class HybridkvAdapter:
     requeue is a preemption (``KVCacheManager.preempt``); a free of a finished one is ``free``.
     """
 
-    def __init__(self, manager: KVCacheManager, *, token_budget: int) -> None:
+    def __init__(
+        self, manager: KVCacheManager, *, token_budget: int, compaction: bool = True
+    ) -> None:
         layout = manager.layout
         self.manager = manager
+        #: A running request's refused step first tries ``KVCacheManager.compact`` (as
+        #: hybridkv's Scheduler does) before the driver preempts anyone.
+        self.compaction = compaction
+        self.moved_blocks = 0
         self.token_budget = token_budget
         self.total_bytes = layout.total_bytes
         self.scheduler_block_size = layout.schedule_alignment
@@ -129,14 +141,28 @@ class HybridkvAdapter:
             r.num_computed_tokens = req.num_computed_tokens
             res = self._timed(
                 "allocate_slots",
-                self.manager.allocate_slots,
+                self._allocate_running,
                 r,
                 num_new_tokens,
-                num_lookahead_tokens=num_lookahead_tokens,
+                num_lookahead_tokens,
             )
         if res is not None:
             self._pending.pop(req.request_id, None)
         return res is not None
+
+    def _allocate_running(
+        self, r: Request, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> AllocationResult | None:
+        """A running request's step; refused, compact and try again while that frees room."""
+        mgr = self.manager
+        while True:
+            res = mgr.allocate_slots(r, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+            if res is not None or not self.compaction:
+                return res
+            moves = mgr.compact(r, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+            if not moves:
+                return None
+            self.moved_blocks += len(moves)
 
     def _full_sequence_fits(self, req: vd.SimRequest, hit: ComputedBlocks) -> bool:
         """vLLM's admission gate (``full_sequence_must_fit``), with vLLM's per-kind counts:
@@ -265,6 +291,7 @@ def compare(
     second_chance: int = DEFAULT_CHANCES,
     window_chances: int | None = None,
     state_split: int | None = None,
+    compaction: bool = True,
 ) -> dict[str, Any]:
     model = resolve_model(name)
     setup = vd.build_vllm_manager(
@@ -293,6 +320,7 @@ def compare(
             window_chances=window_chances,
         ),
         token_budget=token_budget,
+        compaction=compaction,
     )
     h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
     vs, hs = _summary(v, vllm_adapter.timings), _summary(h, ours.timings)
@@ -305,6 +333,8 @@ def compare(
             "strategy": strategy,
             "second_chance": second_chance,
             "window_chances": window_chances,
+            "compaction": compaction,
+            "moved_blocks": ours.moved_blocks,
             "schedule_alignment": plan.layout.schedule_alignment,
             "state_split": plan.options.state_split,
             "groups": [
@@ -373,6 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="the same for sliding-window / local-chunk blocks (default: hybridkv's)",
     )
+    p.add_argument(
+        "--no-compaction",
+        action="store_true",
+        help="preempt without first compacting the arena (KVCacheManager.compact; hybridkv side)",
+    )
     p.add_argument("--out", default="results/compare_vllm.json")
     args = p.parse_args(argv)
     if not vd.vllm_available():
@@ -417,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             second_chance=args.second_chance,
             window_chances=args.window_chances,
             state_split=args.state_split,
+            compaction=not args.no_compaction,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)

@@ -452,3 +452,32 @@ def test_spreading_never_changes_what_a_call_gets_or_evicts(
         if got is not None:
             req.num_computed_tokens = done + n
             live[req.request_id] = req
+
+
+def test_compaction_moves_a_sparse_chunks_blocks_and_keeps_the_youngest_cached() -> None:
+    # Group 1 (2 blocks a chunk) holds one referenced block in each of chunks 1, 2 and 3;
+    # its unreferenced slots (a hole in chunk 2, cached blocks in chunks 1 and 3) make one
+    # chunk's worth, so one chunk can be emptied: chunk 1 (fewest references, lowest id).
+    pool = make_block_pool(arena(groups(full(), (swa(8), 8)), 6), EventLog(enabled=True))
+    assert isinstance(pool, ArenaPool) and pool.blocks_per_chunk(1) == 2
+    _hold_null_chunk(pool)
+    assert [pool.allocate(1, 2) for _ in range(3)] == [[2, 3], [4, 5], [6, 7]]
+    pool.cache(1, 7, 77)
+    pool.release(1, [7])  # cached in chunk 3, older
+    pool.cache(1, 3, 33)
+    pool.release(1, [3])  # cached in chunk 1 (the victim), younger
+    pool.release(1, [5])  # a hole in chunk 2
+    assert pool.free_chunks == [5, 4]
+    before = pool.snapshot()
+    assert pool.compact(1, frozenset({0})) == [] and pool.snapshot() == before  # not movable
+    moves = pool.compact(1, frozenset({0, 1}))
+    # One slot is left for cached data after the move: the younger (33) is kept and moves,
+    # the older (77) is evicted to make room; the referenced block takes 77's slot first.
+    assert moves == [(1, 2, 7), (1, 3, 5)]
+    assert pool.maps[1] == {33: 5} and pool.refs[1][7] == 1 and pool.refs[1][2] == 0
+    assert list(pool.free_cached[1]) == [5] and not pool.free_uncached[1]
+    assert pool.free_chunks == [5, 4, 1] and pool.chunk_owner(1) is None
+    assert pool.events.take() == [BlockRemoved(1, (77,))]
+    pool.check_invariants()
+    assert pool.compact(1, frozenset({0, 1})) == []  # no chunk's worth of slots left
+    pool.check_invariants()

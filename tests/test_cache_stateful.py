@@ -250,6 +250,38 @@ class CacheMachine(RuleBasedStateMachine):
         self._wrote(req)
 
     @precondition(lambda self: self.running)
+    @rule(which=hst.integers(0, 7), budget=hst.integers(1, 24), lookahead=hst.integers(0, 3))
+    def compact(self, which: int, budget: int, lookahead: int) -> None:
+        """Compaction keeps every table's content (a moved entry names the block its data went
+        to), only evicts cached entries, and then lets the step fit or frees chunks."""
+        mgr = self._m()
+        req = self.running[which % len(self.running)]
+        n = min(budget, req.num_tokens - req.num_computed_tokens)
+        before = mgr.snapshot()
+        tables = {r.request_id: mgr.get_block_ids(r.request_id) for r in self.running}
+        hashes = [list(h) for h in mgr.pool.hashes]
+        cached = cached_hashes(mgr)
+        free = len(getattr(mgr.pool, "free_chunks", ()))
+        moves = mgr.compact(req, n, num_lookahead_tokens=lookahead)
+        if not moves:
+            assert mgr.snapshot() == before
+            return
+        assert mgr._coord.tiers is None and mgr.layout.strategy.value == "arena"
+        where = {(m.group_id, m.src): m.dst for m in moves}
+        assert len(where) == len(moves)  # each block moves once
+        refs = mgr.pool.refs
+        for m in moves:
+            assert refs[m.group_id][m.src] == 0  # nothing refers to where it was
+            assert mgr.pool.hashes[m.group_id][m.dst] == hashes[m.group_id][m.src]
+        for rid, old in tables.items():
+            new = mgr.get_block_ids(rid)
+            for g, (a, b) in enumerate(zip(old, new, strict=True)):
+                assert b == [where.get((g, x), x) for x in a]
+        assert all(now <= was for now, was in zip(cached_hashes(mgr), cached, strict=True))
+        assert len(mgr.pool.free_chunks) > free  # type: ignore[attr-defined]
+        assert mgr.stats.compactions >= 1
+
+    @precondition(lambda self: self.running)
     @rule(which=hst.integers(0, 7))
     def finish(self, which: int) -> None:
         req = self.running.pop(which % len(self.running))

@@ -140,6 +140,8 @@ class HybridCoordinator:
         for g in self.coupling.groups[1:]:
             self.managers[g].credits = False
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
+        #: Groups whose blocks compaction may move (:mod:`~hybridkv.cache.compaction`).
+        self.movable = frozenset(self._attention)
         #: Windowed groups whose blocks share chunks (arena): the blocks a step's end pushes
         #: out of the window take whole free chunks (:mod:`~hybridkv.cache.window_spread`).
         self.spread = WindowSpread(self.managers, self.pool)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from hybridkv.cache.compaction import compact_for
 from hybridkv.cache.coordinator import HybridCoordinator
 from hybridkv.cache.errors import (
     LayoutMismatchError,
@@ -44,7 +45,7 @@ from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats, StatsCollector
 from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cache.tiers import TierSpec
-from hybridkv.cache.types import AllocationResult, ComputedBlocks
+from hybridkv.cache.types import AllocationResult, BlockMove, ComputedBlocks
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout
 
@@ -392,6 +393,37 @@ class KVCacheManager(TierCalls):
             raise UnknownRequestError(f"preempt: request {request_id!r} holds no blocks")
         rs.request.num_computed_tokens = 0
         self._stats.record_preemption()
+
+    def compact(
+        self, request: Request, num_new_tokens: int, *, num_lookahead_tokens: int = 0
+    ) -> tuple[BlockMove, ...]:
+        """Make room for running ``request``'s next step (the ``allocate_slots`` call that was
+        just refused) by freeing whole arena chunks: the referenced blocks of sparse chunks
+        move into their group's free slots, evicting that group's oldest cached blocks where
+        needed (:mod:`~hybridkv.cache.compaction`), up to the chunks the step lacks.  Returns
+        ``()``, changing nothing, when it can free no chunk (then preempt), for a pool without
+        chunks and with lower tiers.  Otherwise the moves, in order (try the step again;
+        compact again while it is refused and this moves blocks): copy each block's bytes
+        before the next step reads or writes them, and re-read every request's tables
+        (:meth:`get_block_ids`); a :class:`ComputedBlocks` not yet allocated is stale.
+        Raises :class:`UnknownRequestError` when ``request`` holds no blocks and
+        :class:`RequestLengthError` for counts past its tokens."""
+        _count("num_new_tokens", num_new_tokens)
+        _count("num_lookahead_tokens", num_lookahead_tokens)
+        rid = getattr(request, "request_id", None)
+        rs = self._coord.requests.get(rid) if isinstance(rid, str) else None
+        if rs is None or rs.request is not request:
+            raise UnknownRequestError(f"compact: request {rid!r} holds no blocks")
+        end = request.num_computed_tokens + num_new_tokens
+        if end > request.num_tokens:
+            raise RequestLengthError(
+                f"compact: request {rid!r}: num_new_tokens {num_new_tokens} runs past its "
+                f"{request.num_tokens} tokens from {request.num_computed_tokens} computed"
+            )
+        moves = compact_for(self._coord, rs, num_new_tokens, num_lookahead_tokens)
+        if moves:
+            self._stats.record_compaction(len(moves))
+        return moves
 
     # -- queries ------------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

@@ -73,9 +73,9 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from hybridkv.cache.arena_compact import ArenaCompact
 from hybridkv.cache.arena_invariants import check_arena
 from hybridkv.cache.arena_packing import FillIndex, NoFill
-from hybridkv.cache.arena_returns import ArenaReturns
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, chance_caps
 from hybridkv.errors import InvariantError, PlanError
@@ -91,7 +91,7 @@ ARENA_EVICTION_POLICIES = ("chunk_lru", "own_first")
 _SPEND = bytes([0, *range(255)])
 
 
-class ArenaPool(ArenaReturns):
+class ArenaPool(ArenaCompact):
     """Chunks shared by every group of an ``arena`` layout."""
 
     strategy: ClassVar[Strategy] = Strategy.ARENA

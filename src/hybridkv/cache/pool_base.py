@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
@@ -145,6 +145,18 @@ class BlockPool(ABC):
         already in use (only when :meth:`spreads` said so for the call's needs); a pool
         without chunks allocates as usual."""
         return self.allocate(group_id, n)
+
+    def chunks_short(self, needs: Sequence[int]) -> int:
+        """Arena: the whole chunks ``needs[g]`` blocks per group lack (an upper bound); 0 for
+        a pool without chunks."""
+        return 0
+
+    def compact(self, chunks: int, movable: Collection[int]) -> list[tuple[int, int, int]]:
+        """Free up to ``chunks`` chunks by moving the referenced (and the youngest cached)
+        blocks of the ``movable`` groups out of them; returns the moves ``(group, src, dst)``
+        in the order their bytes must be copied (:mod:`~hybridkv.cache.arena_compact`).  A
+        pool without chunks moves nothing."""
+        return []
 
     @abstractmethod
     def touch(self, group_id: int, blocks: Sequence[int]) -> None:

@@ -16,7 +16,8 @@ class PrefixCacheStats(NamedTuple):
     other groups did not constrain the hit (its standalone longest hit, aligned to the
     schedule alignment); empty unless the manager was built with ``group_hit_stats=True``.
     ``preemptions``: requests preempted.  ``reset``: the prefix cache was
-    reset during the interval.
+    reset during the interval.  ``compactions``: :meth:`KVCacheManager.compact` calls that
+    moved blocks; ``moved_blocks``: the blocks they moved.
     """
 
     queries: int
@@ -25,6 +26,8 @@ class PrefixCacheStats(NamedTuple):
     group_alone_hit_tokens: tuple[int, ...]
     preemptions: int
     reset: bool
+    compactions: int = 0
+    moved_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -47,11 +50,11 @@ class StatsCollector:
 
     def __init__(self, num_groups: int) -> None:
         self._num_groups = num_groups
-        self._counts = [0, 0, 0, 0]  # queries, query tokens, hit tokens, preemptions
+        self._counts = [0] * 6  # queries, query/hit tokens, preemptions, compactions, moves
         self._alone = [0] * num_groups
         self._reset = False
         self._ever_reset = False
-        self._total_counts = [0, 0, 0, 0]
+        self._total_counts = [0] * 6
         self._total_alone = [0] * num_groups
 
     def record_query(self, query_tokens: int, hit_tokens: int, alone: list[int] | None) -> None:
@@ -67,6 +70,10 @@ class StatsCollector:
     def record_preemption(self) -> None:
         self._counts[3] += 1
 
+    def record_compaction(self, moved: int) -> None:
+        self._counts[4] += 1
+        self._counts[5] += moved
+
     def record_reset(self) -> None:
         self._reset = True
         self._ever_reset = True
@@ -81,14 +88,14 @@ class StatsCollector:
         """Counters since the manager was built; ``reset`` tells whether one ever happened."""
         c = [t + n for t, n in zip(self._total_counts, self._counts, strict=True)]
         alone = tuple(t + n for t, n in zip(self._total_alone, self._alone, strict=True))
-        return PrefixCacheStats(c[0], c[1], c[2], alone, c[3], self._ever_reset)
+        return PrefixCacheStats(c[0], c[1], c[2], alone, c[3], self._ever_reset, c[4], c[5])
 
     def take(self) -> PrefixCacheStats:
         """Counters since the previous take; starts a new interval."""
         c = self._counts
-        out = PrefixCacheStats(c[0], c[1], c[2], tuple(self._alone), c[3], self._reset)
+        out = PrefixCacheStats(c[0], c[1], c[2], tuple(self._alone), c[3], self._reset, c[4], c[5])
         self._fold()
-        self._counts = [0, 0, 0, 0]
+        self._counts = [0] * 6
         self._alone = [0] * self._num_groups
         self._reset = False
         return out

@@ -13,6 +13,7 @@ __all__ = [
     "AllocationResult",
     "BlockHash",
     "BlockId",
+    "BlockMove",
     "ComputedBlocks",
     "StateCopy",
     "StateSlot",
@@ -30,6 +31,16 @@ class StateCopy(NamedTuple):
 
     Both ids are blocks of group ``group_id``; one block of a state group is one state slot.
     """
+
+    group_id: int
+    src: BlockId
+    dst: BlockId
+
+
+class BlockMove(NamedTuple):
+    """Compaction moved a block: copy block ``src`` of group ``group_id`` to block ``dst``
+    (every member layer) before the next step reads or writes either; tables that held
+    ``src`` hold ``dst`` now (:meth:`KVCacheManager.compact`)."""
 
     group_id: int
     src: BlockId

@@ -91,7 +91,7 @@ from hybridkv.scheduler import (
     SequenceState,
 )
 from hybridkv.specs import ModelSpec, StateMixer, StateSpec
-from hybridkv.storage import KVCacheStorage
+from hybridkv.storage import KVCacheStorage, copy_blocks
 
 __all__ = [
     "DEFAULT_MAX_MODEL_LEN",
@@ -266,6 +266,7 @@ class LLMEngine:
                 "rewinds",
                 "host",
                 "disk",
+                "moved",
             ),
             0,
         )
@@ -359,6 +360,12 @@ class LLMEngine:
                 )
             self._seconds += time.perf_counter() - start
             return []
+        for move in out.moves:  # compaction, before anything reads or writes those blocks
+            storage = self.storage
+            src = storage.descriptor(move.group_id, [move.src])
+            dst = storage.descriptor(move.group_id, [move.dst])
+            copy_blocks(src, storage.buffers, dst, storage.buffers)
+        self._counts["moved"] += len(out.moves)
         if self._tier_store is not None:  # evicted blocks out, hits back in, before the pass
             self._tier_store.apply(self.manager.take_tier_ops())
             sizes = self._block_sizes
@@ -555,6 +562,7 @@ class LLMEngine:
             rollback_passes=c["rewinds"],
             host_hit_tokens=c["host"],
             disk_hit_tokens=c["disk"],
+            moved_blocks=c["moved"],
         )
 
 

@@ -49,7 +49,8 @@ class EngineStats:
     ``rollback_passes``: forward passes that ran accepted tokens again to roll a recurrent
     state back past rejected drafts (also counted in ``forward_passes``).
     ``host_hit_tokens`` / ``disk_hit_tokens``: the part of ``prefix_hit_tokens`` read back
-    from the host / disk tier (first admissions too).
+    from the host / disk tier (first admissions too).  ``moved_blocks``: blocks the
+    scheduler's compaction moved (one device copy each) instead of preempting.
     """
 
     groups: tuple[str, ...]
@@ -75,6 +76,7 @@ class EngineStats:
     rollback_passes: int = 0
     host_hit_tokens: int = 0
     disk_hit_tokens: int = 0
+    moved_blocks: int = 0
 
     @property
     def tokens_per_second(self) -> float:

@@ -31,7 +31,14 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from hybridkv.cache import AllocationResult, ComputedBlocks, KVCacheManager, Request
+from hybridkv.cache import (
+    AllocationResult,
+    BlockId,
+    BlockMove,
+    ComputedBlocks,
+    KVCacheManager,
+    Request,
+)
 from hybridkv.scheduler.types import (
     FinishReason,
     RequestOutput,
@@ -324,6 +331,30 @@ class Scheduler:
             is_prefill=start < req.num_prompt_tokens,
         )
 
+    def _moved(
+        self, out: list[ScheduledRequest], moves: Sequence[BlockMove]
+    ) -> list[ScheduledRequest]:
+        """The step's requests scheduled so far, with compaction's ``moves`` applied to their
+        tables and new block ids."""
+        where: dict[tuple[int, int], int] = {(m.group_id, m.src): m.dst for m in moves}
+        fixed = []
+        for item in out:
+            alloc = item.allocation
+            new_ids = tuple(
+                tuple(BlockId(where.get((g, b), b)) for b in ids)
+                for g, ids in enumerate(alloc.new_block_ids)
+            )
+            fixed.append(
+                replace(
+                    item,
+                    block_ids=self.manager.get_block_ids(item.request_id)
+                    if self.config.collect_block_ids
+                    else (),
+                    allocation=alloc._replace(new_block_ids=new_ids),
+                )
+            )
+        return fixed
+
     def draft_room(self, seq: SequenceState) -> int:
         """How many draft tokens a decode step of running ``seq`` may verify now (0 when the
         step is not a one-token decode step).
@@ -362,6 +393,7 @@ class Scheduler:
         budget = cfg.token_budget
         out: list[ScheduledRequest] = []
         preempted: list[str] = []
+        moves: list[BlockMove] = []
         cached_total = 0
         i = 0
         while i < len(self.running) and budget > 0:
@@ -393,6 +425,12 @@ class Scheduler:
                         f"{start} tokens even alone (no free block, or no free state slot for "
                         "a checkpoint); the memory budget is too small for it"
                     )
+                if cfg.compaction:
+                    moved = mgr.compact(req, end - start, num_lookahead_tokens=lookahead)
+                    if moved:
+                        out = self._moved(out, moved)
+                        moves.extend(moved)
+                        continue
                 victim = self._preempt_newest()
                 preempted.append(victim.request_id)
                 if victim is seq:
@@ -477,6 +515,7 @@ class Scheduler:
             num_batched_tokens=cfg.token_budget - budget,
             num_cached_tokens=cached_total,
             skipped_waiting=skipped,
+            moves=tuple(moves),
         )
 
     # -- applying a step -------------------------------------------------------------------

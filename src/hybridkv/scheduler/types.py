@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from hybridkv.cache import AllocationResult
+from hybridkv.cache import AllocationResult, BlockMove
 from hybridkv.errors import HybridKVError
 
 __all__ = [
@@ -72,6 +72,9 @@ class SchedulerConfig:
     arena TTFT p50 53.1 -> 13.5 s (469 -> 21 preemptions), ``uniform`` 22.7 -> 17.0 s (500 ->
     16), measured 2026-11-27 (42.9 -> 20.1 s and 20.6 -> 17.2 s when the rule was made); the
     other models and sizes in ``docs/architecture.md`` (section 5), as measured then.
+    ``compaction``: when a running request's step is refused, compact the cache
+    (:meth:`KVCacheManager.compact`: an arena moves referenced blocks out of sparse chunks)
+    and try again before preempting anyone; the moves are in the step's output.
     """
 
     token_budget: int = 8192
@@ -83,6 +86,7 @@ class SchedulerConfig:
     collect_block_ids: bool = True
     whole_prefill: bool = False
     admission: str = "reserve"
+    compaction: bool = True
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs"):
@@ -143,6 +147,10 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_cached_tokens: int = 0
     skipped_waiting: int = 0
+    #: Blocks compaction moved while scheduling this step, in order: copy each before the
+    #: step's model pass (and before the tier operations); ``scheduled`` tables and
+    #: ``allocation.new_block_ids`` already name the new ids.
+    moves: tuple[BlockMove, ...] = ()
 
     @property
     def is_empty(self) -> bool:

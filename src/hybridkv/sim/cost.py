@@ -164,6 +164,12 @@ class StepCostModel:
             t += disk_bytes / a.disk_bandwidth + a.disk_latency_s
         return t
 
+    def copy_seconds(self, num_bytes: int) -> float:
+        """Time to copy ``num_bytes`` within device memory (read and write; compaction's
+        block moves, before the step's pass)."""
+        a = self.accel
+        return 2 * num_bytes / (a.hbm_bandwidth * a.bw_efficiency)
+
     def step_seconds(self, items: list[tuple[int, int]], load_s: float = 0.0) -> float:
         """Time of a step computing, per request, ``(start, num_new_tokens)``, whose lower-tier
         loads take ``load_s`` (overlapped with the step)."""

@@ -209,6 +209,9 @@ class SimResult:
     #: Protected sessions the manager ended (a tier over its ``protect_share``, or more
     #: protected hashes than it allows: :meth:`KVCacheManager.session_stats`).
     sessions_expired: int = 0
+    #: Blocks the scheduler's compaction moved instead of preempting (a device copy each,
+    #: charged at the accelerator's memory bandwidth).
+    moved_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -235,6 +238,7 @@ class SimResult:
             "token_hit_rate": self.hit_rate,
             "group_hit_rates": dict(zip(self.group_labels, self.group_hit_rates, strict=True)),
             "preemptions": self.preemptions,
+            "moved_blocks": self.moved_blocks,
             "peak_running": self.peak_running,
             "peak_used_bytes": self.peak_used_bytes,
             "peak_need_bytes": self.peak_need_bytes,
@@ -390,7 +394,7 @@ def simulate(
     ttft: list[float] = []
     tpot: list[float] = []
     cached_tokens = computed = output_tokens = prompt_tokens = admitted_tokens = 0
-    peak_running = peak_used = peak_need = finished = steps = 0
+    peak_running = peak_used = peak_need = finished = steps = moved_blocks = 0
     timeline: list[TimelinePoint] = []
     sample_every = 1
     manager_ns = 0
@@ -474,6 +478,11 @@ def simulate(
             computed += item.num_new_tokens
         load_s = cost.load_seconds(moved["host"], moved["disk"]) if any(moved.values()) else 0.0
         clock += cost.step_seconds([(s.start, s.num_new_tokens) for s in out.scheduled], load_s)
+        if out.moves:  # compaction's copies run before the pass
+            moved_blocks += len(out.moves)
+            clock += cost.copy_seconds(
+                sum(layout.groups[m.group_id].block_bytes for m in out.moves)
+            )
         sampled: dict[str, int] = {}
         for item in out.scheduled:
             if item.samples:
@@ -548,6 +557,7 @@ def simulate(
         computed_tokens=computed,
         output_tokens=output_tokens,
         preemptions=sched.num_preemptions,
+        moved_blocks=moved_blocks,
         steps=steps,
         sim_time_s=clock,
         wall_time_s=time.perf_counter() - wall0,

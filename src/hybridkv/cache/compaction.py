@@ -1,0 +1,79 @@
+"""Room for a running request's step by compaction, instead of preempting another request.
+
+:meth:`KVCacheManager.compact <hybridkv.cache.manager.KVCacheManager.compact>` plans the
+step as ``allocate_slots`` would (every group's need), asks the pool how many whole chunks
+that need lacks (:meth:`~hybridkv.cache.pool_base.BlockPool.chunks_short`, an upper bound:
+it ignores what the step releases), and frees up to that many, at least one, as far as the
+pool can (:mod:`~hybridkv.cache.arena_compact`).  The caller tries the step again and
+compacts again while that moves blocks; only then does it preempt.  Gating on the bound
+(compact only when the pool could free all of it) refused where compaction would have
+served: gemma-3-27b on the Mooncake trace at 24 GiB kept 17 preemptions and 3.683% of prompt
+tokens hit, against none and 3.693% without the gate (docs/vllm.md).  Every table that held a
+moved block is rewritten to its new id.  Attention groups move (their tables are the
+only holders of their ids); state groups do not (their slots are also named by pending
+checkpoint copies).  With lower tiers compaction does nothing: their operation stream names
+device blocks that a move could change under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from hybridkv.cache.request_state import RequestState
+from hybridkv.cache.types import BlockId, BlockMove
+
+if TYPE_CHECKING:
+    from hybridkv.cache.coordinator import HybridCoordinator
+
+__all__ = ["compact_for", "rewrite_tables"]
+
+
+def compact_for(
+    coord: HybridCoordinator,
+    rs: RequestState,
+    num_new_tokens: int,
+    num_lookahead_tokens: int,
+) -> tuple[BlockMove, ...]:
+    """Compact ``coord``'s pool so that running ``rs``'s step of ``num_new_tokens`` (plus
+    lookahead) may fit; the moves made, or ``()`` when it could free no chunk."""
+    if coord.tiers is not None:
+        return ()
+    request = rs.request
+    computed = request.num_computed_tokens
+    step_end = computed + num_new_tokens
+    total = step_end + num_lookahead_tokens
+    if coord.max_model_len is not None and total > coord.max_model_len:
+        total = max(coord.max_model_len, step_end)
+    needs = [0] * coord.num_groups
+    for i, (m, st) in enumerate(zip(coord.managers, rs.groups, strict=True)):
+        p = m.plan(st, request, computed, computed, step_end, total, None, rs.marks)
+        if p is not None:
+            needs[i] = p.need
+    if not any(needs):
+        return ()
+    pool = coord.pool
+    short = pool.chunks_short(needs)
+    movable = coord.movable
+    # At least one chunk: the bound ignores what the step releases, yet the step was refused.
+    moves = pool.compact(max(short, 1), movable)
+    if not moves:
+        return ()
+    rewrite_tables(coord.requests.values(), moves)
+    return tuple(BlockMove(g, BlockId(s), BlockId(d)) for g, s, d in moves)
+
+
+def rewrite_tables(requests: Iterable[RequestState], moves: list[tuple[int, int, int]]) -> None:
+    """Point every table entry that names a moved block at its new id."""
+    by_group: dict[int, dict[int, int]] = {}
+    for g, s, d in moves:
+        by_group.setdefault(g, {})[s] = d
+    for rs in requests:
+        for g, where in by_group.items():
+            table = rs.groups[g].table
+            if where.keys().isdisjoint(table):
+                continue
+            for j, b in enumerate(table):
+                to = where.get(b)
+                if to is not None:
+                    table[j] = to
