@@ -188,6 +188,41 @@ def test_preemption_and_resume_with_a_small_pool(name: str) -> None:
     eng.manager.check_invariants()
 
 
+def test_compaction_moves_blocks_instead_of_preempting_and_stays_exact() -> None:
+    # gemma3_text's arena: 5 KiB sliding-window blocks (4 a chunk) and 1 KiB full-attention
+    # blocks (20 a chunk) share 20 KiB chunks; at 80 KiB, four growing requests strand the
+    # window group's chunks.  With compaction a refused step moves referenced blocks (copied
+    # before the pass: the NaN-poisoned storage would show a stale table) before anyone is
+    # preempted.
+    cache = CacheConfig(block_size=4, state_block_size=8, memory_bytes=80 << 10, max_model_len=64)
+    prompts = [prompt(20 + i, 25 + 3 * i) for i in range(4)]
+    stats = {}
+    for on in (True, False):
+        eng = engine("gemma3_text", cache, token_budget=16, compaction=on)
+        schedule, steps_with_moves = eng.scheduler.schedule, []
+
+        def checked(*args: Any, _eng: LLMEngine = eng, _schedule: Any = schedule) -> Any:
+            out = _schedule(*args)
+            if out.moves:
+                steps_with_moves.append(out.step)
+            for item in out.scheduled:  # tables and new ids name where the data is now
+                tables = _eng.manager.get_block_ids(item.request_id)
+                assert list(item.block_ids) == list(tables)
+                for g, ids in enumerate(item.allocation.new_block_ids):
+                    assert set(ids) <= set(tables[g])
+            return out
+
+        eng.scheduler.schedule = checked  # type: ignore[method-assign]
+        done = eng.generate(prompts, max_tokens=24)
+        check("gemma3_text", done)
+        stats[on] = eng.stats()
+        assert stats[on].moved_blocks == eng.manager.stats.moved_blocks
+        assert bool(steps_with_moves) == on
+        eng.manager.check_invariants()
+    assert (stats[True].moved_blocks, stats[True].preemptions) == (21, 1)
+    assert (stats[False].moved_blocks, stats[False].preemptions) == (0, 3)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_kernel_block_smaller_than_the_manager_block(name: str) -> None:
     cache = CacheConfig(
