@@ -455,7 +455,7 @@ def test_every_option_shows_its_default() -> None:
         for a in run_parser._actions
         if a.dest != "help"
     }
-    assert len(shown) == 31
+    assert len(shown) == 32
     assert [flag for flag, text in shown.items() if "default" not in text] == []
     for flag in ("--memory", "--block-size", "--state-block-size", "--max-model-len"):
         assert flag in shown  # the names plan and simulate use

@@ -201,7 +201,12 @@ def test_compaction_moves_blocks_instead_of_preempting_and_stays_exact() -> None
         eng = engine("gemma3_text", cache, token_budget=16, compaction=on)
         schedule, steps_with_moves = eng.scheduler.schedule, []
 
-        def checked(*args: Any, _eng: LLMEngine = eng, _schedule: Any = schedule) -> Any:
+        def checked(
+            *args: Any,
+            _eng: LLMEngine = eng,
+            _schedule: Any = schedule,
+            steps_with_moves: list[int] = steps_with_moves,
+        ) -> Any:
             out = _schedule(*args)
             if out.moves:
                 steps_with_moves.append(out.step)

@@ -191,7 +191,8 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_admission(parser: argparse.ArgumentParser) -> None:
-    """``--admission``: the scheduler's admission policy (``hybridkv.scheduler``)."""
+    """``--admission`` and ``--compaction``: the scheduler's admission policy and whether it
+    compacts the cache before preempting (``hybridkv.scheduler``)."""
     from hybridkv.scheduler import ADMISSION_POLICIES
 
     parser.add_argument(
@@ -200,6 +201,13 @@ def add_admission(parser: argparse.ArgumentParser) -> None:
         choices=list(ADMISSION_POLICIES),
         help="the scheduler admits a waiting request once full attention can hold its whole "
         "prompt (reserve), or once its first chunk fits (greedy, as vLLM)",
+    )
+    parser.add_argument(
+        "--compaction",
+        default="on",
+        choices=["on", "off"],
+        help="arena: before preempting for a running request's step, move referenced blocks "
+        "out of sparse chunks to free whole chunks (a device copy per block; default: on)",
     )
 
 

@@ -153,6 +153,7 @@ def configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
             token_budget=args.token_budget,
             max_num_seqs=args.max_num_seqs,
             admission=args.admission,
+            compaction=args.compaction == "on",
         )
     except HybridKVError as exc:
         raise flagged(exc, args) from None

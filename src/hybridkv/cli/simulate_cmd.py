@@ -415,6 +415,7 @@ def run(args: argparse.Namespace) -> int:
             publish=args.publish,
             checkpoint_admission=args.checkpoint_admission,
             admission=args.admission,
+            compaction=args.compaction == "on",
             checkpoint_when_full=args.checkpoint_when_full,
             tier_admission=args.tier_admission or "yield",
             second_chance=args.second_chance,

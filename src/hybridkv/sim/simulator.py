@@ -87,6 +87,9 @@ class SimConfig:
     checkpoint_before_end: bool | None = None
     #: The scheduler's admission policy (``SchedulerConfig.admission``).
     admission: str = "reserve"
+    #: Whether the scheduler compacts the cache before preempting
+    #: (``SchedulerConfig.compaction``; the moves' copies are charged to the step).
+    compaction: bool = True
     #: ``KVCacheManager(checkpoint_when_full=)`` (None: by layout).
     checkpoint_when_full: str | None = None
     host_memory_bytes: int | None = None
@@ -337,6 +340,7 @@ def scheduler_for(mgr: KVCacheManager, config: SimConfig) -> Scheduler:
             collect_block_ids=False,
             checkpoint_before_end=config.checkpoint_before_end,
             admission=config.admission,
+            compaction=config.compaction,
         ),
         max_model_len=config.max_model_len,
     )
