@@ -9,9 +9,10 @@ One step, as :meth:`Scheduler.schedule` builds it:
    scheduled before it are re-read) and the step tried again; when that frees nothing, the
    newest running request is preempted (its blocks are released, computed ones stay in the
    prefix cache) and goes back to the front of the waiting queue; it is recomputed, mostly
-   from cache, later.  A waiting request's refused admission does not compact: it waits
-   (compacting for admissions too ran more requests at once on gemma-3-27b at 64 GiB and hit
-   less, 3.675% of prompt tokens against 3.707% without compaction, docs/vllm.md).
+   from cache, later.  A waiting request's refused admission does not compact: it waits.
+   Prototypes that also moved blocks for refused admissions admitted requests the running
+   ones then had to preempt (gemma-3-27b at 64 GiB on the Mooncake trace: 3.675% of prompt
+   tokens hit against 3.707% without moves; Qwen3-Next-80B-A3B: docs/vllm.md).
 2. **Waiting requests** (first come, first served) when nothing was preempted this step: a
    prefix-cache lookup, then the first prefill chunk.
 
