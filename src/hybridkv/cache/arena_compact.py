@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from itertools import islice
 
 from hybridkv.cache.arena_returns import ArenaReturns
 
@@ -86,30 +87,16 @@ class ArenaCompact(ArenaReturns):
         refs, hashes, m, hitg = self.refs[g], self.hashes[g], self.maps[g], self.hit[g]
         fu, fc = self.free_uncached[g], self.free_cached[g]
         crefd, ccf, fill, first = self.chunk_refd, self.chunk_cached_free, self.fill, self.first[g]
-        gone = set(victims)
+        # 1. Keep the youngest cached blocks that fit in what the other chunks keep free: each
+        # emptied chunk uses up one chunk's worth of the group's unreferenced slots.
+        room = len(fu) + len(fc) - len(victims) * bpc
+        if len(fc) > room:
+            self.uncache(g, list(islice(fc, len(fc) - room)))  # oldest first, reported
         for c in victims:  # their free slots are no destination
             fill.clear(g, c)
             f = first[c]
             for x in range(f, f + bpc):
                 fu.pop(x, None)
-        # 1. Keep the youngest cached blocks that fit in what the other chunks keep free.
-        room = len(fu) + len(fc) - sum(ccf[c] + crefd[c] for c in victims)
-        evicted: list[int] = []
-        where: list[int] = []
-        for _ in range(max(0, len(fc) - room)):
-            b, _stamp = fc.popitem(last=False)
-            h = hashes[b]
-            assert h is not None
-            del m[h]
-            hashes[b] = None
-            hitg[b] = 0
-            evicted.append(h)
-            where.append(b)
-            c = b * bb // cb
-            ccf[c] -= 1
-            if c not in gone:
-                fu[b] = None
-                fill.add(g, c, b)
         # 2. Move what the victims still hold: referenced blocks, then the kept cached ones.
         kept: list[tuple[int, int]] = []  # (stamp, dst) of moved cached blocks
         for c in victims:
@@ -144,5 +131,3 @@ class ArenaCompact(ArenaReturns):
             merged = sorted([*((s, b) for b, s in fc.items()), *kept])
             fc.clear()
             fc.update(OrderedDict((b, s) for s, b in merged))
-        if evicted and self.events.tracks_evictions:
-            self.events.evicted(g, tuple(evicted), where)  # type: ignore[arg-type]
