@@ -141,28 +141,36 @@ class HybridkvAdapter:
             r.num_computed_tokens = req.num_computed_tokens
             res = self._timed(
                 "allocate_slots",
-                self._allocate_running,
+                self.manager.allocate_slots,
                 r,
                 num_new_tokens,
-                num_lookahead_tokens,
+                num_lookahead_tokens=num_lookahead_tokens,
             )
+            if res is None and self.compaction:
+                res = self._timed(
+                    "allocate_slots",
+                    self._compact_and_retry,
+                    r,
+                    num_new_tokens,
+                    num_lookahead_tokens,
+                )
         if res is not None:
             self._pending.pop(req.request_id, None)
         return res is not None
 
-    def _allocate_running(
+    def _compact_and_retry(
         self, r: Request, num_new_tokens: int, num_lookahead_tokens: int
     ) -> AllocationResult | None:
-        """A running request's step; refused, compact and try again while that frees room."""
+        """A running request's refused step: compact and try again while that frees room."""
         mgr = self.manager
         while True:
-            res = mgr.allocate_slots(r, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
-            if res is not None or not self.compaction:
-                return res
             moves = mgr.compact(r, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
             if not moves:
                 return None
             self.moved_blocks += len(moves)
+            res = mgr.allocate_slots(r, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+            if res is not None:
+                return res
 
     def _full_sequence_fits(self, req: vd.SimRequest, hit: ComputedBlocks) -> bool:
         """vLLM's admission gate (``full_sequence_must_fit``), with vLLM's per-kind counts:
