@@ -69,9 +69,10 @@ class SchedulerConfig:
     ``"greedy"``: admit whenever the first chunk fits, as vLLM does; later chunks preempt the
     newest requests when the cache is full.  Measured with ``hybridkv simulate`` on the
     Mooncake trace's first 2,000 requests, greedy -> reserve: Qwen3-Next-80B-A3B at 32 GiB,
-    arena TTFT p50 53.1 -> 13.5 s (469 -> 21 preemptions), ``uniform`` 22.7 -> 17.0 s (500 ->
-    16), measured 2026-11-27 (42.9 -> 20.1 s and 20.6 -> 17.2 s when the rule was made); the
-    other models and sizes in ``docs/architecture.md`` (section 5), as measured then.
+    arena TTFT p50 41.4 -> 13.2 s (697 -> 22 preemptions; 53.1 -> 13.5 s and 469 -> 21
+    without ``compaction``), ``uniform`` 22.7 -> 17.0 s (500 -> 16), measured 2026-11-27
+    (42.9 -> 20.1 s and 20.6 -> 17.2 s when the rule was made); the other models and sizes in
+    ``docs/architecture.md`` (section 5), as measured then.
     ``compaction``: when a running request's step is refused, compact the cache
     (:meth:`KVCacheManager.compact`: an arena moves referenced blocks out of sparse chunks)
     and try again before preempting anyone; the moves are in the step's output.
