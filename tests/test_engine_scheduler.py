@@ -228,6 +228,27 @@ def test_compaction_moves_blocks_instead_of_preempting_and_stays_exact() -> None
     assert (stats[False].moved_blocks, stats[False].preemptions) == (0, 3)
 
 
+def test_moves_of_a_step_that_runs_nothing_are_copied() -> None:
+    # Compaction moves blocks, yet the step is refused and preempts its only request: the
+    # step runs nothing, and the moves must still be copied before the request resumes
+    # (found by review: the engine returned before copying; the request read NaN blocks).
+    cache = CacheConfig(block_size=4, state_block_size=8, memory_bytes=72 << 10, max_model_len=64)
+    eng = engine("gemma3_text", cache, token_budget=64)
+    schedule, empty_with_moves = eng.scheduler.schedule, []
+
+    def watched(*args: Any) -> Any:
+        out = schedule(*args)
+        if out.moves and out.is_empty:
+            empty_with_moves.append(out.step)
+        return out
+
+    eng.scheduler.schedule = watched  # type: ignore[method-assign]
+    done = eng.generate([prompt(40, 23), prompt(48, 56)], max_tokens=4)
+    assert empty_with_moves == [6]
+    check("gemma3_text", done)
+    eng.manager.check_invariants()
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_kernel_block_smaller_than_the_manager_block(name: str) -> None:
     cache = CacheConfig(

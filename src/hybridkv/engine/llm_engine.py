@@ -88,6 +88,7 @@ from hybridkv.scheduler import (
     RequestOutput,
     Scheduler,
     SchedulerConfig,
+    SchedulerOutput,
     SequenceState,
 )
 from hybridkv.specs import ModelSpec, StateMixer, StateSpec
@@ -342,7 +343,7 @@ class LLMEngine:
         """
         start = time.perf_counter()
         running = {s.request_id for s in self.scheduler.running}
-        out = self.scheduler.schedule(self._propose())
+        out = self._schedule()
         store = self._tier_store
         while (
             out.is_empty
@@ -351,7 +352,7 @@ class LLMEngine:
             and (self.scheduler.num_loading)
         ):
             store.wait()  # nothing else to run: wait for a waiting request's disk reads
-            out = self.scheduler.schedule(self._propose())
+            out = self._schedule()
         if out.is_empty:
             if not out.preempted and self.scheduler.has_unfinished():
                 raise EngineError(
@@ -360,12 +361,6 @@ class LLMEngine:
                 )
             self._seconds += time.perf_counter() - start
             return []
-        for move in out.moves:  # compaction, before anything reads or writes those blocks
-            storage = self.storage
-            src = storage.descriptor(move.group_id, [move.src])
-            dst = storage.descriptor(move.group_id, [move.dst])
-            copy_blocks(src, storage.buffers, dst, storage.buffers)
-        self._counts["moved"] += len(out.moves)
         if self._tier_store is not None:  # evicted blocks out, hits back in, before the pass
             self._tier_store.apply(self.manager.take_tier_ops())
             sizes = self._block_sizes
@@ -533,6 +528,18 @@ class LLMEngine:
                 f"engine: the manager counts {host['blocks']} host blocks, the tier store "
                 f"holds {held}"
             )
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, with compaction's block moves copied at once: before
+        anything reads or writes those blocks, even when the step then runs nothing."""
+        out = self.scheduler.schedule(self._propose())
+        storage = self.storage
+        for move in out.moves:
+            src = storage.descriptor(move.group_id, [move.src])
+            dst = storage.descriptor(move.group_id, [move.dst])
+            copy_blocks(src, storage.buffers, dst, storage.buffers)
+        self._counts["moved"] += len(out.moves)
+        return out
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (see :class:`EngineStats`)."""
