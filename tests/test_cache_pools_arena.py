@@ -470,6 +470,8 @@ def test_compaction_moves_a_sparse_chunks_blocks_and_keeps_the_youngest_cached()
     assert pool.free_chunks == [5, 4]
     before = pool.snapshot()
     assert pool.compact(1, frozenset({0})) == [] and pool.snapshot() == before  # not movable
+    assert pool.compact(1, frozenset({0, 1}), {1, 2, 3}) == []  # every candidate fixed
+    assert pool.snapshot() == before
     moves = pool.compact(1, frozenset({0, 1}))
     # One slot is left for cached data after the move: the younger (33) is kept and moves,
     # the older (77) is evicted to make room; the referenced block takes 77's slot first.

@@ -298,3 +298,32 @@ def test_a_tp_size_the_workers_cannot_split_is_recomputed_with_its_reason(
     done = [res.completions[f"r{i}"] for i in range(3)]
     assert verify_completions(_reference("llama"), done).ok
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_compaction_leaves_a_held_requests_exported_tables_alone() -> None:
+    # The prefill engine keeps serving after exporting a held request; its compaction must
+    # not move the held request's blocks, whose old ids the decode side pulls from (found by
+    # review: a window block moved and the decode side read another request's data).
+    from test_engine_scheduler import check, engine, prompt
+
+    small = CacheConfig(block_size=4, state_block_size=8, memory_bytes=104 << 10, max_model_len=64)
+    pre = engine("gemma3_text", small, token_budget=64)
+    pre.add_request("h", prompt(333, 24), max_tokens=1, hold=True)
+    pre.run()
+    handover = export_request(pre, "h")
+    others = pre.generate([prompt(334 + i, n) for i, n in enumerate([28, 41, 55, 41])], 4)
+    check("gemma3_text", others)
+    assert pre.stats().moved_blocks > 0  # compaction ran around the held request
+    assert {g: list(t) for g, t in enumerate(pre.manager.get_block_ids("h"))} == handover.tables
+    dec = engine(
+        "gemma3_text",
+        CacheConfig(block_size=4, state_block_size=8, max_model_len=64, publish="computed"),
+    )
+
+    def pull(plan: TransferPlan, source: int, buffers: Sequence[torch.Tensor]) -> None:
+        plan.copy(pre.storage.buffers, buffers)
+
+    assert import_request(dec, handover, max_tokens=6, pull=pull)
+    release(pre, "h")
+    dec.run()
+    check("gemma3_text", [dec.completions["h"]])

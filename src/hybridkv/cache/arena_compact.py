@@ -42,15 +42,21 @@ class ArenaCompact(ArenaReturns):
     whole_chunks: int
     packs: bool
 
-    def _compactable(self, movable: Collection[int]) -> list[tuple[int, int, int]]:
-        """``(referenced blocks, chunk, group)`` of every chunk compaction could empty, the
-        cheapest first, at most ``unreferenced slots // bpc`` per group."""
+    def chunk_of(self, group_id: int, block: int) -> int:
+        """The chunk holding ``block`` of ``group_id``."""
+        return block * self.block_bytes[group_id] // self.chunk_bytes
+
+    def _compactable(
+        self, movable: Collection[int], fixed: Collection[int]
+    ) -> list[tuple[int, int, int]]:
+        """``(referenced blocks, chunk, group)`` of every chunk compaction could empty (not in
+        ``fixed``), the cheapest first, at most ``unreferenced slots // bpc`` per group."""
         owner, crefd, bpc = self.owner, self.chunk_refd, self.bpc
         per: dict[int, list[tuple[int, int, int]]] = {}
         # Chunk 0 and the tail pseudo-chunk are lent for good (a phantom reference).
         for c in range(1, self.whole_chunks):
             g = owner[c]
-            if g >= 0 and crefd[c] and g in movable and bpc[g] > 1:
+            if g >= 0 and crefd[c] and g in movable and bpc[g] > 1 and c not in fixed:
                 per.setdefault(g, []).append((crefd[c], c, g))
         out: list[tuple[int, int, int]] = []
         for g, items in per.items():
@@ -71,8 +77,10 @@ class ArenaCompact(ArenaReturns):
                 want += -(-extra // self.bpc[g])
         return want - len(self.free_chunks) - len(self.idle_all)
 
-    def compact(self, chunks: int, movable: Collection[int]) -> list[tuple[int, int, int]]:
-        victims = self._compactable(movable)[: max(0, chunks)]
+    def compact(
+        self, chunks: int, movable: Collection[int], fixed: Collection[int] = ()
+    ) -> list[tuple[int, int, int]]:
+        victims = self._compactable(movable, fixed)[: max(0, chunks)]
         by_group: dict[int, list[int]] = {}
         for _, c, g in victims:
             by_group.setdefault(g, []).append(c)

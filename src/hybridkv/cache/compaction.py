@@ -34,9 +34,11 @@ def compact_for(
     rs: RequestState,
     num_new_tokens: int,
     num_lookahead_tokens: int,
+    pinned: Iterable[str] = (),
 ) -> tuple[BlockMove, ...]:
     """Compact ``coord``'s pool so that running ``rs``'s step of ``num_new_tokens`` (plus
-    lookahead) may fit; the moves made, or ``()`` when it could free no chunk."""
+    lookahead) may fit; the moves made, or ``()`` when it could free no chunk.  No chunk
+    holding a block of a ``pinned`` request moves."""
     if coord.tiers is not None:
         return ()
     request = rs.request
@@ -55,8 +57,15 @@ def compact_for(
     pool = coord.pool
     short = pool.chunks_short(needs)
     movable = coord.movable
+    fixed: set[int] = set()
+    for rid in pinned:
+        held = coord.requests.get(rid)
+        if held is None:
+            continue
+        for g in movable:
+            fixed.update(pool.chunk_of(g, b) for b in held.groups[g].table if b)
     # At least one chunk: the bound ignores what the step releases, yet the step was refused.
-    moves = pool.compact(max(short, 1), movable)
+    moves = pool.compact(max(short, 1), movable, fixed)
     if not moves:
         return ()
     rewrite_tables(coord.requests.values(), moves)

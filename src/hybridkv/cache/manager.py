@@ -395,7 +395,12 @@ class KVCacheManager(TierCalls):
         self._stats.record_preemption()
 
     def compact(
-        self, request: Request, num_new_tokens: int, *, num_lookahead_tokens: int = 0
+        self,
+        request: Request,
+        num_new_tokens: int,
+        *,
+        num_lookahead_tokens: int = 0,
+        pinned: Iterable[str] = (),
     ) -> tuple[BlockMove, ...]:
         """Make room for running ``request``'s next step (the ``allocate_slots`` call that was
         just refused) by freeing whole arena chunks: the referenced blocks of sparse chunks
@@ -406,6 +411,8 @@ class KVCacheManager(TierCalls):
         compact again while it is refused and this moves blocks): copy each block's bytes
         before the next step reads or writes them, and re-read every request's tables
         (:meth:`get_block_ids`); a :class:`ComputedBlocks` not yet allocated is stale.
+        ``pinned``: ids of requests whose blocks must stay where they are (their tables were
+        handed to someone else, e.g. a finished request held for a handover).
         Raises :class:`UnknownRequestError` when ``request`` holds no blocks and
         :class:`RequestLengthError` for counts past its tokens."""
         _count("num_new_tokens", num_new_tokens)
@@ -420,7 +427,7 @@ class KVCacheManager(TierCalls):
                 f"compact: request {rid!r}: num_new_tokens {num_new_tokens} runs past its "
                 f"{request.num_tokens} tokens from {request.num_computed_tokens} computed"
             )
-        moves = compact_for(self._coord, rs, num_new_tokens, num_lookahead_tokens)
+        moves = compact_for(self._coord, rs, num_new_tokens, num_lookahead_tokens, pinned)
         if moves:
             self._stats.record_compaction(len(moves))
         return moves

@@ -151,12 +151,19 @@ class BlockPool(ABC):
         a pool without chunks."""
         return 0
 
-    def compact(self, chunks: int, movable: Collection[int]) -> list[tuple[int, int, int]]:
-        """Free up to ``chunks`` chunks by moving the referenced (and the youngest cached)
-        blocks of the ``movable`` groups out of them; returns the moves ``(group, src, dst)``
-        in the order their bytes must be copied (:mod:`~hybridkv.cache.arena_compact`).  A
-        pool without chunks moves nothing."""
+    def compact(
+        self, chunks: int, movable: Collection[int], fixed: Collection[int] = ()
+    ) -> list[tuple[int, int, int]]:
+        """Free up to ``chunks`` chunks (none of ``fixed``) by moving the referenced (and the
+        youngest cached) blocks of the ``movable`` groups out of them; returns the moves
+        ``(group, src, dst)`` in the order their bytes must be copied
+        (:mod:`~hybridkv.cache.arena_compact`).  A pool without chunks moves nothing."""
         return []
+
+    def chunk_of(self, group_id: int, block: int) -> int:
+        """Arena only: the chunk holding ``block`` of ``group_id`` (the block itself in a pool
+        without chunks)."""
+        return block
 
     @abstractmethod
     def touch(self, group_id: int, blocks: Sequence[int]) -> None:

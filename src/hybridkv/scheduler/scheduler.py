@@ -425,7 +425,9 @@ class Scheduler:
                     lookahead = cfg.num_lookahead_tokens
                     continue
                 if cfg.compaction:  # free whole chunks before anyone is preempted
-                    moved = mgr.compact(req, end - start, num_lookahead_tokens=lookahead)
+                    moved = mgr.compact(
+                        req, end - start, num_lookahead_tokens=lookahead, pinned=self.held
+                    )
                     if moved:
                         out = self._moved(out, moved)
                         moves.extend(moved)

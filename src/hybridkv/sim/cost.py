@@ -26,10 +26,12 @@ strategies and workloads, not a promise about a particular engine.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridkv.cache import BlockMove
 from hybridkv.errors import ConfigError
 from hybridkv.specs import CacheKind, MLASpec, ModelSpec
 
@@ -165,10 +167,14 @@ class StepCostModel:
         return t
 
     def copy_seconds(self, num_bytes: int) -> float:
-        """Time to copy ``num_bytes`` within device memory (read and write; compaction's
-        block moves, before the step's pass)."""
+        """Time to copy ``num_bytes`` within device memory (read and write)."""
         a = self.accel
         return 2 * num_bytes / (a.hbm_bandwidth * a.bw_efficiency)
+
+    def moves_seconds(self, moves: Sequence[BlockMove], block_bytes: Sequence[int]) -> float:
+        """Time to copy compaction's block ``moves`` (groups' ``block_bytes``) before a
+        step's pass."""
+        return self.copy_seconds(sum(block_bytes[m.group_id] for m in moves))
 
     def step_seconds(self, items: list[tuple[int, int]], load_s: float = 0.0) -> float:
         """Time of a step computing, per request, ``(start, num_new_tokens)``, whose lower-tier

@@ -52,6 +52,8 @@ class PDResult:
     wall_time_s: float = 0.0
     prefill_steps: int = 0
     decode_steps: int = 0
+    #: Blocks the two instances' compaction moved (charged at device bandwidth).
+    moved_blocks: int = 0
     link_waits: int = 0
 
     def summary(self) -> dict[str, Any]:
@@ -79,6 +81,7 @@ class PDResult:
             "tpot_mean_s": mean(self.tpot_s),
             "sim_time_s": self.sim_time_s,
             "prefill_steps": self.prefill_steps,
+            "moved_blocks": self.moved_blocks,
             "decode_steps": self.decode_steps,
             "link_waits": self.link_waits,
             "wall_time_s": self.wall_time_s,
@@ -100,6 +103,10 @@ def _instance(model: ModelSpec, config: SimConfig, publish: str) -> Scheduler:
         checkpoint_when_full=config.checkpoint_when_full,
     )
     return scheduler_for(mgr, config)
+
+
+def _block_bytes(sched: Scheduler) -> list[int]:
+    return [g.block_bytes for g in sched.manager.layout.groups]
 
 
 def _transfer_bytes(sched: Scheduler, hit: int, n: int) -> int:
@@ -135,6 +142,9 @@ def _prefill_step(
         if item.num_cached_tokens and item.start == item.num_cached_tokens:
             res.prefill_hit_tokens += item.num_cached_tokens
     now += cost.step_seconds([(s.start, s.num_new_tokens) for s in out.scheduled])
+    if out.moves:  # compaction's copies, before the pass
+        res.moved_blocks += len(out.moves)
+        now += cost.moves_seconds(out.moves, _block_bytes(pre))
     sampled = {
         i.request_id: by_id[i.request_id].output_token_ids[0] for i in out.scheduled if i.samples
     }
@@ -263,6 +273,9 @@ def simulate_pd(
             raise SimulationError("decode instance: nothing schedulable; raise its memory")
         res.decode_steps += 1
         t_dec += dec_cost.step_seconds([(s.start, s.num_new_tokens) for s in out.scheduled])
+        if out.moves:
+            res.moved_blocks += len(out.moves)
+            t_dec += dec_cost.moves_seconds(out.moves, _block_bytes(dec))
         sampled = {}
         for i in out.scheduled:
             if i.samples:
