@@ -249,6 +249,22 @@ def test_moves_of_a_step_that_runs_nothing_are_copied() -> None:
     eng.manager.check_invariants()
 
 
+def test_a_request_refused_alone_beside_its_own_hit_recomputes_it() -> None:
+    # 68 KiB of gemma3_text (3 chunks and a tail) holds one 64-token request.  A 58-token
+    # prompt preempts itself halfway; readmitted alone, its own 32-token hit pins the chunks
+    # the rest needs, and not even one more token fits beside it.  The scheduler then starts
+    # it afresh instead of giving up (found by review: "not even one token does fit in an
+    # empty cache").
+    cache = CacheConfig(block_size=4, state_block_size=8, memory_bytes=68 << 10, max_model_len=64)
+    eng = engine("gemma3_text", cache, token_budget=32)
+    assert eng.plan.capacity.max_concurrent_requests == 1
+    done = eng.generate([prompt(70, 30), prompt(67, 20)], max_tokens=4)
+    done += eng.generate([prompt(98, 58)], max_tokens=4)
+    check("gemma3_text", done)
+    assert eng.stats().preemptions >= 1
+    eng.manager.check_invariants()
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_kernel_block_smaller_than_the_manager_block(name: str) -> None:
     cache = CacheConfig(

@@ -14,7 +14,9 @@ One step, as :meth:`Scheduler.schedule` builds it:
    ones then had to preempt (gemma-3-27b at 64 GiB on the Mooncake trace: 3.675% of prompt
    tokens hit against 3.707% without moves; Qwen3-Next-80B-A3B: docs/vllm.md).
 2. **Waiting requests** (first come, first served) when nothing was preempted this step: a
-   prefix-cache lookup, then the first prefill chunk.
+   prefix-cache lookup, then the first prefill chunk.  One refused while nothing runs is
+   tried again without reserving its prompt, then without its hit (whose blocks can pin the
+   chunks the rest of it needs: it is recomputed), then with half the chunk.
 
 Chunk ends.  When the layout has a recurrent-state group (or ``split_for_state`` is set), a
 prefill chunk that does not finish the prompt ends on a multiple of the schedule alignment,
@@ -84,6 +86,7 @@ class SequenceState:
     first_token_step: int | None = None
     chunk_cap: int = 0  # >0: a smaller prefill chunk the cache could hold on its own
     no_reserve: bool = False  # its prompt cannot be reserved even alone: admit chunk by chunk
+    no_hit: bool = False  # refused alone with its hit (whose blocks pin memory): recompute
     hold: bool = False  # keep the blocks when it finishes (a handover reads them)
     protect_as: str | None = None  # a session protecting its prefix once it finishes
 
@@ -472,8 +475,11 @@ class Scheduler:
                             self.num_loading += 1
                             w += 1
                             continue
-                    cached = hit.num_computed_tokens
                     seq.junction = hit.junction_tokens
+                    if seq.no_hit:
+                        hit = None
+                    else:
+                        cached = hit.num_computed_tokens
                 end = self._chunk_end(seq, cached, budget)
                 if end <= cached:
                     skipped += 1
@@ -494,6 +500,9 @@ class Scheduler:
                     if reserve:  # alone and its prompt does not fit at once: chunk by chunk
                         seq.no_reserve = True
                         continue
+                    if cached:  # alone, refused beside its own hit: the hit's blocks pin
+                        seq.no_hit = True  # chunks a fresh start could use; recompute it
+                        continue
                     # Alone and still refused: the chunk is too large for the cache (a fixed
                     # pool split sized for decode, say).  Retry with half the chunk.
                     if end - cached <= 1 or cfg.whole_prefill:
@@ -510,6 +519,7 @@ class Scheduler:
                     continue
                 del self.waiting[w]
                 self.running.append(seq)
+                seq.no_hit = False  # a later re-admission looks for hits again
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = cached
                 cached_total += cached
