@@ -11,8 +11,12 @@ served: gemma-3-27b on the Mooncake trace at 24 GiB kept 17 preemptions and 3.68
 tokens hit, against none and 3.693% without the gate (docs/vllm.md).  Every table that held a
 moved block is rewritten to its new id.  Attention groups move (their tables are the
 only holders of their ids); state groups do not (their slots are also named by pending
-checkpoint copies).  With lower tiers compaction does nothing: their operation stream names
-device blocks that a move could change under it.
+checkpoint copies).  A caller that handed a request's tables to someone else (a finished
+request held for a handover, whose tables the decode side reads) names it ``pinned``: no
+chunk holding one of its blocks is emptied.  Where lower tiers record storage operations
+(an engine's tiers), compaction does nothing: that stream names device blocks a move could
+change under it.  Without the stream (the simulator's tiers: bookkeeping only) it compacts,
+and the blocks published for write-through are remapped with the tables.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ def compact_for(
     """Compact ``coord``'s pool so that running ``rs``'s step of ``num_new_tokens`` (plus
     lookahead) may fit; the moves made, or ``()`` when it could free no chunk.  No chunk
     holding a block of a ``pinned`` request moves."""
-    if coord.tiers is not None:
+    tiers = coord.tiers
+    if tiers is not None and tiers.record_ops:
         return ()
     request = rs.request
     computed = request.num_computed_tokens
@@ -69,6 +74,13 @@ def compact_for(
     if not moves:
         return ()
     rewrite_tables(coord.requests.values(), moves)
+    bridge = coord.bridge
+    if bridge is not None and bridge.published:  # write-through: store from the new ids
+        where = {(g, src): dst for g, src, dst in moves}
+        bridge.published[:] = [
+            (g, [(j, where.get((g, b), b), h) for j, b, h in items])
+            for g, items in bridge.published
+        ]
     return tuple(BlockMove(g, BlockId(s), BlockId(d)) for g, s, d in moves)
 
 
