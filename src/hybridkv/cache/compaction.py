@@ -74,7 +74,11 @@ def compact_for(
     if not moves:
         return ()
     rewrite_tables(coord.requests.values(), moves)
+    if coord.events.orphaned:
+        coord.coupling.sweep()
     bridge = coord.bridge
+    if bridge is not None:  # the evictions may have brought protected entries down
+        coord.sessions.enforce()
     if bridge is not None and bridge.published:  # write-through: store from the new ids
         where = {(g, src): dst for g, src, dst in moves}
         bridge.published[:] = [
