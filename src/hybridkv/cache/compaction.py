@@ -73,32 +73,31 @@ def compact_for(
     moves = pool.compact(max(short, 1), movable, fixed)
     if not moves:
         return ()
-    rewrite_tables(coord.requests.values(), moves)
+    where: dict[int, dict[int, int]] = {}  # group -> moved block -> its new id
+    for g, src, dst in moves:
+        where.setdefault(g, {})[src] = dst
+    rewrite_tables(coord.requests.values(), where)
     if coord.events.orphaned:
         coord.coupling.sweep()
     bridge = coord.bridge
-    if bridge is not None:  # the evictions may have brought protected entries down
-        coord.sessions.enforce()
-    if bridge is not None and bridge.published:  # write-through: store from the new ids
-        where = {(g, src): dst for g, src, dst in moves}
-        bridge.published[:] = [
-            (g, [(j, where.get((g, b), b), h) for j, b, h in items])
+    if bridge is not None:
+        coord.sessions.enforce()  # the evictions may have brought protected entries down
+        bridge.published[:] = [  # write-through: store from the new ids
+            (g, [(j, where[g].get(b, b), h) for j, b, h in items]) if g in where else (g, items)
             for g, items in bridge.published
         ]
     return tuple(BlockMove(g, BlockId(s), BlockId(d)) for g, s, d in moves)
 
 
-def rewrite_tables(requests: Iterable[RequestState], moves: list[tuple[int, int, int]]) -> None:
-    """Point every table entry that names a moved block at its new id."""
-    by_group: dict[int, dict[int, int]] = {}
-    for g, s, d in moves:
-        by_group.setdefault(g, {})[s] = d
+def rewrite_tables(requests: Iterable[RequestState], where: dict[int, dict[int, int]]) -> None:
+    """Point every table entry that names a moved block (``where[group][block]``) at its new
+    id."""
     for rs in requests:
-        for g, where in by_group.items():
+        for g, moved in where.items():
             table = rs.groups[g].table
-            if where.keys().isdisjoint(table):
+            if moved.keys().isdisjoint(table):
                 continue
             for j, b in enumerate(table):
-                to = where.get(b)
+                to = moved.get(b)
                 if to is not None:
                     table[j] = to
