@@ -139,6 +139,7 @@ class CacheMachine(RuleBasedStateMachine):
             second_chance=second_chance,
             window_chances=window_chances,
             tiers=tiers,
+            tier_ops=self.tiered,  # compaction's moves join the storage operations
             tier_admission=tier_admission,
             protect_share=protect_share,
         )
@@ -259,17 +260,20 @@ class CacheMachine(RuleBasedStateMachine):
         mgr = self._m()
         req = self.running[which % len(self.running)]
         n = min(budget, req.num_tokens - req.num_computed_tokens)
+        mgr.take_tier_ops()
         before = mgr.snapshot()
         tables = {r.request_id: mgr.get_block_ids(r.request_id) for r in self.running}
         hashes = [list(h) for h in mgr.pool.hashes]
         cached = cached_hashes(mgr)
         free = len(getattr(mgr.pool, "free_chunks", ()))
         moves = mgr.compact(req, n, num_lookahead_tokens=lookahead)
+        ops = mgr.take_tier_ops()
         if not moves:
-            assert mgr.snapshot() == before
+            assert mgr.snapshot() == before and not ops
             return
-        tiers = mgr._coord.tiers
-        assert (tiers is None or not tiers.record_ops) and mgr.layout.strategy.value == "arena"
+        assert mgr.layout.strategy.value == "arena"
+        relocated = [(op.group_id, op.from_block, op.block) for op in ops if op.op == "relocate"]
+        assert relocated == (list(moves) if self.tiered else [])  # in the stream, in order
         where = {(m.group_id, m.src): m.dst for m in moves}
         assert len(where) == len(moves)  # each block moves once
         refs = mgr.pool.refs
@@ -311,6 +315,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         mgr = self.mgr
         mgr.check_invariants()
+        mgr.take_tier_ops()  # storage's business (the engine's tier store runs them)
         for event in mgr.take_events():
             if isinstance(event, BlockStored):
                 self._mirror(event.medium)[event.group_id] |= set(event.block_hashes)

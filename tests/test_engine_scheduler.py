@@ -22,6 +22,7 @@ from hybridkv.engine.models import load_model, reference_copy
 from hybridkv.plan import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from hybridkv.specs import CacheKind, DType, FullAttentionSpec, StateMixer, StateSpec, StateTensor
+from test_engine_tiers import conversations
 
 from support.reference import reference_generate
 
@@ -226,6 +227,43 @@ def test_compaction_moves_blocks_instead_of_preempting_and_stays_exact() -> None
         eng.manager.check_invariants()
     assert (stats[True].moved_blocks, stats[True].preemptions) == (21, 1)
     assert (stats[False].moved_blocks, stats[False].preemptions) == (0, 3)
+
+
+def test_compaction_beside_a_host_tier_moves_blocks_in_the_tier_stream() -> None:
+    # With lower tiers the moves are ``relocate`` operations of the tier stream: a block
+    # compaction evicts is stored to the host before another block moves into its place, and
+    # copying the moves first (the stream reordered) gives wrong tokens on this workload.
+    cache = CacheConfig(
+        block_size=4,
+        state_block_size=8,
+        memory_bytes=72 << 10,
+        max_model_len=64,
+        host_memory_bytes=1 << 20,
+    )
+    eng = engine("gemma3_text", cache, token_budget=16)
+    store = eng._tier_store
+    assert store is not None
+    apply, refilled = store.apply, []
+
+    def watched(ops: Any, _apply: Any = apply) -> None:
+        ops, stored = list(ops), set()
+        for op in ops:
+            if op.op == "store":
+                stored.add((op.group_id, op.block))
+            elif op.op == "relocate" and (op.group_id, op.block) in stored:
+                refilled.append(op.block)
+        _apply(ops)
+
+    store.apply = watched  # type: ignore[method-assign]
+    turns = conversations(3, n_conv=6, turns=3, first=16, step=6)
+    done = []
+    for i in range(0, len(turns), 3):  # three conversations at a time
+        done += eng.generate({f"r{i + j}": p for j, p in enumerate(turns[i : i + 3])}, 16)
+    check("gemma3_text", done)
+    stats = eng.stats()
+    assert (stats.moved_blocks, store.relocated, len(refilled)) == (8, 8, 4)
+    assert (stats.host_hit_tokens, stats.prefix_hit_tokens, stats.preemptions) == (216, 216, 4)
+    eng.check_invariants()
 
 
 def test_moves_of_a_step_that_runs_nothing_are_copied() -> None:

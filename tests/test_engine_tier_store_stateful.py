@@ -1,7 +1,7 @@
 """TierStore's host tier under random operation streams (hypothesis): stores in batches (runs
 of rows, blocks of several ranges, entries that find no room in the buffer), loads into other
-blocks, drops, clears; after every step the slots check out and every entry's bytes are the
-ones its block held when it was stored."""
+blocks, drops, clears, compaction's relocations among stores; after every step the slots
+check out and every entry's bytes are the ones its block held when it was stored."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hybridkv.cache.tiers import TierOp
 from hybridkv.engine import host_runs
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import InvariantError
-from hybridkv.storage import KVCacheStorage, LayoutKind, gather
+from hybridkv.storage import KVCacheStorage, LayoutKind, copy_blocks, gather
 from test_storage_factories import build, mixed_groups, owned_ids, uniform_layout
 
 
@@ -74,6 +74,34 @@ class HostTier(RuleBasedStateMachine):
         self.store.apply(ops)
         for g, b, data_ in want:
             assert torch.equal(self._bytes(g, b), data_), (g, b)
+
+    @rule(data=st.data(), g=st.integers(0, 5), n=st.integers(1, 6))
+    def stores_and_relocations(self, data: st.DataObject, g: int, n: int) -> None:
+        """Compaction's ``relocate`` operations among stores, in one batch: a store reads
+        its block before a later relocation overwrites it (a borrowed disk write included),
+        and relocations run one after the other (a block moved on, a chain).  The storage
+        ends as copying the moves one by one on a copy of it leaves that copy."""
+        ids, storage = self.ids[g], self.storage
+        ref = [buf.clone() for buf in storage.buffers]
+        ops, stored = [], {}
+        for _ in range(n):
+            if data.draw(st.booleans()):
+                b = data.draw(st.sampled_from(ids))
+                h = self.next_hash
+                self.next_hash += 1
+                stored[g, h] = gather(storage.descriptor(g, [b]), ref).clone()
+                ops.append(TierOp("store", self.tier, g, h, b))
+            else:
+                src, dst = data.draw(
+                    st.lists(st.sampled_from(ids), min_size=2, max_size=2, unique=True)
+                )
+                copy_blocks(storage.descriptor(g, [src]), ref, storage.descriptor(g, [dst]), ref)
+                ops.append(TierOp("relocate", "device", g, 0, dst, from_block=src))
+        moved = self.store.relocated
+        self.store.apply(ops)
+        self.held.update(stored)
+        assert self.store.relocated - moved == sum(op.op == "relocate" for op in ops)
+        assert all(torch.equal(a, b) for a, b in zip(ref, storage.buffers, strict=True))
 
     @precondition(lambda self: bool(self.held))
     @rule(data=st.data())

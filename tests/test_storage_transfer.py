@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from hybridkv.plan import MemoryLayout
 from hybridkv.specs import StateMixer, StateSpec, StateTensor
@@ -268,3 +270,42 @@ def test_row_copies_equal_the_copy_per_range(
         for x, y in zip(a.buffers, b.buffers, strict=True):
             assert torch.equal(x, y)
     assert planned >= (len(layout.groups) if extra == 0 else 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    moves=hst.lists(
+        hst.tuples(hst.integers(0, 5), hst.integers(1, 7), hst.integers(1, 7)).filter(
+            lambda m: m[1] != m[2]
+        ),
+        max_size=12,
+    ),
+    kind=hst.sampled_from([LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER]),
+)
+def test_move_blocks_equals_the_moves_one_by_one(
+    moves: list[tuple[int, int, int]], kind: LayoutKind
+) -> None:
+    """Compaction's moves as batches (one gather and one scatter per run of a group) leave
+    the storage as copying each block in turn does: chains (a block moved on), a block read
+    twice and a block written twice included."""
+    layout = pools_layout(mixed_groups(), num_blocks=8)
+    a = KVCacheStorage(layout, kind=kind)
+    gen = torch.Generator().manual_seed(5)
+    for x in a.buffers:
+        x.copy_(torch.randint(0, 256, x.shape, generator=gen, dtype=torch.uint8))
+    want = [x.clone() for x in a.buffers]
+    total = 0
+    for g, src, dst in moves:
+        total += copy_blocks(a.descriptor(g, [src]), want, a.descriptor(g, [dst]), want)
+    assert a.move_blocks(moves) == total
+    for x, y in zip(a.buffers, want, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_move_blocks_refuses_a_block_out_of_range_and_copies_nothing() -> None:
+    storage = _full()
+    storage.buffers[0].copy_(torch.arange(storage.buffers[0].numel()) % 251)
+    before = storage.buffers[0].clone()
+    with pytest.raises(BlockRangeError, match=r"\b10\b"):
+        storage.move_blocks([(0, 1, 2), (0, 3, 10)])
+    assert torch.equal(storage.buffers[0], before)

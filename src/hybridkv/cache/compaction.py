@@ -14,9 +14,10 @@ only holders of their ids); state groups do not (their slots are also named by p
 checkpoint copies).  A caller that handed a request's tables to someone else (a finished
 request held for a handover, whose tables the decode side reads) names it ``pinned``: no
 chunk holding one of its blocks is emptied.  Where lower tiers record storage operations
-(an engine's tiers), compaction does nothing: that stream names device blocks a move could
-change under it.  Without the stream (the simulator's tiers: bookkeeping only) it compacts,
-and the blocks published for write-through are remapped with the tables.
+(an engine's tiers), the moves join that stream as ``relocate`` operations, after the
+stores of the blocks compaction evicted and any load recorded before it: storage that runs
+the stream in order copies each block once its old place holds the right bytes and before
+anything reuses it.  The blocks published for write-through are remapped with the tables.
 """
 
 from __future__ import annotations
@@ -43,9 +44,6 @@ def compact_for(
     """Compact ``coord``'s pool so that running ``rs``'s step of ``num_new_tokens`` (plus
     lookahead) may fit; the moves made, or ``()`` when it could free no chunk.  No chunk
     holding a block of a ``pinned`` request moves."""
-    tiers = coord.tiers
-    if tiers is not None and tiers.record_ops:
-        return ()
     request = rs.request
     computed = request.num_computed_tokens
     step_end = computed + num_new_tokens
@@ -77,6 +75,9 @@ def compact_for(
     for g, src, dst in moves:
         where.setdefault(g, {})[src] = dst
     rewrite_tables(coord.requests.values(), where)
+    tiers = coord.tiers
+    if tiers is not None:
+        tiers.relocated(moves)  # after the stores of what it evicted
     if coord.events.orphaned:
         coord.coupling.sweep()
     bridge = coord.bridge

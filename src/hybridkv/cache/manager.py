@@ -406,12 +406,13 @@ class KVCacheManager(TierCalls):
         just refused) by freeing whole arena chunks: the referenced blocks of sparse chunks
         move into their group's free slots, evicting that group's oldest cached blocks where
         needed (:mod:`~hybridkv.cache.compaction`), up to the chunks the step lacks.  Returns
-        ``()``, changing nothing, when it can free no chunk (then preempt), for a pool without
-        chunks, and where lower tiers record storage operations (``tier_ops``: an engine's
-        tiers).  Otherwise the moves, in order (try the step again; compact again while it is
-        refused and this moves blocks): copy each block's bytes before the next step reads or
-        writes them, and re-read every request's tables (:meth:`get_block_ids`); a
-        :class:`ComputedBlocks` not yet allocated is stale.
+        ``()``, changing nothing, when it can free no chunk (then preempt) and for a pool
+        without chunks.  Otherwise the moves, in order (try the step again; compact again
+        while it is refused and this moves blocks): copy each block's bytes before the next
+        step reads or writes them, and re-read every request's tables (:meth:`get_block_ids`);
+        a :class:`ComputedBlocks` not yet allocated is stale.  With ``tier_ops`` the moves are
+        also ``relocate`` operations of :meth:`take_tier_ops`, in stream order: storage that
+        runs that stream copies them there instead.
         ``pinned``: ids of requests whose blocks must stay where they are (their tables were
         handed to someone else, e.g. a finished request held for a handover).
         Raises :class:`UnknownRequestError` when ``request`` holds no blocks and

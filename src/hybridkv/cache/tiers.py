@@ -101,8 +101,11 @@ class TierOp(NamedTuple):
     ``store``: copy device ``block`` of group ``group_id`` (holding ``block_hash``) into tier
     ``tier``; ``load``: copy tier ``tier``'s entry into device ``block``; ``move``: move the
     entry from ``tier`` to ``dest``; ``drop``: delete the entry from ``tier``; ``clear``:
-    delete everything.  A store or load must run before the step that reuses or reads the
-    device block, and in this order relative to the others.
+    delete everything; ``relocate`` (tier ``"device"``): compaction moved device block
+    ``from_block`` of the group to ``block`` (copy its bytes; ``block_hash`` is 0).  A store
+    or load must run before the step that reuses or reads the device block, and every
+    operation in this order relative to the others: a store of a block compaction then
+    fills, or a load into a block it then moves, reads or writes the block's old place.
     """
 
     op: str
@@ -114,6 +117,8 @@ class TierOp(NamedTuple):
     #: What the tier remembers of the entry (a state checkpoint's admission reason), for
     #: storage that outlives the process.
     tag: int = 0
+    #: ``relocate``: the device block the bytes come from.
+    from_block: int = -1
 
 
 class TieredMap:
@@ -332,6 +337,12 @@ class TierStack:
         """Record that device ``block`` is to be filled from ``tier``'s copy of ``h``."""
         if self.record_ops:
             self.ops.append(TierOp("load", tier, group_id, h, block))
+
+    def relocated(self, moves: Sequence[tuple[int, int, int]]) -> None:
+        """Compaction moved device blocks ``(group, src, dst)``, in this order: record a
+        ``relocate`` for each (the entries of the tiers do not change)."""
+        if self.record_ops:
+            self.ops.extend(TierOp("relocate", "device", g, 0, d, "", 0, s) for g, s, d in moves)
 
     def persist(self, name: str, device: Sequence[tuple[int, int, int, int]]) -> None:
         """Copy everything cached into tier ``name`` (a disk tier before the process ends):

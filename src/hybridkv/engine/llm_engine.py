@@ -92,7 +92,7 @@ from hybridkv.scheduler import (
     SequenceState,
 )
 from hybridkv.specs import ModelSpec, StateMixer, StateSpec
-from hybridkv.storage import KVCacheStorage, copy_blocks
+from hybridkv.storage import KVCacheStorage
 
 __all__ = [
     "DEFAULT_MAX_MODEL_LEN",
@@ -531,14 +531,16 @@ class LLMEngine:
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step, with compaction's block moves copied at once: before
-        anything reads or writes those blocks, even when the step then runs nothing."""
+        anything reads or writes those blocks, even when the step then runs nothing.  With
+        lower tiers the moves are ``relocate`` operations of the tier stream, run in order
+        with the stores and loads recorded around them."""
         out = self.scheduler.schedule(self._propose())
-        storage = self.storage
-        for move in out.moves:
-            src = storage.descriptor(move.group_id, [move.src])
-            dst = storage.descriptor(move.group_id, [move.dst])
-            copy_blocks(src, storage.buffers, dst, storage.buffers)
-        self._counts["moved"] += len(out.moves)
+        if out.moves:
+            if self._tier_store is not None:
+                self._tier_store.apply(self.manager.take_tier_ops())
+            else:
+                self.storage.move_blocks(out.moves)
+            self._counts["moved"] += len(out.moves)
         return out
 
     def stats(self) -> EngineStats:

@@ -9,7 +9,10 @@ The manager decides (:mod:`hybridkv.cache.tiers`); :class:`TierStore` carries ou
   one for a cross-layer page-size group) into a host tensor;
 * ``load``: a hit reads an entry back: scattered into the fresh device block the manager
   allocated for it, before the step reads that block;
-* ``move`` / ``drop`` / ``clear``: a tier evicted an entry down, or out.
+* ``move`` / ``drop`` / ``clear``: a tier evicted an entry down, or out;
+* ``relocate``: compaction moved a device block (consecutive ones copied as one batch,
+  :meth:`~hybridkv.storage.storage.KVCacheStorage.move_blocks`), in its place in the stream:
+  after the stores that read what it overwrites and the loads into what it moves.
 
 Host entries live in one CPU buffer of the tier's capacity (pinned when the cache lives on
 CUDA; on CPU its pages are only touched when first written), carved into slots of each
@@ -126,8 +129,9 @@ class TierStore:
         #: The storage buffers' bytes and each ``(group, block)``'s ranges of them, built once.
         self._flat: list[memoryview] | None = None
         self._views: dict[tuple[int, int], tuple[tuple[memoryview, ...], int]] = {}
-        #: Blocks copied device -> tier and tier -> device so far.
-        self.stored = self.loaded = 0
+        #: Blocks copied device -> tier and tier -> device so far, and device blocks
+        #: compaction moved (``relocate``).
+        self.stored = self.loaded = self.relocated = 0
 
     @property
     def bad_reads(self) -> int:
@@ -189,6 +193,14 @@ class TierStore:
                 else:
                     self._settle()
                     self._load_run(run)
+            elif op.op == "relocate":  # compaction's moves, with those right after it
+                j = i
+                while j < n and todo[j].op == "relocate":
+                    j += 1
+                run, i = todo[i - 1 : j], j
+                self._settle()  # a borrowed disk write may still read a destination
+                self.storage.move_blocks((o.group_id, o.from_block, o.block) for o in run)
+                self.relocated += len(run)
             elif op.op == "clear":
                 self._clear()
             elif op.op == "store" and op.tier == "disk" and not op.dest:

@@ -22,7 +22,7 @@ through the views or the transfer functions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -47,7 +47,13 @@ from hybridkv.storage.placement import (
     place,
 )
 from hybridkv.storage.segments import HEADED_KINDS
-from hybridkv.storage.transfer import BlockLiveness, TransferDescriptor, build_descriptor
+from hybridkv.storage.transfer import (
+    BlockLiveness,
+    TransferDescriptor,
+    build_descriptor,
+    gather,
+    scatter,
+)
 from hybridkv.storage.views import kernel_block_view, segment_tensor
 from hybridkv.units import format_bytes
 
@@ -281,6 +287,34 @@ class KVCacheStorage:
         """Coalesced byte ranges holding ``block_ids`` of ``group_id`` (see
         :mod:`hybridkv.storage.transfer`); ``liveness`` refuses freed blocks."""
         return build_descriptor(self._group(group_id), block_ids, liveness=liveness)
+
+    def move_blocks(self, moves: Iterable[tuple[int, int, int]]) -> int:
+        """Copy block ``src`` of group ``g`` to block ``dst`` for each ``(g, src, dst)``, as
+        if one after the other (a compaction's moves, :class:`~hybridkv.cache.types.BlockMove`);
+        return the bytes copied.  Consecutive moves of one group go as one gather of their
+        sources and one scatter to their destinations (indexed row copies where the layout
+        allows), cut where a move reads or writes a block an earlier one in the batch wrote,
+        or reads a block it read.  Raises :class:`~hybridkv.storage.errors.BlockRangeError`
+        for a block id out of range, before copying anything."""
+        runs: list[tuple[int, list[int], list[int]]] = []
+        read: set[int] = set()
+        written: set[int] = set()
+        for g, src, dst in moves:
+            if not runs or g != runs[-1][0] or src in written or dst in written or src in read:
+                runs.append((g, [], []))
+                read.clear()
+                written.clear()
+            runs[-1][1].append(src)
+            runs[-1][2].append(dst)
+            read.add(src)
+            written.add(dst)
+        plans = [(self.descriptor(g, s), self.descriptor(g, d)) for g, s, d in runs]
+        copied = 0
+        for src_desc, dst_desc in plans:
+            packed = gather(src_desc, self.buffers)
+            scatter(dst_desc, self.buffers, packed)
+            copied += packed.numel()
+        return copied
 
     def check_invariants(self) -> None:
         """Placement invariants plus buffer sizes (raises :class:`InvariantError`)."""
