@@ -51,6 +51,7 @@ from hybridkv.storage.transfer import (
     BlockLiveness,
     TransferDescriptor,
     build_descriptor,
+    copy_blocks,
     gather,
     scatter,
 )
@@ -291,29 +292,32 @@ class KVCacheStorage:
     def move_blocks(self, moves: Iterable[tuple[int, int, int]]) -> int:
         """Copy block ``src`` of group ``g`` to block ``dst`` for each ``(g, src, dst)``, as
         if one after the other (a compaction's moves, :class:`~hybridkv.cache.types.BlockMove`);
-        return the bytes copied.  Consecutive moves of one group go as one gather of their
-        sources and one scatter to their destinations (indexed row copies where the layout
-        allows), cut where a move reads or writes a block an earlier one in the batch wrote,
-        or reads a block it read.  Raises :class:`~hybridkv.storage.errors.BlockRangeError`
+        return the bytes copied.  Consecutive moves of one group go as one run: on CUDA one
+        gather of their sources and one scatter to their destinations (batched kernels, not
+        a copy per byte range), on the CPU one copy per coalesced range; a run ends where a
+        move names a block an earlier move of the run named (no copy reads what the run
+        wrote, or overlaps itself).  Raises :class:`~hybridkv.storage.errors.BlockRangeError`
         for a block id out of range, before copying anything."""
         runs: list[tuple[int, list[int], list[int]]] = []
-        read: set[int] = set()
-        written: set[int] = set()
+        touched: set[int] = set()
         for g, src, dst in moves:
-            if not runs or g != runs[-1][0] or src in written or dst in written or src in read:
+            if not runs or g != runs[-1][0] or src in touched or dst in touched:
                 runs.append((g, [], []))
-                read.clear()
-                written.clear()
+                touched.clear()
             runs[-1][1].append(src)
             runs[-1][2].append(dst)
-            read.add(src)
-            written.add(dst)
+            touched.add(src)
+            touched.add(dst)
         plans = [(self.descriptor(g, s), self.descriptor(g, d)) for g, s, d in runs]
         copied = 0
+        buffers = self.buffers
         for src_desc, dst_desc in plans:
-            packed = gather(src_desc, self.buffers)
-            scatter(dst_desc, self.buffers, packed)
-            copied += packed.numel()
+            if self.device.type == "cpu":  # no launches to save: copy range to range
+                copied += copy_blocks(src_desc, buffers, dst_desc, buffers)
+            else:
+                packed = gather(src_desc, buffers)
+                scatter(dst_desc, buffers, packed)
+                copied += packed.numel()
         return copied
 
     def check_invariants(self) -> None:
