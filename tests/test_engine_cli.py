@@ -531,3 +531,16 @@ def test_quiet_silences_transformers_notes_and_restores_its_verbosity(
     finally:
         root.removeHandler(notes)
     capsys.readouterr()
+
+
+def test_compaction_beside_a_host_tier_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    """``run`` compacts with a host tier too (its moves go through the tier stream), says
+    how many blocks it moved, and the tokens stay transformers' own; off, it preempts more."""
+    argv = ["--model", "gemma3_text", "--memory", "104KiB", "--block-size", "4"]
+    argv += ["--max-model-len", "64", "--host-memory", "1MiB", "--verify"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, out + err
+    assert "preemptions: 4 (compaction moved 4 blocks instead of preempting)" in out
+    assert out.splitlines()[-1].startswith("verify: all 8 requests (128 tokens) identical")
+    code, out, err = run(capsys, *argv, "--compaction", "off")
+    assert code == 0 and "\npreemptions: 7\n" in out, out + err

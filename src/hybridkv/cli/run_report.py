@@ -90,7 +90,12 @@ def summary_lines(stats: EngineStats, num_requests: int) -> list[str]:
             f"tokens accepted ({percent(stats.draft_acceptance, 1)}), "
             f"{stats.rollback_passes} state rollback passes"
         )
-    lines.append(f"preemptions: {stats.preemptions}")
+    moved = (
+        f" (compaction moved {stats.moved_blocks} blocks instead of preempting)"
+        if stats.moved_blocks
+        else ""
+    )
+    lines.append(f"preemptions: {stats.preemptions}{moved}")
     return lines
 
 
