@@ -485,6 +485,32 @@ def test_compaction_moves_a_sparse_chunks_blocks_and_keeps_the_youngest_cached()
     pool.check_invariants()
 
 
+def test_compaction_evicts_as_the_lru_does_a_block_with_a_chance_spends_it() -> None:
+    # The previous test's chunks, but the older cached block (77) served a hit since it was
+    # cached: compaction's eviction spends its chance (it goes to the young end, as the LRU's
+    # own eviction would) and evicts the younger 33 instead, in the emptied chunk; the
+    # referenced block then takes the hole in chunk 2.
+    pool = make_block_pool(arena(groups(full(), (swa(8), 8)), 6), EventLog(enabled=True))
+    assert isinstance(pool, ArenaPool)
+    _hold_null_chunk(pool)
+    assert [pool.allocate(1, 2) for _ in range(3)] == [[2, 3], [4, 5], [6, 7]]
+    pool.cache(1, 7, 77)
+    pool.release(1, [7])
+    pool.touch(1, [7])  # a hit: one chance
+    pool.release(1, [7])  # cached in chunk 3, older, holding its chance
+    pool.cache(1, 3, 33)
+    pool.release(1, [3])  # cached in chunk 1 (the victim), younger
+    pool.release(1, [5])  # a hole in chunk 2
+    assert list(pool.free_cached[1]) == [7, 3] and pool.hit[1][7] == 1
+    moves = pool.compact(1, frozenset({0, 1}))
+    assert moves == [(1, 2, 5)]
+    assert pool.maps[1] == {77: 7} and pool.hit[1][7] == 0
+    assert list(pool.free_cached[1]) == [7] and pool.refs[1][5] == 1
+    assert pool.free_chunks == [5, 4, 1]
+    assert pool.events.take() == [BlockRemoved(1, (33,))]
+    pool.check_invariants()
+
+
 def _compactions_over_published_blocks(seed: int) -> int:
     """Random requests on an arena with a host tier (bookkeeping only) and write-through;
     every refused step compacts.  Returns how many compactions moved a block still waiting

@@ -13,7 +13,8 @@ the chunk's referenced blocks: each emptied chunk consumes exactly one chunk's w
 first (least bytes to copy), over every group.  Then, per group:
 
 1. the group keeps its youngest cached blocks that still fit in the slots left; the others
-   are evicted, oldest first (by stamp: chances are not spent here);
+   are evicted, oldest first, as its LRU would (a block holding chances spends one and is
+   kept as the youngest instead);
 2. each referenced block of an emptied chunk moves to a free slot of another chunk, and so
    does each cached one kept (with its stamp and chances);
 3. the emptied chunk joins the free stack.
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from itertools import islice
 
 from hybridkv.cache.arena_returns import ArenaReturns
 
@@ -41,6 +41,7 @@ class ArenaCompact(ArenaReturns):
 
     whole_chunks: int
     packs: bool
+    clock: int
 
     def chunk_of(self, group_id: int, block: int) -> int:
         """The chunk holding ``block`` of ``group_id``."""
@@ -89,6 +90,27 @@ class ArenaCompact(ArenaReturns):
             self._empty(g, chunks_g, moves)
         return moves
 
+    def _clock_victims(self, g: int, n: int) -> list[int]:
+        """``n`` of group ``g``'s cached blocks to evict, oldest first, as its LRU evicts: a
+        block holding chances (hits served) spends one and goes to the young end instead."""
+        fc, hitg = self.free_cached[g], self.hit[g]
+        order, again, out = list(fc), list[int](), list[int]()
+        i = 0
+        while len(out) < n:
+            if i == len(order):  # every block left spent a chance: walk them again
+                order, again, i = again, [], 0
+            b = order[i]
+            i += 1
+            if hitg[b]:
+                hitg[b] -= 1
+                self.clock += 1
+                fc[b] = self.clock
+                fc.move_to_end(b)
+                again.append(b)
+            else:
+                out.append(b)
+        return out
+
     def _empty(self, g: int, victims: list[int], moves: list[tuple[int, int, int]]) -> None:
         """Move group ``g``'s blocks out of ``victims`` (see the module) and free them."""
         bpc, bb, cb = self.bpc[g], self.block_bytes[g], self.chunk_bytes
@@ -99,7 +121,7 @@ class ArenaCompact(ArenaReturns):
         # emptied chunk uses up one chunk's worth of the group's unreferenced slots.
         room = len(fu) + len(fc) - len(victims) * bpc
         if len(fc) > room:
-            self.uncache(g, list(islice(fc, len(fc) - room)))  # oldest first, reported
+            self.uncache(g, self._clock_victims(g, len(fc) - room))  # reported
         for c in victims:  # their free slots are no destination
             fill.clear(g, c)
             f = first[c]

@@ -404,7 +404,7 @@ class KVCacheManager(TierCalls):
     ) -> tuple[BlockMove, ...]:
         """Make room for running ``request``'s next step (the ``allocate_slots`` call that was
         just refused) by freeing whole arena chunks: the referenced blocks of sparse chunks
-        move into their group's free slots, evicting that group's oldest cached blocks where
+        move into their group's free slots, evicting that group's cached blocks in LRU order where
         needed (:mod:`~hybridkv.cache.compaction`), up to the chunks the step lacks.  Returns
         ``()``, changing nothing, when it can free no chunk (then preempt) and for a pool
         without chunks.  Otherwise the moves, in order (try the step again; compact again
