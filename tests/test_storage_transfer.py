@@ -272,6 +272,7 @@ def test_row_copies_equal_the_copy_per_range(
     assert planned >= (len(layout.groups) if extra == 0 else 1)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @settings(max_examples=60, deadline=None)
 @given(
     moves=hst.lists(
@@ -283,16 +284,16 @@ def test_row_copies_equal_the_copy_per_range(
     kind=hst.sampled_from([LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER]),
 )
 def test_move_blocks_equals_the_moves_one_by_one(
-    moves: list[tuple[int, int, int]], kind: LayoutKind
+    device: str, moves: list[tuple[int, int, int]], kind: LayoutKind
 ) -> None:
-    """Compaction's moves as batches (one gather and one scatter per run of a group) leave
-    the storage as copying each block in turn does: chains (a block moved on), a block read
-    twice and a block written twice included."""
+    """Compaction's moves as runs (on the CPU one copy per coalesced range, on CUDA one
+    gather and one scatter) leave the storage as copying each block in turn does: chains (a
+    block moved on), a block read twice and a block written twice included."""
     layout = pools_layout(mixed_groups(), num_blocks=8)
-    a = KVCacheStorage(layout, kind=kind)
+    a = KVCacheStorage(layout, kind=kind, device=device)
     gen = torch.Generator().manual_seed(5)
     for x in a.buffers:
-        x.copy_(torch.randint(0, 256, x.shape, generator=gen, dtype=torch.uint8))
+        x.copy_(torch.randint(0, 256, x.shape, generator=gen, dtype=torch.uint8).to(device))
     want = [x.clone() for x in a.buffers]
     total = 0
     for g, src, dst in moves:
