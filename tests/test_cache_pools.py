@@ -39,6 +39,7 @@ def test_uniform_reuses_uncached_first_then_evicts_least_recent() -> None:
     pool.cache(0, 2, 102)
     pool.release(0, [3, 2, 1])  # tail first: LRU = [2, 1]; block 3 is uncached
     assert pool.num_free(0) == 5 and pool.usage == pytest.approx(2 / 7)
+    assert pool.used_bytes == 2 * pool.block_bytes  # type: ignore[attr-defined]
     assert pool.allocate(1, 3) == [3, 6, 7]  # uncached first, the last freed first
     assert pool.allocate(1, 1) == [2]  # then the least recently used cached block
     assert pool.events.take() == [BlockRemoved(0, (102,))]  # type: ignore[arg-type]
@@ -214,6 +215,7 @@ def test_pools_evict_only_within_their_group() -> None:
     assert not pool.fits([None, None], [None, None], [None, None], [1, 0])
     assert pool.fits([None, None], [None, None], [None, None], [0, 1])
     assert pool.allocate(1, 1) == [1] and pool.maps[1] == {}
+    assert pool.used_bytes == 4 * pool.block_bytes[0]  # type: ignore[index]
     pool.check_invariants()
 
 

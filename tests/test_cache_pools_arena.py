@@ -52,6 +52,7 @@ def test_chunk_zero_is_lent_to_the_null_host_past_the_null_region() -> None:
     with pytest.raises(InvariantError):
         pool.allocate(1, 1)
     assert pool.usage == pytest.approx(6 * 256 / (3 * 512 + 2 * 128))
+    assert pool.used_bytes == 6 * 256  # exact, where usage x total would count chunk 0
     pool.check_invariants()
     # A state group's null block is never read: with no attention group there is no null
     # region, only id 0 itself is kept back.
@@ -78,6 +79,7 @@ def test_the_tail_past_the_last_chunk_is_lent_to_the_tail_host() -> None:
     assert pool.allocate(0, 5) == [13, 5, 6, 7, 12]  # uncached first, then 112 is evicted
     assert pool.events.take() == [BlockRemoved(0, (112,))]  # type: ignore[arg-type]
     assert pool.usage == pytest.approx((9 * 128 + 2 * 256) / (2 * 512 + 2 * 128 + 384))
+    assert pool.used_bytes == 9 * 128 + 2 * 256
     pool.check_invariants()
     assert pool.reset_cache() is False
     pool.release(0, [2, 3, 4, 13, 5, 6, 7, 12, 14])
@@ -380,6 +382,7 @@ def test_one_group_arena_is_flat_skips_the_null_block_and_evicts_per_block() -> 
     assert pool.allocate(0, 3) == [1, 2, 3]
     assert [pool.chunk_owner(c) for c in range(3)] == [0, None, None]
     assert pool.usage == pytest.approx(3 / 11)
+    assert pool.used_bytes == 3 * layout.groups[0].block_bytes
     pool.cache(0, 1, 101)
     pool.cache(0, 2, 102)
     pool.release(0, [3, 2, 1])  # tail first: LRU = [2, 1]

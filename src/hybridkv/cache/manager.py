@@ -482,6 +482,11 @@ class KVCacheManager(TierCalls):
         return self._coord.pool.usage
 
     @property
+    def used_bytes(self) -> int:
+        """Bytes held by referenced blocks (what :attr:`usage` is the fraction of)."""
+        return self._coord.pool.used_bytes
+
+    @property
     def num_free_blocks(self) -> tuple[int, ...]:
         """Per group, blocks it alone could take now (free, evictable or in free chunks)."""
         pool = self._coord.pool

@@ -447,8 +447,11 @@ class ArenaPool(ArenaCompact):
 
     @property
     def usage(self) -> float:
-        used = sum(u * bb for u, bb in zip(self.used, self.block_bytes, strict=True))
-        return used / self._usable_bytes
+        return self.used_bytes / self._usable_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(u * bb for u, bb in zip(self.used, self.block_bytes, strict=True))
 
     def num_used(self, group_id: int) -> int:
         return self.used[group_id]

@@ -223,6 +223,11 @@ class BlockPool(ABC):
     def usage(self) -> float:
         """Referenced bytes / allocatable bytes (the null block and chunk 0 excluded)."""
 
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of the blocks some request references (the numerator of :attr:`usage`)."""
+
     def num_used(self, group_id: int) -> int:
         """Blocks of ``group_id`` with a reference."""
         refs = self.refs[group_id]

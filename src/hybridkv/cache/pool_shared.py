@@ -117,6 +117,10 @@ class UniformPool(BlockPool):
     def usage(self) -> float:
         return self.core.num_used / (self.core.num_blocks - 1)
 
+    @property
+    def used_bytes(self) -> int:
+        return self.core.num_used * self.block_bytes
+
     def num_used(self, group_id: int) -> int:
         return self.core.group_used[group_id]
 
@@ -263,8 +267,11 @@ class PerGroupPools(BlockPool):
 
     @property
     def usage(self) -> float:
-        used = sum(c.num_used * bb for c, bb in zip(self.cores, self.block_bytes, strict=True))
-        return used / self._total_bytes
+        return self.used_bytes / self._total_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(c.num_used * bb for c, bb in zip(self.cores, self.block_bytes, strict=True))
 
     def num_used(self, group_id: int) -> int:
         return self.cores[group_id].num_used

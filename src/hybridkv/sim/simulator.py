@@ -379,7 +379,6 @@ def simulate(
     )
     sched = scheduler_for(mgr, config)
     cost = StepCostModel(model, profile, ACCELERATORS[config.accelerator])
-    total_bytes = layout.total_bytes
     need_of = _need_function(model)
 
     n_groups = len(layout.groups)
@@ -497,7 +496,7 @@ def simulate(
         # Peaks as the step runs (before the update frees what finished in it): the memory
         # held, the requests running and what they need with this step's tokens computed.
         peak_running = max(peak_running, sched.num_running)
-        peak_used = max(peak_used, int(pool.usage * total_bytes))
+        peak_used = max(peak_used, pool.used_bytes)
         peak_need = max(
             peak_need,
             sum(
@@ -527,7 +526,7 @@ def simulate(
                     progress(finished + len(rejected), len(reqs))
         if steps % sample_every == 0:
             running = sched.num_running
-            used = int(pool.usage * total_bytes)
+            used = pool.used_bytes
             need = sum(need_of(s.request.num_computed_tokens) for s in sched.running)
             timeline.append(
                 TimelinePoint(
