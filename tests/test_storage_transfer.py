@@ -9,12 +9,14 @@ import sys
 import textwrap
 from multiprocessing import shared_memory
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
+from hybridkv.errors import StorageError
 from hybridkv.plan import MemoryLayout
 from hybridkv.specs import StateMixer, StateSpec, StateTensor
 from hybridkv.storage import (
@@ -30,6 +32,7 @@ from hybridkv.storage import (
     scatter,
     transfer,
 )
+from hybridkv.storage import storage as storage_module
 from test_storage_factories import SPECS, build, group, mixed_groups, pools_layout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,13 +285,15 @@ def test_row_copies_equal_the_copy_per_range(
         max_size=12,
     ),
     kind=hst.sampled_from([LayoutKind.PER_LAYER, LayoutKind.CROSS_LAYER]),
+    run_bytes=hst.sampled_from([1, 1024, 32 << 20]),
 )
 def test_move_blocks_equals_the_moves_one_by_one(
-    device: str, moves: list[tuple[int, int, int]], kind: LayoutKind
+    device: str, moves: list[tuple[int, int, int]], kind: LayoutKind, run_bytes: int
 ) -> None:
     """Compaction's moves as runs (on the CPU one copy per coalesced range, on CUDA one
     gather and one scatter) leave the storage as copying each block in turn does: chains (a
-    block moved on), a block read twice and a block written twice included."""
+    block moved on), a block read twice and a block written twice included, and runs cut
+    by size (a run of one block, or of a few)."""
     layout = pools_layout(mixed_groups(), num_blocks=8)
     a = KVCacheStorage(layout, kind=kind, device=device)
     gen = torch.Generator().manual_seed(5)
@@ -298,9 +303,36 @@ def test_move_blocks_equals_the_moves_one_by_one(
     total = 0
     for g, src, dst in moves:
         total += copy_blocks(a.descriptor(g, [src]), want, a.descriptor(g, [dst]), want)
-    assert a.move_blocks(moves) == total
+    storage_module.MOVE_RUN_BYTES = run_bytes
+    try:
+        assert a.move_blocks(moves) == total
+    finally:
+        storage_module.MOVE_RUN_BYTES = 32 << 20
     for x, y in zip(a.buffers, want, strict=True):
         assert torch.equal(x, y)
+
+
+def test_move_blocks_cuts_runs_at_a_repeated_block_and_at_the_size_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    storage = _full()  # 512-byte blocks, one group
+    calls: list[tuple[int, ...]] = []
+    real = storage_module.copy_blocks
+
+    def spy(src: Any, *rest: Any, **kw: Any) -> int:
+        calls.append(tuple(src.block_ids))
+        return int(real(src, *rest, **kw))
+
+    monkeypatch.setattr(storage_module, "copy_blocks", spy)
+    moves = [(0, 1, 5), (0, 2, 6), (0, 5, 7), (0, 3, 8), (0, 4, 9)]
+    assert storage.move_blocks(moves) == 5 * 512
+    assert calls == [(1, 2), (5, 3, 4)]  # 5 was written: the third move starts a run
+    calls.clear()
+    monkeypatch.setattr(storage_module, "MOVE_RUN_BYTES", 1024)  # two blocks a run
+    storage.move_blocks(moves)
+    assert calls == [(1, 2), (5, 3), (4,)]
+    with pytest.raises(StorageError, match="group_id"):
+        storage.move_blocks([(0, 1, 2), (7, 1, 2)])
 
 
 def test_move_blocks_refuses_a_block_out_of_range_and_copies_nothing() -> None:

@@ -58,7 +58,12 @@ from hybridkv.storage.transfer import (
 from hybridkv.storage.views import kernel_block_view, segment_tensor
 from hybridkv.units import format_bytes
 
-__all__ = ["KVCacheStorage", "KVView", "allocate_bytes"]
+__all__ = ["MOVE_RUN_BYTES", "KVCacheStorage", "KVView", "allocate_bytes"]
+
+#: Most bytes one run of :meth:`KVCacheStorage.move_blocks` copies (a larger block is a run
+#: of its own): on CUDA a run passes through scratch on the device, and compaction runs when
+#: memory is tight (gemma-3-27b moved 62 sliding-window blocks, ~400 MiB, in one step).
+MOVE_RUN_BYTES = 32 << 20
 
 
 def allocate_bytes(
@@ -296,18 +301,29 @@ class KVCacheStorage:
         gather of their sources and one scatter to their destinations (batched kernels, not
         a copy per byte range), on the CPU one copy per coalesced range; a run ends where a
         move names a block an earlier move of the run named (no copy reads what the run
-        wrote, or overlaps itself).  Raises :class:`~hybridkv.storage.errors.BlockRangeError`
-        for a block id out of range, before copying anything."""
+        wrote, or overlaps itself) and before it passes :data:`MOVE_RUN_BYTES`.  Raises
+        :class:`~hybridkv.storage.errors.BlockRangeError` for a block id out of range (and
+        :class:`StorageError` for an unknown group) before copying anything."""
         runs: list[tuple[int, list[int], list[int]]] = []
         touched: set[int] = set()
+        size = 0
         for g, src, dst in moves:
-            if not runs or g != runs[-1][0] or src in touched or dst in touched:
+            block = self.group(g).block_bytes  # a bad group id: StorageError, nothing copied
+            if (
+                not runs
+                or g != runs[-1][0]
+                or src in touched
+                or dst in touched
+                or size + block > MOVE_RUN_BYTES
+            ):
                 runs.append((g, [], []))
                 touched.clear()
+                size = 0
             runs[-1][1].append(src)
             runs[-1][2].append(dst)
             touched.add(src)
             touched.add(dst)
+            size += block
         plans = [(self.descriptor(g, s), self.descriptor(g, d)) for g, s, d in runs]
         copied = 0
         buffers = self.buffers
