@@ -254,3 +254,34 @@ def test_reserve_admission_falls_back_to_chunks_when_refused_alone() -> None:
 def test_admission_policy_is_checked() -> None:
     with pytest.raises(SchedulerError, match="admission: unknown policy 'lazy'; valid: reserve"):
         SchedulerConfig(admission="lazy")
+
+
+def test_moves_of_a_schedule_that_raised_come_with_the_next_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Compaction moved a block (the tables name its new id), then the step was refused for
+    # good and schedule() raised: the move must still reach whoever copies blocks, first in
+    # the next output (found by review: it was lost with the exception).
+    from hybridkv.cache.types import BlockId, BlockMove
+
+    mgr = KVCacheManager(_layout([(FULL, 4)], 64))
+    sched = Scheduler(mgr, SchedulerConfig(token_budget=8), max_model_len=64)
+    sched.add_request("a", list(range(3)), max_tokens=4)
+    out = sched.schedule()
+    sched.update(out, {"a": 7})
+    move = BlockMove(0, BlockId(1), BlockId(9))
+    calls: list[int] = []
+
+    def compact_once(*args: Any, **kw: Any) -> tuple[BlockMove, ...]:
+        calls.append(1)
+        return (move,) if len(calls) == 1 else ()
+
+    with monkeypatch.context() as m:
+        m.setattr(mgr, "allocate_slots", lambda *a, **k: None)
+        m.setattr(mgr, "compact", compact_once)
+        with pytest.raises(SchedulerError, match="even alone"):
+            sched.schedule()
+        assert calls == [1, 1]
+    out = sched.schedule()
+    assert out.moves == (move,) and [s.request_id for s in out.scheduled] == ["a"]
+    assert sched.schedule().moves == ()  # reported once

@@ -141,6 +141,9 @@ class Scheduler:
         self.num_preemptions = 0
         #: Finished requests added with ``hold``: their blocks stay until :meth:`release`.
         self.held: dict[str, SequenceState] = {}
+        #: Compaction's moves of a schedule() that then raised: the manager's tables already
+        #: name the new ids, so the next output lists them first (to be copied).
+        self._unreported_moves: list[BlockMove] = []
 
     # -- queue ----------------------------------------------------------------------------
     def add_request(
@@ -403,7 +406,7 @@ class Scheduler:
         budget = cfg.token_budget
         out: list[ScheduledRequest] = []
         preempted: list[str] = []
-        moves: list[BlockMove] = []
+        moves, self._unreported_moves = self._unreported_moves, []
         cached_total = 0
         i = 0
         while i < len(self.running) and budget > 0:
@@ -438,6 +441,7 @@ class Scheduler:
                 if end - start <= 1 and self.running == [seq]:
                     # Refused one token with every other block free or evictable: preempting
                     # and recomputing would reach this point again and loop forever.
+                    self._unreported_moves = moves
                     raise SchedulerError(
                         f"request {req.request_id!r}: the cache cannot hold it past "
                         f"{start} tokens even alone (no free block, or no free state slot for "
@@ -511,6 +515,7 @@ class Scheduler:
                             if cfg.whole_prefill
                             else "not even one token does"
                         )
+                        self._unreported_moves = moves
                         raise SchedulerError(
                             f"request {req.request_id!r}: {what} fit in an empty cache; the "
                             "memory budget is too small for it"

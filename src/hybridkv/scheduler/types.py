@@ -148,9 +148,11 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_cached_tokens: int = 0
     skipped_waiting: int = 0
-    #: Blocks compaction moved while scheduling this step, in order: copy each before the
-    #: step's model pass (and before the tier operations); ``scheduled`` tables and
-    #: ``allocation.new_block_ids`` already name the new ids.
+    #: Blocks compaction moved while scheduling this step, in order (after those of a
+    #: schedule() that raised since the last output): copy each before anything reads or
+    #: writes those blocks; ``scheduled`` tables and ``allocation.new_block_ids`` already
+    #: name the new ids.  Where the manager records tier operations (``tier_ops``), the same
+    #: moves are ``relocate`` operations of that stream: run the stream, in order, instead.
     moves: tuple[BlockMove, ...] = ()
 
     @property
