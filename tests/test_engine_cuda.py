@@ -17,6 +17,7 @@ from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
 from hybridkv.engine.models import load_model
 from hybridkv.scheduler import SchedulerConfig
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather, scatter
+from test_engine_scheduler import TIERED_COMPACTION, serve_three_at_a_time
 from test_engine_tiers import MODELS, STATE, conversations
 from test_storage_factories import mixed_groups, pools_layout
 
@@ -150,27 +151,16 @@ def test_compaction_beside_a_host_tier_on_cuda_is_exact() -> None:
     # test_engine_scheduler's tiered compaction workload with the cache on CUDA: the moves
     # run in the tier stream as gathers and scatters on the step's stream, after the host
     # stores that read the blocks they overwrite (storage poisoned with NaN first).
-    cache = CacheConfig(
-        block_size=4,
-        state_block_size=8,
-        memory_bytes=72 << 10,
-        max_model_len=64,
-        host_memory_bytes=1 << 20,
-    )
     engine = LLMEngine(
         "gemma3_text",
-        cache=cache,
+        cache=TIERED_COMPACTION,
         scheduler=SchedulerConfig(token_budget=16),
         keep_logits=True,
         device=DEVICE,
     )
     for buffer in engine.storage.buffers:
         buffer.fill_(0xFF)
-    turns = conversations(3, n_conv=6, turns=3, first=16, step=6)
-    done = []
-    for i in range(0, len(turns), 3):
-        done += engine.generate({f"r{i + j}": p for j, p in enumerate(turns[i : i + 3])}, 16)
-    _exact("gemma3_text", done)
+    _exact("gemma3_text", serve_three_at_a_time(engine))
     stats = engine.stats()
     assert (stats.moved_blocks, stats.host_hit_tokens, stats.preemptions) == (8, 216, 4)
     engine.check_invariants()

@@ -229,18 +229,31 @@ def test_compaction_moves_blocks_instead_of_preempting_and_stays_exact() -> None
     assert (stats[False].moved_blocks, stats[False].preemptions) == (0, 3)
 
 
+#: gemma3_text's cache at 72 KiB over a 1 MiB host tier: with a token budget of 16,
+#: :func:`serve_three_at_a_time` makes compaction move blocks beside the tier's stores.
+TIERED_COMPACTION = CacheConfig(
+    block_size=4,
+    state_block_size=8,
+    memory_bytes=72 << 10,
+    max_model_len=64,
+    host_memory_bytes=1 << 20,
+)
+
+
+def serve_three_at_a_time(eng: LLMEngine) -> list[Completion]:
+    """Six conversations of three turns, three conversations at a time, 16 tokens each."""
+    turns = conversations(3, n_conv=6, turns=3, first=16, step=6)
+    done: list[Completion] = []
+    for i in range(0, len(turns), 3):
+        done += eng.generate({f"r{i + j}": p for j, p in enumerate(turns[i : i + 3])}, 16)
+    return done
+
+
 def test_compaction_beside_a_host_tier_moves_blocks_in_the_tier_stream() -> None:
     # With lower tiers the moves are ``relocate`` operations of the tier stream: a block
     # compaction evicts is stored to the host before another block moves into its place, and
     # copying the moves first (the stream reordered) gives wrong tokens on this workload.
-    cache = CacheConfig(
-        block_size=4,
-        state_block_size=8,
-        memory_bytes=72 << 10,
-        max_model_len=64,
-        host_memory_bytes=1 << 20,
-    )
-    eng = engine("gemma3_text", cache, token_budget=16)
+    eng = engine("gemma3_text", TIERED_COMPACTION, token_budget=16)
     store = eng._tier_store
     assert store is not None
     apply, refilled = store.apply, []
@@ -255,11 +268,7 @@ def test_compaction_beside_a_host_tier_moves_blocks_in_the_tier_stream() -> None
         _apply(ops)
 
     store.apply = watched  # type: ignore[method-assign]
-    turns = conversations(3, n_conv=6, turns=3, first=16, step=6)
-    done = []
-    for i in range(0, len(turns), 3):  # three conversations at a time
-        done += eng.generate({f"r{i + j}": p for j, p in enumerate(turns[i : i + 3])}, 16)
-    check("gemma3_text", done)
+    check("gemma3_text", serve_three_at_a_time(eng))
     stats = eng.stats()
     assert (stats.moved_blocks, store.relocated, len(refilled)) == (8, 8, 4)
     assert (stats.host_hit_tokens, stats.prefix_hit_tokens, stats.preemptions) == (216, 216, 4)
