@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine import host_runs
+from hybridkv.engine.errors import EngineError
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import InvariantError
 from hybridkv.storage import KVCacheStorage, LayoutKind, copy_blocks, gather
@@ -161,3 +162,19 @@ def test_check_invariants_catches_overlapping_slots() -> None:
     store._host[0, 2] = (offset + 1, size)  # a corrupted slot table
     with pytest.raises(InvariantError, match="overlaps"):
         store.check_invariants()
+
+
+def test_a_relocation_out_of_range_is_an_engine_error_and_copies_nothing() -> None:
+    layout = build("pools", mixed_groups())
+    storage = KVCacheStorage(layout)
+    for buf in storage.buffers:
+        buf.copy_(torch.arange(buf.numel()) % 253)
+    before = [buf.clone() for buf in storage.buffers]
+    store = TierStore(storage, 1 << 16)
+    a, b = owned_ids(layout, 0, 0)[0], owned_ids(layout, 0, 1)[0]
+    ops = [TierOp("relocate", "device", 0, 0, b, from_block=a)]
+    ops.append(TierOp("relocate", "device", 0, 0, 10**6, from_block=b))
+    with pytest.raises(EngineError, match=r"tier store: relocate: .*1000000"):
+        store.apply(ops)
+    assert all(torch.equal(x, y) for x, y in zip(before, storage.buffers, strict=True))
+    assert store.relocated == 0

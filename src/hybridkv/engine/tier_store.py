@@ -61,7 +61,7 @@ from hybridkv.engine.host_runs import (
     store_rows,
 )
 from hybridkv.engine.host_slots import HostSlots
-from hybridkv.errors import InvariantError
+from hybridkv.errors import InvariantError, StorageError
 from hybridkv.storage import KVCacheStorage
 from hybridkv.storage.disk_slots import DiskSlots
 from hybridkv.storage.transfer import TransferDescriptor, gather, scatter
@@ -199,7 +199,10 @@ class TierStore:
                     j += 1
                 run, i = todo[i - 1 : j], j
                 self._settle()  # a borrowed disk write may still read a destination
-                self.storage.move_blocks((o.group_id, o.from_block, o.block) for o in run)
+                try:
+                    self.storage.move_blocks((o.group_id, o.from_block, o.block) for o in run)
+                except StorageError as exc:  # nothing of the run was copied
+                    raise EngineError(f"tier store: relocate: {exc}") from exc
                 self.relocated += len(run)
             elif op.op == "clear":
                 self._clear()

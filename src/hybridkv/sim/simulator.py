@@ -261,6 +261,7 @@ class SimResult:
                 for k, v in self.tier_hit_tokens.items()
             },
             "tiers": self.tiers,
+            "sessions_expired": self.sessions_expired,
         }
 
 
