@@ -194,9 +194,7 @@ class TierStore:
                     self._settle()
                     self._load_run(run)
             elif op.op == "relocate":  # compaction's moves, with those right after it
-                j = i
-                while j < n and todo[j].op == "relocate":
-                    j += 1
+                j = _run_end(todo, i, "relocate", "device")
                 run, i = todo[i - 1 : j], j
                 self._settle()  # a borrowed disk write may still read a destination
                 try:
