@@ -285,6 +285,35 @@ def _summary(metrics: dict[str, Any], timings: dict[str, list[int]]) -> dict[str
     }
 
 
+#: Summary keys every repeated run of one side must reproduce exactly (the decisions).
+DECISIONS = ("token_hit_rate", "preemptions", "peak_used_bytes", "finished", "rejected", "steps")
+
+
+def merge_runs(runs: Sequence[dict[str, Any]], side: str) -> dict[str, Any]:
+    """One side's repeated runs as one summary: the decisions (:data:`DECISIONS`) must be
+    identical in every run (the loop is deterministic; a difference is a bug, raised); the
+    times are the median run's, with every run's manager time in ``manager_us_per_step_runs``.
+    """
+    if not runs:
+        raise ValueError(f"{side}: no runs to merge")
+    first = runs[0]
+    for key in DECISIONS:
+        seen = [r[key] for r in runs]
+        if any(x != seen[0] for x in seen):
+            raise RuntimeError(f"{side}: {key} differs between repeated runs: {seen}")
+    times = [r["manager_us_per_step"] for r in runs]
+    order = sorted(range(len(runs)), key=times.__getitem__)
+    mid = runs[order[(len(runs) - 1) // 2]]  # the lower median: a run that happened
+    return {
+        **first,
+        "manager_us_per_step": mid["manager_us_per_step"],
+        "hash_us_per_step": mid["hash_us_per_step"],
+        "calls": mid["calls"],
+        "wall_s": sum(r["wall_s"] for r in runs),
+        "manager_us_per_step_runs": times,
+    }
+
+
 def compare(
     name: str,
     requests: Sequence[StepRequest],
@@ -300,16 +329,11 @@ def compare(
     window_chances: int | None = None,
     state_split: int | None = None,
     compaction: bool = True,
+    repeat: int = 1,
 ) -> dict[str, Any]:
+    """One model's head to head; ``repeat`` runs of each side, alternating, report the
+    median manager time (decisions must repeat exactly)."""
     model = resolve_model(name)
-    setup = vd.build_vllm_manager(
-        vllm_groups(model, block_size),
-        memory_bytes=memory_bytes,
-        max_model_len=max_model_len,
-        token_budget=token_budget,
-    )
-    vllm_adapter = vd.VllmManagerAdapter(setup)
-    v = vd.run_minimal_scheduler(vllm_adapter, requests, token_budget, max_model_len=max_model_len)
     plan = make_plan(
         model,
         memory_bytes=memory_bytes,
@@ -320,18 +344,37 @@ def compare(
         **({} if chunk_alignment is None else {"chunk_alignment": chunk_alignment}),
         **({} if state_split is None else {"state_split": state_split}),
     )
-    ours = HybridkvAdapter(
-        KVCacheManager(
-            plan.layout,
-            hasher="sha256",
-            second_chance=second_chance,
-            window_chances=window_chances,
-        ),
-        token_budget=token_budget,
-        compaction=compaction,
-    )
-    h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
-    vs, hs = _summary(v, vllm_adapter.timings), _summary(h, ours.timings)
+    vruns: list[dict[str, Any]] = []
+    hruns: list[dict[str, Any]] = []
+    moved: set[int] = set()
+    for _ in range(repeat):  # the two sides alternate, so a drift of the machine hits both
+        setup = vd.build_vllm_manager(
+            vllm_groups(model, block_size),
+            memory_bytes=memory_bytes,
+            max_model_len=max_model_len,
+            token_budget=token_budget,
+        )
+        vllm_adapter = vd.VllmManagerAdapter(setup)
+        v = vd.run_minimal_scheduler(
+            vllm_adapter, requests, token_budget, max_model_len=max_model_len
+        )
+        vruns.append(_summary(v, vllm_adapter.timings))
+        ours = HybridkvAdapter(
+            KVCacheManager(
+                plan.layout,
+                hasher="sha256",
+                second_chance=second_chance,
+                window_chances=window_chances,
+            ),
+            token_budget=token_budget,
+            compaction=compaction,
+        )
+        h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
+        hruns.append(_summary(h, ours.timings))
+        moved.add(ours.moved_blocks)
+    if len(moved) > 1:
+        raise RuntimeError(f"{name}: hybridkv moved {sorted(moved)} blocks in repeated runs")
+    vs, hs = merge_runs(vruns, "vLLM"), merge_runs(hruns, "hybridkv")
     return {
         "model": name,
         "memory_bytes": memory_bytes,
@@ -342,7 +385,7 @@ def compare(
             "second_chance": second_chance,
             "window_chances": window_chances,
             "compaction": compaction,
-            "moved_blocks": ours.moved_blocks,
+            "moved_blocks": moved.pop(),
             "schedule_alignment": plan.layout.schedule_alignment,
             "state_split": plan.options.state_split,
             "groups": [
@@ -377,6 +420,10 @@ def _print(result: dict[str, Any]) -> None:
     hr = "n/a" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}x"
     mt = "n/a" if r["manager_time"] is None else f"{r['manager_time']:.2f}x"
     print(f"  hybridkv / vLLM: hit rate {hr}, manager time {mt}")
+    if len(v["manager_us_per_step_runs"]) > 1:
+        for label, s in (("vLLM", v), ("hybridkv", h)):
+            runs = ", ".join(f"{t:.0f}" for t in s["manager_us_per_step_runs"])
+            print(f"  {label} us/step per run (alternating; median above): {runs}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -416,8 +463,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="preempt without first compacting the arena (KVCacheManager.compact; hybridkv side)",
     )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each side per model, alternating; manager time is the median run's",
+    )
     p.add_argument("--out", default="results/compare_vllm.json")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        print(f"compare_vllm: --repeat must be at least 1, got {args.repeat}", file=sys.stderr)
+        return 2
     if not vd.vllm_available():
         print("compare_vllm: vLLM is not importable here; see docs/vllm.md (skipped)")
         return 0
@@ -461,6 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             window_chances=args.window_chances,
             state_split=args.state_split,
             compaction=not args.no_compaction,
+            repeat=args.repeat,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)

@@ -458,7 +458,8 @@ class HybridCoordinator:
             if spots is not None and bridge is not None:
                 bridge.tiers.unpin()  # every load is recorded (or the allocation broke)
         for i, m in self._scheduled:
-            m.publish_scheduled(groups[i], request, step_end)
+            if step_end // m.block_size > groups[i].num_cached:
+                m.publish_scheduled(groups[i], request, step_end)
         if self.events.orphaned:
             self.coupling.sweep()
         if bridge is not None:

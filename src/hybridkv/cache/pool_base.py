@@ -365,7 +365,8 @@ class FreeListPool:
         )
         if n > len(fc):
             raise InvariantError(f"FreeListPool.allocate: {n} blocks wanted, {len(fc)} evictable")
-        evicted: list[tuple[int, int, int]] = []
+        # Who evicted what is only gathered for a listener (events, a lower tier's sink).
+        evicted: list[tuple[int, int, int]] | None = [] if self.events.tracks_evictions else None
         hit = self.hit
         for _ in range(n):
             b = fc.popitem(last=False)[0]
@@ -378,11 +379,12 @@ class FreeListPool:
             old = owner[b]
             del maps[old][h]
             hashes[b] = None
-            evicted.append((old, h, b))
+            if evicted is not None:
+                evicted.append((old, h, b))
             refs[b] = 1
             owner[b] = group_id
             out.append(b)
-        if self.events.tracks_evictions:
+        if evicted is not None:
             for old, h, b in evicted:
                 self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]
 

@@ -105,10 +105,13 @@ class UniformPool(BlockPool):
     ) -> bool:
         core = self.core
         free = core.num_free
+        need = sum(needs)
+        if need <= free and not any(touches):  # releases only add free blocks
+            return True
         for g in range(self.num_groups):
             if releases[g] or touches[g]:
                 free += core.free_delta(releases[g], touches[g])
-        return sum(needs) <= free
+        return need <= free
 
     def num_free(self, group_id: int) -> int:
         return self.core.num_free

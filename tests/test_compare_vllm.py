@@ -1,0 +1,73 @@
+"""benchmarks/compare_vllm.py's repeated runs (``--repeat``): the pure merge of one side's
+runs.  The head to head itself needs vLLM (docs/vllm.md) and is not run here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _run(us: float, hit: float = 0.25, preemptions: int = 3) -> dict[str, Any]:
+    return {
+        "token_hit_rate": hit,
+        "preemptions": preemptions,
+        "peak_used_bytes": 1 << 30,
+        "finished": 10,
+        "rejected": 0,
+        "steps": 100,
+        "manager_us_per_step": us,
+        "hash_us_per_step": us / 10,
+        "calls": {"allocate_slots": {"us": us}},
+        "wall_s": 2.0,
+    }
+
+
+@pytest.fixture
+def compare_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import compare_vllm
+
+    return compare_vllm
+
+
+def test_the_median_run_gives_the_times_and_every_run_is_listed(compare_vllm: Any) -> None:
+    merged = compare_vllm.merge_runs([_run(300.0), _run(100.0), _run(200.0)], "hybridkv")
+    assert merged["manager_us_per_step"] == 200.0
+    assert merged["hash_us_per_step"] == 20.0
+    assert merged["calls"] == {"allocate_slots": {"us": 200.0}}
+    assert merged["manager_us_per_step_runs"] == [300.0, 100.0, 200.0]
+    assert merged["wall_s"] == 6.0
+    assert merged["preemptions"] == 3
+    # an even count takes the lower middle: a run that happened, not an average
+    assert (
+        compare_vllm.merge_runs([_run(4.0), _run(1.0), _run(3.0), _run(2.0)], "x")[
+            "manager_us_per_step"
+        ]
+        == 2.0
+    )
+    assert compare_vllm.merge_runs([_run(7.0)], "x")["manager_us_per_step_runs"] == [7.0]
+
+
+@pytest.mark.parametrize(
+    ("key", "other"),
+    [("token_hit_rate", _run(1.0, hit=0.5)), ("preemptions", _run(1.0, preemptions=4))],
+)
+def test_runs_that_decide_differently_are_refused(
+    compare_vllm: Any, key: str, other: dict[str, Any]
+) -> None:
+    with pytest.raises(RuntimeError, match=f"vLLM: {key} differs between repeated runs"):
+        compare_vllm.merge_runs([_run(1.0), other], "vLLM")
+    with pytest.raises(ValueError, match="no runs"):
+        compare_vllm.merge_runs([], "vLLM")
+
+
+def test_repeat_below_one_is_refused_before_any_run(
+    compare_vllm: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compare_vllm.vd, "vllm_available", lambda: True)
+    assert compare_vllm.main(["--repeat", "0"]) == 2
+    assert "--repeat must be at least 1, got 0" in capsys.readouterr().err
