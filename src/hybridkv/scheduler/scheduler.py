@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from hybridkv.cache import (
     AllocationResult,
@@ -46,15 +46,16 @@ from hybridkv.cache import (
     BlockMove,
     ComputedBlocks,
     KVCacheManager,
-    Request,
 )
 from hybridkv.scheduler.types import (
     FinishReason,
+    HitCheck,
     RequestOutput,
     ScheduledRequest,
     SchedulerConfig,
     SchedulerError,
     SchedulerOutput,
+    SequenceState,
 )
 from hybridkv.specs import CacheKind
 
@@ -63,36 +64,7 @@ __all__ = ["BEFORE_END_MAX_ALIGNMENT", "HitCheck", "Scheduler", "SequenceState"]
 #: ``SchedulerConfig.checkpoint_before_end=None`` turns the split on up to this alignment.
 BEFORE_END_MAX_ALIGNMENT = 512
 
-#: ``hit_check(request, hit)``: the hit to admit a waiting request with, or None while its
-#: lower-tier copies are still being read (see :attr:`Scheduler.hit_check`).
-HitCheck = Callable[[Request, ComputedBlocks], ComputedBlocks | None]
-
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SequenceState:
-    """Scheduler-side bookkeeping of one request."""
-
-    request: Request
-    max_tokens: int
-    eos_token_ids: frozenset[int]
-    arrival: float
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-    junction: int = 0
-    finish_reason: FinishReason | None = None
-    first_token_step: int | None = None
-    chunk_cap: int = 0  # >0: a smaller prefill chunk the cache could hold on its own
-    no_reserve: bool = False  # its prompt cannot be reserved even alone: admit chunk by chunk
-    no_hit: bool = False  # refused alone with its hit (whose blocks pin memory): recompute
-    hold: bool = False  # keep the blocks when it finishes (a handover reads them)
-    protect_as: str | None = None  # a session protecting its prefix once it finishes
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
 
 
 class Scheduler:

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from hybridkv.cache import AllocationResult, BlockMove
+from hybridkv.cache import AllocationResult, BlockMove, ComputedBlocks, Request
 from hybridkv.errors import HybridKVError
 
 __all__ = [
     "ADMISSION_POLICIES",
     "FinishReason",
+    "HitCheck",
     "RequestOutput",
     "ScheduledRequest",
     "SchedulerConfig",
     "SchedulerError",
     "SchedulerOutput",
+    "SequenceState",
 ]
 
 
@@ -170,3 +173,33 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_output_tokens: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+
+
+#: ``hit_check(request, hit)``: the hit to admit a waiting request with, or None while its
+#: lower-tier copies are still being read (see :attr:`Scheduler.hit_check`).
+HitCheck = Callable[[Request, ComputedBlocks], ComputedBlocks | None]
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """Scheduler-side bookkeeping of one request."""
+
+    request: Request
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    arrival: float
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    junction: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_step: int | None = None
+    chunk_cap: int = 0  # >0: a smaller prefill chunk the cache could hold on its own
+    no_reserve: bool = False  # its prompt cannot be reserved even alone: admit chunk by chunk
+    no_hit: bool = False  # refused alone with its hit (whose blocks pin memory): recompute
+    hold: bool = False  # keep the blocks when it finishes (a handover reads them)
+    protect_as: str | None = None  # a session protecting its prefix once it finishes
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
