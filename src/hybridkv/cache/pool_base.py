@@ -368,12 +368,14 @@ class FreeListPool:
         # Who evicted what is only gathered for a listener (events, a lower tier's sink).
         evicted: list[tuple[int, int, int]] | None = [] if self.events.tracks_evictions else None
         hit = self.hit
+        pop, append = fc.popitem, out.append
         for _ in range(n):
-            b = fc.popitem(last=False)[0]
-            while hit is not None and hit[b]:  # each spends one: n <= len(fc) ends the loop
-                hit[b] -= 1
-                fc[b] = None
-                b = fc.popitem(last=False)[0]
+            b = pop(False)[0]
+            if hit is not None:
+                while hit[b]:  # each spends one: n <= len(fc) ends the loop
+                    hit[b] -= 1
+                    fc[b] = None
+                    b = pop(False)[0]
             h = hashes[b]
             assert h is not None
             old = owner[b]
@@ -383,7 +385,7 @@ class FreeListPool:
                 evicted.append((old, h, b))
             refs[b] = 1
             owner[b] = group_id
-            out.append(b)
+            append(b)
         if evicted is not None:
             for old, h, b in evicted:
                 self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]

@@ -74,10 +74,32 @@ class _AttentionManager(KindManager):
     def _publish_upto(self, st: GroupState, request: Request, upto: int) -> None:
         """Publish what ``st`` keeps of its table entries ``[num_cached, upto)``."""
         if upto > st.num_cached:
-            items = self._cache_items(st.table, request.block_hashes, st.num_cached, upto, st.keep)
-            if items:
-                self._publish(items, request)
+            if st.keep is None and self.through is None and not self.events.enabled:
+                n = self._cache_direct(st.table, request.block_hashes, st.num_cached, upto)
+                if n and self.admission is not None:
+                    self.admission.published(n * self.block_bytes)
+            else:
+                items = self._cache_items(
+                    st.table, request.block_hashes, st.num_cached, upto, st.keep
+                )
+                if items:
+                    self._publish(items, request)
             st.num_cached = upto
+
+    def _cache_direct(self, table: list[int], hashes: Sequence[int], lo: int, hi: int) -> int:
+        """:meth:`_cache_items` of ``table[lo:hi]`` and the pool's ``cache_many`` of them in one
+        pass, where nobody needs the list (no write-through, no events); returns how many."""
+        m, k, held = self.map, self.stride, self.block_hashes
+        n = 0
+        for j in range(lo, hi):
+            b = table[j]
+            if b and held[b] is None:
+                h = hashes[(j + 1) * k - 1]
+                if h not in m:
+                    m[h] = b
+                    held[b] = h
+                    n += 1
+        return n
 
     def _release_range(self, table: Sequence[int], lo: int, hi: int) -> list[int] | None:
         """Non-null blocks of ``table[lo:hi]``, last first (the tail is evicted first)."""
