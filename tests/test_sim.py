@@ -481,3 +481,20 @@ def test_compaction_moves_blocks_where_a_preemption_was() -> None:
     assert (runs[True].preemptions, runs[True].moved_blocks) == (0, 18)
     assert (runs[False].preemptions, runs[False].moved_blocks) == (1, 0)
     assert runs[True].summary()["moved_blocks"] == 18
+
+
+def test_interpretation_says_which_pool_held_a_run_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The README's demo model and budget: the pools plan sizes the state pool for two
+    # max-length requests (5 slots), so at most 4 requests run and most of the budget idles.
+    assert main(["simulate", "--requests", "40", "--strategy", "pools", "--quiet"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.endswith(
+        "; pools ran at most 4 requests at once and used at most 1.19 GiB of the budget: its "
+        "g0 (state) pool has 5 blocks, up to 4 of them in use (the plan sizes each pool for 2 "
+        "requests of max_model_len 131072 tokens)"
+    )
+    # a run with no pool of its own per group says nothing of pools
+    assert main(["simulate", "--requests", "40", "--strategy", "arena", "--quiet"]) == 0
+    assert "pool has" not in capsys.readouterr().out

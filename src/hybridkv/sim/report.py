@@ -137,10 +137,35 @@ def _others(
     return ", ".join(f"{r.strategy} {fmt.format(v)}" for r, v in zip(rows, values, strict=True))
 
 
+def _pool_bound(r: SimResult) -> str:
+    """Why a run with per-group pools used under half its budget, where its timeline shows
+    the reason: a group whose pool ran full ("" when none did, or the run used more)."""
+    plan, pools = r.plan, r.plan.capacity.pool_blocks
+    if len(pools) != len(plan.layout.groups) or not r.timeline:
+        return ""
+    if 2 * r.peak_used_bytes >= plan.memory_bytes:
+        return ""
+    full = []
+    for g, n in enumerate(pools):
+        peak = max(p.group_blocks[g] for p in r.timeline)
+        if n and peak >= n - 1:
+            kind = plan.layout.groups[g].spec.kind.value
+            full.append(f"g{g} ({kind}) pool has {n} blocks, up to {peak} of them in use")
+    if not full:
+        return ""
+    return (
+        f"; {r.strategy} ran at most {r.peak_running} requests at once and used at most "
+        f"{format_bytes(r.peak_used_bytes)} of the budget: its {' and '.join(full)} (the plan "
+        f"sizes each pool for {plan.capacity.max_concurrent_requests} requests of "
+        f"max_model_len {plan.max_model_len} tokens)"
+    )
+
+
 def interpretation(results: list[SimResult], failures: list[StrategyFailure] | None = None) -> str:
     """One line that says what the table means, computed from it (nothing canned)."""
     budget = format_bytes(results[0].plan.memory_bytes)
     failed = "".join(f"; {f.strategy} cannot run at all (see above)" for f in failures or [])
+    failed += "".join(_pool_bound(r) for r in results)
     failed += "".join(
         f"; {r.strategy} preempted {r.preemptions} times for {r.num_requests} requests: the "
         "budget is too small for this workload (try a larger --memory)"
