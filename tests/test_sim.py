@@ -16,6 +16,7 @@ from hybridkv.sim import ModelProfile, SimConfig, load_model_config, simulate
 from hybridkv.sim.report import (
     COLUMNS,
     StrategyFailure,
+    _pool_bound,
     interpretation,
     tier_lines,
     write_report,
@@ -498,3 +499,20 @@ def test_interpretation_says_which_pool_held_a_run_back(
     # a run with no pool of its own per group says nothing of pools
     assert main(["simulate", "--requests", "40", "--strategy", "arena", "--quiet"]) == 0
     assert "pool has" not in capsys.readouterr().out
+
+
+def test_pool_bound_needs_a_full_pool_and_an_idle_budget() -> None:
+    model = resolve_model("Qwen3-Next-80B-A3B")
+    profile = ModelProfile.from_config(load_model_config("Qwen3-Next-80B-A3B"))
+    work = synthetic_workload("agent", SyntheticOptions(num_requests=40, seed=0))
+    cfg = SimConfig(memory_bytes=8 << 30, max_model_len=131072, strategy=Strategy.POOLS)
+    r = simulate(model, profile, work, cfg)
+    assert r.plan.capacity.pool_blocks == (5, 20838)
+    assert "its g0 (state) pool has 5 blocks" in _pool_bound(r)
+    # half the budget or more in use: nothing to explain
+    assert _pool_bound(replace(r, peak_used_bytes=4 << 30)) == ""
+    # no pool ran (nearly) full: nothing either
+    low = [
+        replace(p, group_blocks=(min(p.group_blocks[0], 3), p.group_blocks[1])) for p in r.timeline
+    ]
+    assert _pool_bound(replace(r, timeline=low)) == ""
