@@ -78,7 +78,12 @@ from hybridkv.engine.model_source import (
 from hybridkv.engine.models import TINY_MODELS, load_model
 from hybridkv.engine.probe import probe_model, probe_model_spec, with_attention_sinks
 from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.speculative import SpeculativeConfig, accept_greedy
+from hybridkv.engine.speculative import (
+    SpeculativeConfig,
+    accept_greedy,
+    checked_draft,
+    no_drafts,
+)
 from hybridkv.engine.tier_setup import fingerprint, open_tiers, tier_specs
 from hybridkv.engine.views import StorageViews
 from hybridkv.errors import InvariantError
@@ -185,7 +190,7 @@ class LLMEngine:
             max_len = cache.max_model_len or default_max_model_len(config)
             derived = preflight_plan(config, dtype, max_len, cache)
             if speculative is not None and derived is not None and resumes_no_prefill(derived):
-                raise _no_drafts(name)
+                raise no_drafts(name)
             net = load_model(model, seed=seed, dtype=dtype).to(device)
         self.name = name
         probe = with_attention_sinks(probe_model(net), cache.attention_sinks)
@@ -231,7 +236,7 @@ class LLMEngine:
             logger.info("%s: whole-prompt prefill, no prefix hits (Mamba1 state)", name)
             sched = replace(sched, whole_prefill=True)
         if speculative is not None and sched.whole_prefill:
-            raise _no_drafts(name)
+            raise no_drafts(name)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise SpeculativeConfigError(
                 f"speculative: expected a SpeculativeConfig, got {speculative!r}"
@@ -444,7 +449,7 @@ class LLMEngine:
                 req = seq.request
                 draft = spec.proposer.propose(req.request_id, req.token_ids, room)
                 if draft:
-                    drafts[req.request_id] = _check_draft(draft, room, self.vocab_size)
+                    drafts[req.request_id] = checked_draft(draft, room, self.vocab_size)
         return drafts
 
     def _record(self, output: RequestOutput, logits: torch.Tensor) -> None:
@@ -573,26 +578,6 @@ class LLMEngine:
             disk_hit_tokens=c["disk"],
             moved_blocks=c["moved"],
         )
-
-
-def _no_drafts(name: str) -> SpeculativeConfigError:
-    return SpeculativeConfigError(
-        f"speculative: {name} cannot verify drafts: its recurrent state (Mamba1) only "
-        "continues one token at a time in transformers"
-    )
-
-
-def _check_draft(draft: Sequence[int], room: int, vocab_size: int) -> tuple[int, ...]:
-    """A proposer's draft as a tuple of at most ``room`` tokens; raises
-    :class:`SpeculativeConfigError` for a token outside the vocabulary."""
-    out = tuple(draft)[:room]
-    for t in out:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise SpeculativeConfigError(
-                f"speculative: the proposer drafted token {t!r}, outside the vocabulary "
-                f"[0, {vocab_size})"
-            )
-    return out
 
 
 def resumes_no_prefill(spec: ModelSpec) -> bool:

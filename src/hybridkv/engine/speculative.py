@@ -30,7 +30,14 @@ from typing import Protocol, runtime_checkable
 
 from hybridkv.engine.errors import EngineError, SpeculativeConfigError
 
-__all__ = ["DraftProposer", "NgramProposer", "SpeculativeConfig", "accept_greedy"]
+__all__ = [
+    "DraftProposer",
+    "NgramProposer",
+    "SpeculativeConfig",
+    "accept_greedy",
+    "checked_draft",
+    "no_drafts",
+]
 
 
 @runtime_checkable
@@ -129,3 +136,24 @@ def accept_greedy(drafts: Sequence[int], greedy: Sequence[int]) -> tuple[int, ..
     while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
         accepted += 1
     return tuple(greedy[: accepted + 1])
+
+
+def no_drafts(name: str) -> SpeculativeConfigError:
+    """The error for a model whose state cannot verify drafts (``name``: the model)."""
+    return SpeculativeConfigError(
+        f"speculative: {name} cannot verify drafts: its recurrent state (Mamba1) only "
+        "continues one token at a time in transformers"
+    )
+
+
+def checked_draft(draft: Sequence[int], room: int, vocab_size: int) -> tuple[int, ...]:
+    """A proposer's draft as a tuple of at most ``room`` tokens; raises
+    :class:`SpeculativeConfigError` for a token outside the vocabulary."""
+    out = tuple(draft)[:room]
+    for t in out:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise SpeculativeConfigError(
+                f"speculative: the proposer drafted token {t!r}, outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+    return out
