@@ -148,7 +148,7 @@ def _pool_bound(r: SimResult) -> str:
     full = []
     for g, n in enumerate(pools):
         peak = max(p.group_blocks[g] for p in r.timeline)
-        if n and peak >= n - 1:
+        if peak and peak >= n - 1:
             kind = plan.layout.groups[g].spec.kind.value
             full.append(f"g{g} ({kind}) pool has {n} blocks, up to {peak} of them in use")
     if not full:
