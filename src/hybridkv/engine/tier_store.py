@@ -50,6 +50,7 @@ import torch
 
 from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
 from hybridkv.cache.tiers import TierOp
+from hybridkv.engine.block_places import BlockPlaces
 from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.errors import EngineError
 from hybridkv.engine.host_runs import (
@@ -64,7 +65,6 @@ from hybridkv.engine.host_slots import HostSlots
 from hybridkv.errors import InvariantError, StorageError
 from hybridkv.storage import KVCacheStorage
 from hybridkv.storage.disk_slots import DiskSlots
-from hybridkv.storage.transfer import TransferDescriptor, gather, scatter
 
 __all__ = ["TierStore"]
 
@@ -116,19 +116,12 @@ class TierStore:
         self._held: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
         self.disk = None if disk is None else DiskTier(disk, readers=readers, pin=self._pin)
         self._slots = HostSlots(host_bytes, self._pin) if host_bytes else None
-        #: One-block transfer descriptors, built once per ``(group, block)``.
-        self._descs: dict[tuple[int, int], TransferDescriptor] = {}
-        #: The storage's blocks as rows of its buffers.
-        self._rows = BlockRows(storage.buffers)
-        #: ``(bytes, table id, rows)`` of each ``(group, block)``, built once; table id -1
-        #: for a block of several byte ranges.
-        self._places: dict[tuple[int, int], tuple[int, int, tuple[int, ...]]] = {}
+        #: Each device block's byte places (rows, descriptor, views), built once.
+        self._blocks = BlockPlaces(storage, self._async)
+        self._rows = self._blocks.rows
         #: Disk stores of a cache in host memory are written from the storage itself
         #: (:meth:`_disk_store_borrowed`); False: through staging copies, as on CUDA.
         self._borrow = storage.device.type == "cpu"
-        #: The storage buffers' bytes and each ``(group, block)``'s ranges of them, built once.
-        self._flat: list[memoryview] | None = None
-        self._views: dict[tuple[int, int], tuple[tuple[memoryview, ...], int]] = {}
         #: Blocks copied device -> tier and tier -> device so far, and device blocks
         #: compaction moved (``relocate``).
         self.stored = self.loaded = self.relocated = 0
@@ -244,12 +237,12 @@ class TierStore:
     def _store_run(self, run: list[TierOp]) -> None:
         """Host stores: blocks bound for adjacent host slots go as one run
         (:func:`~hybridkv.engine.host_runs.store_rows`), the others one by one."""
-        host, places, slots = self._host, self._places, self._slots
+        host, place, slots = self._host, self._blocks.place, self._slots
         buffer = None if slots is None else slots.buffer
         runs = self._row_runs(store_rows)
         for op in run:
             key = (op.group_id, op.block_hash)
-            size, table, rows = places.get((op.group_id, op.block)) or self._place(op)
+            size, table, rows = place(op.group_id, op.block)
             offset = -1 if slots is None else slots.take(size)
             host[key] = (offset, size)
             if offset < 0:  # no room in the buffer: a tensor of its own
@@ -267,14 +260,14 @@ class TierStore:
     def _load_run(self, run: list[TierOp]) -> None:
         """Host loads: adjacent host slots go to their blocks as one run
         (:func:`~hybridkv.engine.host_runs.load_rows`), the others one by one."""
-        host, places = self._host, self._places
+        host, place = self._host, self._blocks.place
         for op in run:  # every entry present before any copy
             if (op.group_id, op.block_hash) not in host:
                 self._entry(op)  # raises
         runs = self._row_runs(load_rows)
         for op in run:
             offset, size = host[op.group_id, op.block_hash]
-            _, table, rows = places.get((op.group_id, op.block)) or self._place(op)
+            _, table, rows = place(op.group_id, op.block)
             if offset < 0 or table < 0:
                 self._scatter(op, self._bytes((op.group_id, op.block_hash)))
             else:
@@ -332,7 +325,7 @@ class TierStore:
             raise EngineError(f"tier store: the engine stores no disk tier ({op.op} asked)")
         key = (op.group_id, op.block_hash)
         if op.op == "store":
-            data = disk.buffer(self._desc_of(op).total_bytes)
+            data = disk.buffer(self._blocks.place(op.group_id, op.block)[0])
             self._gather(op, data)
             disk.write(key, op.tag, data, self._ready_event())
             self.stored += 1
@@ -357,18 +350,19 @@ class TierStore:
             raise EngineError(f"tier store: unknown operation {op.op!r} on the disk tier")
 
     def _disk_store_run(self, run: list[TierOp]) -> None:
-        """Disk stores: blocks whose byte ranges are rows of one table (see :meth:`_place`) go
-        in runs, each gathered into one staging buffer by one copy and queued with
-        :meth:`DiskTier.write_run` (one ready event, one checksum job); the others one by
-        one.  Runs start at :data:`FIRST_RUN_BYTES` and double up to the tier's batch size,
-        so the writer starts early."""
+        """Disk stores: blocks whose byte ranges are rows of one table
+        (:meth:`~hybridkv.engine.block_places.BlockPlaces.place`) go in runs, each gathered
+        into one staging buffer by one copy and queued with :meth:`DiskTier.write_run` (one
+        ready event, one checksum job); the others one by one.  Runs start at
+        :data:`FIRST_RUN_BYTES` and double up to the tier's batch size, so the writer starts
+        early."""
         disk = self.disk
         if disk is None:
             raise EngineError("tier store: the engine stores no disk tier (store asked)")
         if self._borrow:
             self._disk_store_borrowed(disk, run)
             return
-        places = self._places
+        place = self._blocks.place
         cap = min(FIRST_RUN_BYTES, disk.batch_bytes)
         ops: list[TierOp] = []
         sizes: list[int] = []
@@ -384,7 +378,7 @@ class TierStore:
             self._unsynced = self._async
 
         for op in run:
-            size, t, block_rows = places.get((op.group_id, op.block)) or self._place(op)
+            size, t, block_rows = place(op.group_id, op.block)
             if ops and (t != table or nbytes + size > cap):
                 flush()
                 ops, sizes, rows, nbytes = [], [], [], 0
@@ -411,7 +405,7 @@ class TierStore:
         payloads: list[tuple[memoryview, ...]] = []
         nbytes = 0
         for n, op in enumerate(run, 1):
-            views, size = self._views_of(op)
+            views, size = self._blocks.views(op.group_id, op.block)
             entries.append(((op.group_id, op.block_hash), op.tag))
             payloads.append(views)
             nbytes += size
@@ -421,20 +415,6 @@ class TierStore:
                 entries, payloads, nbytes = [], [], 0
                 cap = min(2 * cap, disk.batch_bytes)
 
-    def _views_of(self, op: TierOp) -> tuple[tuple[memoryview, ...], int]:
-        """Device block ``op.block``'s byte ranges as views of the (host) storage buffers, in
-        packed order, and their total bytes.  Built once per block."""
-        key = (op.group_id, op.block)
-        found = self._views.get(key)
-        if found is None:
-            if self._flat is None:
-                self._flat = [b.numpy().data for b in self.storage.buffers]
-            flat = self._flat
-            ranges = self._desc(op.group_id, op.block).ranges
-            views = tuple(flat[r.buffer_id][r.offset : r.offset + r.length] for r in ranges)
-            found = self._views[key] = (views, sum(r.length for r in ranges))
-        return found
-
     def _disk_load_run(self, run: list[TierOp], loaded: list[torch.Tensor]) -> None:
         """Disk loads on CUDA: the checked bytes of blocks whose ranges are rows of one table
         go to one device staging tensor (a host-to-device copy each) and from there to their
@@ -442,7 +422,7 @@ class TierStore:
         the others one by one.  Runs are capped at :data:`RUN_BYTES`."""
         if self.disk is None:
             raise EngineError("tier store: the engine stores no disk tier (load asked)")
-        places = self._places
+        place = self._blocks.place
         staged: list[tuple[torch.Tensor, int]] = []
         rows: list[int] = []
         table = nbytes = 0
@@ -456,7 +436,7 @@ class TierStore:
             load_rows(self._rows, table, rows, dev, True)
 
         for op in run:
-            size, t, block_rows = places.get((op.group_id, op.block)) or self._place(op)
+            size, t, block_rows = place(op.group_id, op.block)
             if staged and (t != table or nbytes + size > RUN_BYTES):
                 flush()
                 staged, rows, nbytes = [], [], 0
@@ -493,47 +473,14 @@ class TierStore:
         if self.disk is not None:
             self.disk.clear()
 
-    def _desc_of(self, op: TierOp) -> TransferDescriptor:
-        return self._desc(op.group_id, op.block)
-
     def _gather(self, op: TierOp, out: torch.Tensor) -> None:
         """Copy device block ``op.block`` into ``out`` (packed)."""
-        _, table, rows = self._place(op)
-        if table >= 0:  # rows of one table (one, a cross-layer page-size block): one copy
-            store_rows(self._rows, table, rows, out, self._async)
-        else:
-            gather(self._desc_of(op), self.storage.buffers, out, non_blocking=self._async)
+        self._blocks.gather(op.group_id, op.block, out)
         self._unsynced = self._async
 
     def _scatter(self, op: TierOp, packed: torch.Tensor) -> None:
         """Copy ``packed`` into device block ``op.block``."""
-        _, table, rows = self._place(op)
-        if table >= 0:
-            load_rows(self._rows, table, rows, packed, self._async)
-        else:
-            scatter(self._desc_of(op), self.storage.buffers, packed, non_blocking=self._async)
-
-    def _place(self, op: TierOp) -> tuple[int, int, tuple[int, ...]]:
-        """``(bytes, table id, rows)`` of device block ``op.block``: its byte ranges as rows
-        of one table of :attr:`_rows` when they are all of one length and phase in one
-        buffer (a cross-layer page-size block is one row), else table id -1 and no rows.
-        Built once per block."""
-        key = (op.group_id, op.block)
-        found = self._places.get(key)
-        if found is None:
-            desc = self._desc(op.group_id, op.block)
-            at = [self._rows.place(r.buffer_id, r.offset, r.length) for r in desc.ranges]
-            table, rows = at[0][0], tuple(row for _, row in at)
-            if any(t != table for t, _ in at):
-                table, rows = -1, ()
-            found = self._places[key] = (desc.total_bytes, table, rows)
-        return found
-
-    def _desc(self, group_id: int, block: int) -> TransferDescriptor:
-        desc = self._descs.get((group_id, block))
-        if desc is None:
-            desc = self._descs[group_id, block] = self.storage.descriptor(group_id, [block])
-        return desc
+        self._blocks.scatter(op.group_id, op.block, packed)
 
     def host_keys(self) -> set[tuple[int, int]]:
         """The ``(group, hash)`` of every host entry."""
