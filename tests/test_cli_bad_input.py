@@ -159,6 +159,26 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     ),
     (["simulate", "--strategy", "pools", "--memory", "1MiB"], "holds no request"),
     (["simulate", "--requests", "0"], "--requests: must be a positive integer, got 0"),
+    (  # found by a review: 10^20 synthetic requests ran the host out of memory
+        ["simulate", "--requests", "99999999999999999999"],
+        "--requests: must be at most 1000000 (requests one run generates or reads), got "
+        "99999999999999999999",
+    ),
+    (["simulate", "--seed", "-3"], "--seed: must be an integer in [0, 9223372036854775807]"),
+    (  # found by a review: a mistyped ratio count under --strategy all exited 0
+        ["plan", "--strategy", "all", "--pool-ratios", "1,1,1"],
+        "--pool-ratios: got 3 ratios [1.0, 1.0, 1.0] for 2 groups (group 0: state, group 1: "
+        "full_attention); give one positive ratio per group",
+    ),
+    (
+        ["simulate", "--strategy", "all", "--pool-ratios", "1,2,3"],
+        "--pool-ratios: got 3 ratios [1.0, 2.0, 3.0] for 2 groups",
+    ),
+    (  # found by a review: 10^11 layers spun the planner until it ran out of memory
+        ["plan", "{tmp}/layers/config.json"],
+        "llama config: field 'num_hidden_layers' must be an integer in [1, 65536], got "
+        "100000000000",
+    ),
     (["simulate", "--token-budget", "0"], "--token-budget: must be a positive integer"),
     (["simulate", "--max-num-seqs", "-1"], "--max-num-seqs: must be a positive integer"),
     (["simulate", "--state-block-size", "0"], "--state-block-size: must be a positive"),
@@ -232,15 +252,16 @@ ARGPARSE_ERRORS: list[tuple[list[str], str]] = [
     (["simulate", "--write-through", "gpu"], "invalid choice: 'gpu'"),
     (["run", "--write-through", "gpu"], "invalid choice: 'gpu'"),
     (["run", "--admission", "lazy"], "invalid choice: 'lazy'"),
-    (["simulate", "--requests", "ten"], "invalid int value: 'ten'"),
+    (["simulate", "--requests", "ten"], "invalid int value: 'ten' (give a whole number)"),
     (["simulate", "--second-chance", "two"], "invalid int value: 'two'"),
     (["models", "--tp", "two"], "invalid int value: 'two'"),
     (["plan", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["plan", "one", "two"], "unrecognized arguments: two"),
     (
         ["plan", "--memory", "-1GiB"],
-        "--memory: expected one argument (give a value that starts with '-' as --memory=VALUE)",
+        "--memory: expected one argument ('-1GiB' reads as an option; write --memory=-1GiB)",
     ),
+    (["plan", "--memory"], "argument --memory: expected one argument (see hybridkv plan --help)"),
 ]
 
 
@@ -254,6 +275,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tmp / "notjson.jsonl").write_text("this is not json\n")
     (tmp / "a_file.txt").write_text("not a directory\n")
     (tmp / "model_type_5.json").write_text('{"model_type": 5}')
+    (tmp / "layers").mkdir()
+    (tmp / "layers" / "config.json").write_text(
+        '{"model_type": "llama", "num_hidden_layers": 100000000000, "hidden_size": 64, '
+        '"num_attention_heads": 4}'
+    )
     return tmp
 
 
@@ -343,3 +369,27 @@ def test_simulate_warns_above_the_model_limit_unless_quiet(
     )
     code, out, err = _run(capsys, [*args, "--max-model-len", "200000", "--quiet"])
     assert (code, err) == (0, "")
+
+
+def test_running_out_of_host_memory_is_one_line_and_exit_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run bigger than the host (a budget of exabytes simulated block by block) ends in one
+    line, not a traceback through the allocator."""
+    import hybridkv.cli.main as cli_main
+
+    class Huge:
+        @staticmethod
+        def add_arguments(parser: object) -> None:
+            pass
+
+        @staticmethod
+        def run(args: object) -> int:
+            raise MemoryError
+
+    monkeypatch.setattr(cli_main, "_load", lambda name: Huge)
+    code, out, err = _run(capsys, ["plan"])
+    assert (code, out) == (1, "")
+    assert err == (
+        "hybridkv plan: error: out of host memory; give smaller sizes or fewer requests\n"
+    )

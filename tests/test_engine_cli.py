@@ -272,6 +272,22 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
         "--speculate: must be an integer in [0, 16] (0: off), got -1",
     ),
     ("speculate-17", ("--speculate", "17"), "--speculate: must be an integer in [0, 16]"),
+    (  # torch's seeds are 64-bit signed: found by a review as an overflow traceback
+        "seed-too-large",
+        ("--seed", str(1 << 63)),
+        f"--seed: must be an integer in [0, {(1 << 63) - 1}], got {1 << 63}",
+    ),
+    ("seed-negative", ("--seed", "-1"), "--seed: must be an integer in [0, "),
+    (  # a typo of 10^11 requests silently filled the host's memory before any output
+        "num-requests-too-many",
+        ("--num-requests", "99999999999"),
+        "--num-requests: must be at most 1000000 (requests one run generates), got 99999999999",
+    ),
+    (
+        "threads-too-many",
+        ("--threads", "99999999"),
+        "--threads: must be at most 1024 (torch's CPU threads), got 99999999",
+    ),
     (
         "prefill-tp-alone",
         ("--prefill-tp", "2"),

@@ -150,6 +150,23 @@ def test_model_sources(tmp_path: Path) -> None:
         LLMEngine(tmp_path)
 
 
+def test_a_checkpoint_missing_weights_is_refused(tmp_path: Path) -> None:
+    """transformers would initialize what a checkpoint lacks at random (a different model on
+    every load, so a verification would blame the engine): refused, naming the weights."""
+    from safetensors.torch import load_file, save_file
+
+    load_model("llama").save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    gone = sorted(k for k in weights if k.startswith("model.layers.1.mlp."))
+    assert len(gone) == 3
+    save_file({k: v for k, v in weights.items() if k not in gone}, tmp_path / "model.safetensors")
+    with pytest.raises(ModelSourceError) as err:
+        load_model(tmp_path)
+    assert str(err.value) == (
+        f"model: checkpoint '{tmp_path}' lacks 3 weight(s) its config needs ({', '.join(gone)})"
+    )
+
+
 def _no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"loaded {args} before the error")

@@ -47,7 +47,8 @@ def test_given_ratios_are_normalised() -> None:
 
 def test_wrong_ratio_count_names_the_groups() -> None:
     with pytest.raises(
-        PlanError, match=r"pool_ratios: got 3 ratios .* for 2 groups \(0 sliding_window, 1 full"
+        PlanError,
+        match=r"pool_ratios: got 3 ratios .* for 2 groups \(group 0: sliding_window, group 1: full",
     ):
         _pools(17384, (1.0, 2.0, 3.0))
 

@@ -13,6 +13,7 @@ __all__ = [
     "HybridKVError",
     "InvariantError",
     "PlanError",
+    "PoolRatiosError",
     "RequestError",
     "SpecError",
     "StorageError",
@@ -52,6 +53,11 @@ class BudgetTooSmallError(PlanError):
     def __init__(self, message: str, least_bytes: int = 0) -> None:
         super().__init__(message)
         self.least_bytes = least_bytes
+
+
+class PoolRatiosError(PlanError):
+    """``pool_ratios`` do not match the groups the ``pools`` strategy plans (an input error
+    even where other strategies are compared beside it)."""
 
 
 class RequestError(HybridKVError, ValueError):

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MEMORY",
     "MAX_MODEL_LEN_CAP",
+    "MAX_REQUESTS",
+    "MAX_SEED",
     "CliInputError",
     "HelpFormatter",
     "add_block_options",
@@ -30,6 +32,7 @@ __all__ = [
     "add_model",
     "add_pool_options",
     "add_tp",
+    "check_at_most",
     "check_positive",
     "max_model_len_for",
     "model_name",
@@ -41,6 +44,11 @@ __all__ = [
 DEFAULT_MEMORY = "8GiB"
 #: ``--max-model-len`` default: the model's own limit, capped here (tokens).
 MAX_MODEL_LEN_CAP = 131072
+#: The most requests one ``run`` or ``simulate`` generates (a typo of 10^11 would otherwise
+#: fill the host's memory before anything is printed).
+MAX_REQUESTS = 1_000_000
+#: The largest ``--seed`` (torch seeds are 64-bit signed integers).
+MAX_SEED = (1 << 63) - 1
 
 
 class CliInputError(HybridKVError, ValueError):
@@ -262,6 +270,16 @@ def check_positive(args: argparse.Namespace, names: Iterable[str]) -> None:
         if isinstance(value, int) and value < 1:
             flag = "--" + name.replace("_", "-")
             raise CliInputError(f"{flag}: must be a positive integer, got {value}")
+
+
+def check_at_most(args: argparse.Namespace, caps: Iterable[tuple[str, int, str]]) -> None:
+    """Raise :class:`CliInputError` for the first ``args.<name>`` that is set and above its
+    cap; each item is ``(name, cap, why)``."""
+    for name, cap, why in caps:
+        value = getattr(args, name)
+        if isinstance(value, int) and value > cap:
+            flag = "--" + name.replace("_", "-")
+            raise CliInputError(f"{flag}: must be at most {cap} ({why}), got {value}")
 
 
 def max_model_len_for(

@@ -38,15 +38,25 @@ def _load(name: str) -> _Command:
 class _Parser(argparse.ArgumentParser):
     """argparse with the CLI's error style: one line on stderr, exit 2, no usage block."""
 
+    #: The command line being parsed (for the hint on a value that starts with '-').
+    argv: Sequence[str] = ()
+
     def error(self, message: str) -> NoReturn:
         if message.endswith("expected one argument"):
             # argparse reads "-1GiB" as an option, not as the value it is
             flag = message.removeprefix("argument ").split(":", 1)[0].split("/", 1)[0]
-            message += f" (give a value that starts with '-' as {flag}=VALUE)"
+            argv = list(self.argv)
+            after = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+            value = next((v for v in after if v.startswith("-")), None)
+            if value is not None and value not in self._option_string_actions:
+                message += f" ({value!r} reads as an option; write {flag}={value})"
+        elif "invalid int value" in message:
+            message += " (give a whole number)"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    _Parser.argv = tuple(argv)  # the subcommands' parsers are _Parsers too
     parser = _Parser(
         prog="hybridkv",
         description="KV-cache planning, management and layout for hybrid-attention LLMs.",
@@ -100,6 +110,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"hybridkv {args.command}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        # what the run asked for is more than this host holds (a budget of exabytes, a
+        # million long synthetic requests): say so, not a traceback through the allocator
+        print(
+            f"hybridkv {args.command}: error: out of host memory; give smaller sizes or "
+            "fewer requests",
+            file=sys.stderr,
+        )
+        return 1
     except BrokenPipeError:
         # The reader went away (``hybridkv plan ... | head``): not an error of ours.
         import os

@@ -425,6 +425,8 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # weight loading's
     # --disaggregate's processes import transformers afresh: they read this variable
     env = os.environ.get("TRANSFORMERS_VERBOSITY")
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
@@ -432,6 +434,8 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     finally:
         hf_logging.set_verbosity(previous)
+        if bars:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
         if env is None:
             os.environ.pop("TRANSFORMERS_VERBOSITY", None)
         else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.cli.common import check_needs
+from hybridkv.cli.common import MAX_REQUESTS, MAX_SEED, check_at_most, check_needs
 from hybridkv.cli.run_prompts import RunInputError
 from hybridkv.errors import HybridKVError
 
@@ -18,6 +18,9 @@ __all__ = ["check_device", "check_model_limits", "check_numbers", "configs", "fl
 
 #: Default ``--memory`` of ``run`` (the engine's own default budget).
 DEFAULT_MEMORY = "64MiB"
+
+#: The most CPU threads ``--threads`` may ask torch for.
+MAX_THREADS = 1024
 
 #: Plan/cache fields in error messages -> the ``run`` flag that sets them.
 _FIELD_FLAGS = {
@@ -55,6 +58,15 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise RunInputError(f"{flag}: must be a positive integer, got {value}")
     if args.shared_prefix < 0:
         raise RunInputError(f"--shared-prefix: must be >= 0, got {args.shared_prefix}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise RunInputError(f"--seed: must be an integer in [0, {MAX_SEED}], got {args.seed}")
+    check_at_most(
+        args,
+        [
+            ("num_requests", MAX_REQUESTS, "requests one run generates"),
+            ("threads", MAX_THREADS, "torch's CPU threads"),
+        ],
+    )
     from hybridkv.engine.speculative import MAX_DRAFT_TOKENS
 
     if args.speculate is not None and not 0 <= args.speculate <= MAX_DRAFT_TOKENS:

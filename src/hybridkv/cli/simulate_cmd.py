@@ -29,6 +29,8 @@ from hybridkv.cache import (
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, DEFAULT_WINDOW_CHANCES, MAX_CHANCES
 from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cli.common import (
+    MAX_REQUESTS,
+    MAX_SEED,
     CliInputError,
     add_admission,
     add_block_options,
@@ -39,6 +41,7 @@ from hybridkv.cli.common import (
     add_mtp,
     add_pool_options,
     add_tp,
+    check_at_most,
     check_needs,
     check_positive,
     check_state_split,
@@ -277,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.cache.tiers import TierStack
     from hybridkv.cli.plan_cmd import parse_ratios
     from hybridkv.cli.progress import Progress
-    from hybridkv.errors import BudgetTooSmallError, PlanError
+    from hybridkv.errors import BudgetTooSmallError, PlanError, PoolRatiosError
     from hybridkv.models import resolve_model
     from hybridkv.plan import Strategy
     from hybridkv.scheduler import SchedulerError
@@ -313,6 +316,9 @@ def run(args: argparse.Namespace) -> int:
             "tp",
         ),
     )
+    check_at_most(args, [("requests", MAX_REQUESTS, "requests one run generates or reads")])
+    if not 0 <= args.seed <= MAX_SEED:
+        raise CliInputError(f"--seed: must be an integer in [0, {MAX_SEED}], got {args.seed}")
     for flag, value in (
         ("--second-chance", args.second_chance),
         ("--window-chances", args.window_chances),
@@ -449,8 +455,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             plan = plan_for(model, config)
         except PlanError as exc:
-            if len(strategies) == 1:
-                raise
+            if len(strategies) == 1 or isinstance(exc, PoolRatiosError):
+                raise  # one strategy, or the user's --pool-ratios: the command's error
             failures.append(StrategyFailure(str(config.strategy), str(exc)))
             if isinstance(exc, BudgetTooSmallError) and exc.least_bytes:
                 least[str(config.strategy)] = exc.least_bytes

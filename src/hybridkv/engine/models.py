@@ -76,7 +76,10 @@ def load_model(
                 "nor a directory holding config.json and safetensors weights"
             )
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                path, output_loading_info=True, **kwargs
+            )
+            model, info = loaded
         except (
             OSError,
             ValueError,
@@ -91,6 +94,15 @@ def load_model(
             raise ModelSourceError(
                 f"model: cannot load {name!r} ({type(exc).__name__}: {first})"
             ) from exc
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            # transformers would run with these weights freshly initialized: a model nobody
+            # trained, different on every load
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ModelSourceError(
+                f"model: checkpoint {name!r} lacks {len(missing)} weight(s) its config "
+                f"needs ({', '.join(missing[:3])}{more})"
+            )
     return model.eval()
 
 

@@ -28,6 +28,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.specs import DType, LayerSpec
 
 __all__ = [
+    "MAX_LAYERS",
     "WRAPPER_TEXT_TYPES",
     "Architecture",
     "ConfigView",
@@ -47,6 +48,10 @@ WRAPPER_TEXT_TYPES: dict[str, str] = {
     "qwen3_5": "qwen3_5_text",
     "qwen3_5_moe": "qwen3_5_moe_text",
 }
+
+#: The most decoder layers a config may declare: real models have a few hundred at most, and
+#: a planner walks every layer (a typo of 10^11 layers would run out of memory, not fail).
+MAX_LAYERS = 1 << 16
 
 #: The model dtype when a config names none (the dtype nearly every checkpoint ships in).
 DEFAULT_DTYPE = DType.BF16
@@ -186,27 +191,35 @@ class ConfigView:
         extra = f" ({why})" if why else ""
         return ConfigError(f"{self.model_type} config: missing required field {key!r}{extra}")
 
-    def _int(self, key: str, value: object, minimum: int) -> int:
+    def _int(self, key: str, value: object, minimum: int, maximum: int | None = None) -> int:
+        expected = (
+            f"an integer >= {minimum}"
+            if maximum is None
+            else f"an integer in [{minimum}, {maximum}]"
+        )
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self._fail(key, value, f"an integer >= {minimum}")
+            raise self._fail(key, value, expected)
         if isinstance(value, float) and not value.is_integer():
-            raise self._fail(key, value, f"an integer >= {minimum}")
+            raise self._fail(key, value, expected)
         number = int(value)
-        if number < minimum:
-            raise self._fail(key, value, f"an integer >= {minimum}")
+        if number < minimum or (maximum is not None and number > maximum):
+            raise self._fail(key, value, expected)
         return number
 
-    def req_int(self, key: str, *, minimum: int = 1, why: str = "") -> int:
-        """The integer ``key`` (>= ``minimum``, default positive); absent -> ConfigError."""
+    def req_int(
+        self, key: str, *, minimum: int = 1, maximum: int | None = None, why: str = ""
+    ) -> int:
+        """The integer ``key`` (>= ``minimum``, default positive, and <= ``maximum`` when
+        given); absent -> ConfigError."""
         value = self.raw(key)
         if value is None:
             raise self.missing(key, why)
-        return self._int(key, value, minimum)
+        return self._int(key, value, minimum, maximum)
 
-    def opt_int(self, key: str, *, minimum: int = 1) -> int | None:
+    def opt_int(self, key: str, *, minimum: int = 1, maximum: int | None = None) -> int | None:
         """The integer ``key`` or ``None`` when absent (present values are validated)."""
         value = self.raw(key)
-        return None if value is None else self._int(key, value, minimum)
+        return None if value is None else self._int(key, value, minimum, maximum)
 
     def first_int(self, *keys: str, minimum: int = 1) -> int | None:
         """The first present integer among ``keys`` (aliases), or ``None``."""
@@ -259,8 +272,8 @@ class ConfigView:
         return value
 
     def num_layers(self) -> int:
-        """``num_hidden_layers`` (required, >= 1)."""
-        return self.req_int("num_hidden_layers")
+        """``num_hidden_layers`` (required, in [1, :data:`MAX_LAYERS`])."""
+        return self.req_int("num_hidden_layers", maximum=MAX_LAYERS)
 
     def check_length(self, key: str, values: list[Any], num_layers: int) -> None:
         """Raise ConfigError unless a per-layer list has one entry per layer."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from hybridkv.errors import ConfigError
 from hybridkv.models.attention import AttentionShape, attention_spec, default_head_dim, kv_heads
-from hybridkv.models.config import Architecture, ConfigView, DeriveContext
+from hybridkv.models.config import MAX_LAYERS, Architecture, ConfigView, DeriveContext
 from hybridkv.models.states import mamba1_state, mamba2_state
 from hybridkv.specs import CacheSpec, DType, LayerSpec, NoCacheSpec, StateSpec
 
@@ -198,7 +198,7 @@ def _nemotron_layer_types(cfg: ConfigView) -> list[str]:
             )
         found = list(pattern)
     types = [normalise_layer_type(t) for t in found]
-    declared = cfg.opt_int("num_hidden_layers")
+    declared = cfg.opt_int("num_hidden_layers", maximum=MAX_LAYERS)
     if declared is not None:
         cfg.check_length("hybrid_override_pattern", types, declared)
     return types

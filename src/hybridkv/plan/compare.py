@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from hybridkv.errors import PlanError
+from hybridkv.errors import PlanError, PoolRatiosError
 from hybridkv.plan.grouping import group_entries
 from hybridkv.plan.layout import Strategy
 from hybridkv.plan.options import (
@@ -169,6 +169,8 @@ def compare_strategies(
                     state_split=state_split,
                 )
             )
+        except PoolRatiosError:
+            raise  # the caller's ratios, not what this strategy can plan
         except PlanError as exc:
             first_error = first_error or exc
             failures.append(StrategyFailure(strategy, str(exc)))

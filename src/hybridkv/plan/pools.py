@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from hybridkv.errors import BudgetTooSmallError, PlanError
+from hybridkv.errors import BudgetTooSmallError, PlanError, PoolRatiosError
 from hybridkv.plan.grouping import BuiltLayout, SpecGroup, base_group_plans
 from hybridkv.plan.layout import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.plan.need import blocks_for_request
@@ -42,8 +42,8 @@ def pool_weights(
     if ratios is None:
         return [Fraction(b) for b in need_bytes]
     if len(ratios) != len(need_bytes):
-        groups = ", ".join(f"{i} {k}" for i, k in enumerate(kinds))
-        raise PlanError(
+        groups = ", ".join(f"group {i}: {k}" for i, k in enumerate(kinds))
+        raise PoolRatiosError(
             f"pool_ratios: got {len(ratios)} ratios {list(ratios)} for {len(need_bytes)} "
             f"groups ({groups}); give one positive ratio per group"
         )
