@@ -165,6 +165,20 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         "99999999999999999999",
     ),
     (["simulate", "--seed", "-3"], "--seed: must be an integer in [0, 9223372036854775807]"),
+    (  # found by a review: accepted and ignored
+        ["simulate", "gpt-oss-20b", "--checkpoint-admission", "all"],
+        "--checkpoint-admission all: only applies to models with recurrent-state layers; "
+        "gpt-oss-20b has none",
+    ),
+    (
+        ["simulate", "gemma-3-27b", "--checkpoint-when-full", "skip"],
+        "--checkpoint-when-full skip: only applies to models with recurrent-state layers",
+    ),
+    (
+        ["plan", "--chunk-alignment", "100GiB"],
+        "--chunk-alignment 100GiB: chunks of 100 GiB are larger than the whole --memory budget "
+        "of 8 GiB; give at most that (default: 64 KiB)",
+    ),
     (  # found by a review: a mistyped ratio count under --strategy all exited 0
         ["plan", "--strategy", "all", "--pool-ratios", "1,1,1"],
         "--pool-ratios: got 3 ratios [1.0, 1.0, 1.0] for 2 groups (group 0: state, group 1: "

@@ -265,13 +265,19 @@ def test_sizes_that_are_not_whole_positive_bytes_are_refused(text: str, message:
 
 def test_the_state_split_line_says_what_was_split(capsys: pytest.CaptureFixture[str]) -> None:
     """The header names the state groups the split made (a split beyond the layers makes one
-    group a layer), and says nothing for a model without state layers."""
+    group a layer); a model without state layers refuses the option it would ignore."""
     code, out, _ = _run(capsys, "Qwen3-Next-80B-A3B", "--state-split", "37")
     assert code == 0
     assert out.splitlines()[1].endswith("; 36 state layers in 36 groups (--state-split 37)")
     code, out, _ = _run(capsys, "Qwen3-Next-80B-A3B", "--state-split", "4")
     assert out.splitlines()[1].endswith("; 36 state layers in 4 groups (--state-split 4)")
-    code, out, _ = _run(capsys, "gpt-oss-20b", "--state-split", "4")
+    code, out, err = _run(capsys, "gpt-oss-20b", "--state-split", "4")
+    assert (code, out) == (2, "")
+    assert err == (
+        "hybridkv plan: error: --state-split 4: only applies to models with recurrent-state "
+        "layers; gpt-oss-20b has none\n"
+    )
+    code, out, _ = _run(capsys, "gpt-oss-20b")
     assert code == 0 and "state layers" not in out.splitlines()[1]
 
 

@@ -278,6 +278,11 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
         f"--seed: must be an integer in [0, {(1 << 63) - 1}], got {1 << 63}",
     ),
     ("seed-negative", ("--seed", "-1"), "--seed: must be an integer in [0, "),
+    (  # found by a review: named SlidingWindowSpec.sink_tokens, after loading the model
+        "sinks-too-many",
+        ("--attention-sinks", "99999999999"),
+        "--attention-sinks: must be an integer in [0, 16777216], got 99999999999",
+    ),
     (  # a typo of 10^11 requests silently filled the host's memory before any output
         "num-requests-too-many",
         ("--num-requests", "99999999999"),

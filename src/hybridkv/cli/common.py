@@ -34,6 +34,7 @@ __all__ = [
     "add_tp",
     "check_at_most",
     "check_positive",
+    "check_state_options",
     "max_model_len_for",
     "model_name",
     "with_flag_names",
@@ -229,17 +230,24 @@ def _state_split(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'auto'") from None
 
 
-def chunk_alignment_arg(args: argparse.Namespace) -> int:
+def chunk_alignment_arg(args: argparse.Namespace, memory: int) -> int:
     """``--chunk-alignment`` in bytes (the planner's default when not given); refused with a
-    strategy that has no chunks."""
+    strategy that has no chunks, or above the ``memory`` budget (one chunk would not fit)."""
     from hybridkv.plan.options import DEFAULT_CHUNK_ALIGNMENT
-    from hybridkv.units import parse_bytes
+    from hybridkv.units import format_bytes, parse_bytes
 
     if args.chunk_alignment is None:
         return DEFAULT_CHUNK_ALIGNMENT
     arena = args.strategy in ("arena", "all")
     check_needs(args, [("chunk_alignment", "--strategy arena (or all)", arena)])
-    return parse_bytes(args.chunk_alignment, field="--chunk-alignment")
+    alignment = parse_bytes(args.chunk_alignment, field="--chunk-alignment")
+    if alignment > memory:
+        raise CliInputError(
+            f"--chunk-alignment {args.chunk_alignment}: chunks of {format_bytes(alignment)} are "
+            f"larger than the whole --memory budget of {format_bytes(memory)}; give at most "
+            f"that (default: {format_bytes(DEFAULT_CHUNK_ALIGNMENT)})"
+        )
+    return alignment
 
 
 def check_state_split(args: argparse.Namespace) -> None:
@@ -250,6 +258,23 @@ def check_state_split(args: argparse.Namespace) -> None:
         raise CliInputError(
             f"--state-split {split}: only applies with --strategy arena, pools or all"
         )
+
+
+def check_state_options(args: argparse.Namespace, model: ModelSpec, names: Iterable[str]) -> None:
+    """Refuse the first option of ``names`` given (not None, not ``"auto"``) for a model with
+    no recurrent-state layers, which it would not change, instead of ignoring it."""
+    from hybridkv.specs import CacheKind
+
+    if any(e.spec.kind is CacheKind.STATE for e in model.entries()):
+        return
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value != "auto":
+            flag = "--" + name.replace("_", "-")
+            raise CliInputError(
+                f"{flag} {value}: only applies to models with recurrent-state layers; "
+                f"{model.name} has none"
+            )
 
 
 def check_needs(args: argparse.Namespace, needs: Iterable[tuple[str, str, bool]]) -> None:

@@ -29,6 +29,7 @@ from hybridkv.cli.common import (
     add_pool_options,
     add_tp,
     check_positive,
+    check_state_options,
     check_state_split,
     chunk_alignment_arg,
     max_model_len_for,
@@ -103,13 +104,14 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     memory = parse_bytes(args.memory, field="--memory")
-    alignment = chunk_alignment_arg(args)
+    alignment = chunk_alignment_arg(args, memory)
     check_state_split(args)
     ratios = parse_ratios(args.pool_ratios)
     name = model_name(args, models.DEFAULT_MODEL)
     model = models.resolve_model(
         name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp
     )
+    check_state_options(args, model, ["state_split"])
     max_len = max_model_len_for(model, args.max_model_len, "plan")
     if args.strategy == "all":
         comparison = compare_strategies(

@@ -58,6 +58,13 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise RunInputError(f"{flag}: must be a positive integer, got {value}")
     if args.shared_prefix < 0:
         raise RunInputError(f"--shared-prefix: must be >= 0, got {args.shared_prefix}")
+    from hybridkv.specs import MAX_TOKENS
+
+    if not 0 <= args.attention_sinks <= MAX_TOKENS:
+        raise RunInputError(
+            f"--attention-sinks: must be an integer in [0, {MAX_TOKENS}], got "
+            f"{args.attention_sinks}"
+        )
     if not 0 <= args.seed <= MAX_SEED:
         raise RunInputError(f"--seed: must be an integer in [0, {MAX_SEED}], got {args.seed}")
     check_at_most(

@@ -44,6 +44,7 @@ from hybridkv.cli.common import (
     check_at_most,
     check_needs,
     check_positive,
+    check_state_options,
     check_state_split,
     chunk_alignment_arg,
     max_model_len_for,
@@ -182,11 +183,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--checkpoint-admission",
-        default="yield",
+        default=None,
         choices=list(CHECKPOINT_ADMISSION),
         help="recurrent-state checkpoints saved: where their reason (junction, prompt end, "
         "chunk end, decode) has served at least the cache's average hit tokens per byte, or "
-        "at every aligned step end",
+        "at every aligned step end (default: yield)",
     )
     parser.add_argument(
         "--tier-admission",
@@ -376,12 +377,15 @@ def run(args: argparse.Namespace) -> int:
     disk = (
         None if args.disk_memory is None else parse_bytes(args.disk_memory, field="--disk-memory")
     )
-    alignment = chunk_alignment_arg(args)
+    alignment = chunk_alignment_arg(args, memory)
     check_state_split(args)
     ratios = parse_ratios(args.pool_ratios)
     name = model_name(args, DEFAULT_MODEL)
     model = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp)
     profile = ModelProfile.from_config(load_model_config(name))
+    check_state_options(
+        args, model, ["state_split", "checkpoint_admission", "checkpoint_when_full"]
+    )
     max_len = max_model_len_for(model, args.max_model_len, "simulate", warn=not args.quiet)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
     if args.requests is not None and len(workload.requests) < args.requests and not args.quiet:
@@ -419,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
             use_arrivals=not args.no_arrivals,
             window_retention=args.window_retention,
             publish=args.publish,
-            checkpoint_admission=args.checkpoint_admission,
+            checkpoint_admission=args.checkpoint_admission or "yield",
             admission=args.admission,
             compaction=args.compaction == "on",
             checkpoint_when_full=args.checkpoint_when_full,
