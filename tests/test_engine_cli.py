@@ -335,6 +335,8 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
         ("--model", "no-such-model"),
         f"--model: 'no-such-model' is neither a built-in tiny model ({_TINY}",
     ),
+    ("model-empty", ("--model", ""), "--model: got an empty name; give a checkpoint directory"),
+    ("prompts-empty", ("--prompts", ""), "--prompts: got an empty name; give a text file"),
     ("model-no-config", ("--model", "{tmp}/no-config"), "no-config' has no config.json; give a"),
     ("model-file", ("--model", "{tmp}/empty.txt"), "empty.txt' is a file; give a checkpoint"),
     ("model-unsupported", ("--model", "{tmp}/bert"), "config.model_type: 'bert' is not supported"),

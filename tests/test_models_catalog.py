@@ -70,6 +70,17 @@ def test_catalog_config_is_a_deep_copy() -> None:
     assert resolve_model("gemma-3-4b").num_layers == 34
 
 
+@pytest.mark.parametrize("name", ["", "   ", None])
+def test_an_empty_or_missing_name_is_refused(name: str) -> None:
+    """Not read as the current directory ('' is a path to it), nor an AttributeError."""
+    with pytest.raises(UnknownModelError) as info:
+        resolve_model(name)
+    assert str(info.value) == (
+        f"model: got {name!r}; give a catalog name (catalog_names()), a path to a config.json "
+        "or its directory, or a Hugging Face id in the local hub cache"
+    )
+
+
 def test_unknown_names_suggest_close_matches() -> None:
     with pytest.raises(UnknownModelError) as info:
         resolve_model("gpt-oss-2b")

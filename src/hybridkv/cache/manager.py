@@ -139,8 +139,10 @@ class KVCacheManager(TierCalls):
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
-        if max_model_len is not None:
-            _count("max_model_len", max_model_len)
+        if max_model_len is not None and _count("max_model_len", max_model_len) < 1:
+            raise RequestLengthError(
+                "max_model_len: must be a positive integer (or None: no limit), got 0"
+            )
         second_chance = check_chances(second_chance)  # here too: before any typed (compiled) call
         if window_chances is not None:
             window_chances = check_chances(window_chances, "window_chances")

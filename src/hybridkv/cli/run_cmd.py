@@ -327,6 +327,8 @@ def _model_config(model: str) -> Any:
     path = Path(model)
     tiny = f"a built-in tiny model ({', '.join(TINY_MODELS)}; --list-models describes them)"
     checkpoint = "a checkpoint directory (config.json + safetensors weights)"
+    if not model.strip():
+        raise RunInputError(f"--model: got an empty name; give {checkpoint} or {tiny}")
     if model not in TINY_MODELS:
         if path.is_file():
             holder = " (the directory that holds it)" if path.name == "config.json" else ""

@@ -41,6 +41,8 @@ def prompt_lines(path: str) -> list[str]:
     import gzip
     import zlib
 
+    if not path.strip():
+        raise RunInputError(f"--prompts: got an empty name; give {_PROMPT_FILE}")
     file = Path(path)
     try:
         data = file.read_bytes()

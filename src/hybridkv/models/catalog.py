@@ -125,6 +125,11 @@ def resolve_model(
     :class:`~hybridkv.errors.UnknownModelError` (with close catalog matches) when ``model`` is
     none of these, and whatever :func:`spec_from_config` raises for a bad config or setting.
     """
+    if not isinstance(model, str) or not model.strip():
+        raise UnknownModelError(
+            f"model: got {model!r}; give a catalog name (catalog_names()), a path to a "
+            "config.json or its directory, or a Hugging Face id in the local hub cache"
+        )
     entry = _BY_KEY.get(model.strip().lower())
     if entry is not None:
         return spec_from_config(
