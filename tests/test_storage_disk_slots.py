@@ -123,6 +123,23 @@ def test_paths_that_cannot_hold_a_cache_are_refused(tmp_path: Path) -> None:
         slots(bad)
     with pytest.raises(DiskCacheError, match="cannot reserve"):
         DiskSlots(tmp_path / "huge", 1 << 55, FP, SIZES)  # more than any disk
+    # What the failed reservation made is gone (found by a review: an empty blocks.bin and
+    # lock were left behind); a directory that was there stays, and so does a cache in it.
+    assert not (tmp_path / "huge").exists()
+    given = tmp_path / "given"
+    given.mkdir()
+    with pytest.raises(DiskCacheError, match="cannot reserve"):
+        DiskSlots(given, 1 << 55, FP, SIZES)
+    assert given.is_dir() and not any(given.iterdir())
+    slots(given).close()
+    before = sorted(p.name for p in given.iterdir())
+    with pytest.raises(DiskCacheError, match="holds a cache made for another capacity_bytes"):
+        DiskSlots(given, 1 << 55, FP, SIZES)
+    assert sorted(p.name for p in given.iterdir()) == before == [
+        "blocks.bin",
+        "lock",
+        "manifest.json",
+    ]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")

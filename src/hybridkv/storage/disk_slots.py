@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from hybridkv.errors import StorageError
+from hybridkv.storage.disk_manifest import DiskCacheError, check_manifest
 
 __all__ = [
     "FORMAT_VERSION",
@@ -79,11 +79,6 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 _MANIFEST = "manifest.json"
 _DATA = "blocks.bin"
 _LOCK = "lock"
-
-
-class DiskCacheError(StorageError):
-    """A disk-cache directory that cannot be used: not a directory, not writable, too small a
-    disk, in use by another process, or made for another model, layout or capacity."""
 
 
 #: ``(key, tag, payload)`` items :meth:`DiskSlots.write_many` stores.
@@ -162,6 +157,7 @@ class DiskSlots:
         d = self.directory
         if d.exists() and not d.is_dir():
             raise DiskCacheError(f"disk cache: {d} is a file, not a directory")
+        made = not d.exists()  # the directory this call makes (removed if it fails)
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -175,26 +171,7 @@ class DiskSlots:
         ours = {_MANIFEST, _DATA, _LOCK, _MANIFEST + ".tmp"}
         known = manifest.exists()
         if known:
-            try:
-                have = json.loads(manifest.read_text())
-            except (OSError, ValueError) as exc:
-                raise DiskCacheError(
-                    f"disk cache: {manifest} is unreadable ({exc}); use an empty directory"
-                ) from exc
-            if have != want:
-                keys = set(have) | set(want) if isinstance(have, dict) else set(want)
-                old = have if isinstance(have, dict) else {}
-                diff = sorted(
-                    (k for k in keys if old.get(k) != want.get(k)),
-                    key=lambda k: (_PRIORITY.get(k, len(_PRIORITY)), k),
-                ) or ["?"]
-                where, theirs, mine = _first_difference(old.get(diff[0]), want.get(diff[0]))
-                field = diff[0] + where
-                raise DiskCacheError(
-                    f"disk cache: {d} holds a cache made for another "
-                    f"{', '.join(diff)} (it has {field}={_short(theirs)}, this engine "
-                    f"{field}={_short(mine)}); use another directory or empty it"
-                )
+            check_manifest(manifest, want)
         else:
             others = sorted(p.name for p in d.iterdir() if p.name not in ours)
             if others:
@@ -219,7 +196,7 @@ class DiskSlots:
         more = self.file_bytes - os.fstat(self._fd).st_size
         free = shutil.disk_usage(d).free
         if more > free:
-            self.close()
+            self._unmake(known, made)
             raise DiskCacheError(
                 f"disk cache: cannot reserve {self.file_bytes} bytes in {d}: {free} bytes free "
                 "(free space, or a smaller --disk-memory)"
@@ -231,7 +208,7 @@ class DiskSlots:
                 if os.fstat(self._fd).st_size < self.file_bytes:
                     os.ftruncate(self._fd, self.file_bytes)
             else:
-                self.close()
+                self._unmake(known, made)
                 raise DiskCacheError(
                     f"disk cache: cannot reserve {self.file_bytes} bytes in {d}: "
                     f"{exc.strerror} (free space, or a smaller --disk-memory)"
@@ -240,6 +217,20 @@ class DiskSlots:
             tmp = d / (_MANIFEST + ".tmp")
             tmp.write_text(json.dumps(want, sort_keys=True))
             os.replace(tmp, manifest)
+
+    def _unmake(self, known: bool, made: bool) -> None:
+        """Close the files after a failed reservation and, for a cache this call began (no
+        manifest yet), remove what it made: its data and lock files, and the directory when
+        it made that too.  An existing cache is left as it was."""
+        self.close()
+        if known:
+            return
+        for name in (_DATA, _LOCK):
+            with contextlib.suppress(OSError):
+                (self.directory / name).unlink()
+        if made:
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()
 
     def _recover(self) -> list[SlotEntry]:
         """Walk the carved slots from the front: committed ones become entries, empty ones
@@ -571,26 +562,3 @@ def _parse(raw: bytes) -> tuple[int, int, int, int, int, int, int] | None:
     if magic != _MAGIC or state not in (_EMPTY, _COMMITTED):
         return None
     return group, size, state, tag, stamp, int.from_bytes(h, "little", signed=True), crc
-
-
-#: Which differing manifest field a refusal names first (the rest alphabetically after).
-_PRIORITY = {"model": 0, "dtype": 1, "hasher": 2, "format": 3, "capacity_bytes": 4}
-
-
-def _first_difference(have: Any, want: Any, path: str = "") -> tuple[str, Any, Any]:
-    """The path (``.groups[1].block_size``) of the first leaf where ``have`` and ``want``
-    differ, and the two values there."""
-    if isinstance(have, dict) and isinstance(want, dict):
-        for key in sorted(set(have) | set(want), key=str):
-            if have.get(key) != want.get(key):
-                return _first_difference(have.get(key), want.get(key), f"{path}.{key}")
-    if isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
-        for i, (a, b) in enumerate(zip(have, want, strict=True)):
-            if a != b:
-                return _first_difference(a, b, f"{path}[{i}]")
-    return path, have, want
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= 60 else text[:57] + "..."
