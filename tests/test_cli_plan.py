@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import hybridkv.models
-from hybridkv.cli.format import compact_ranges, percent, render_table
+from hybridkv.cli.format import compact_ranges, duration, percent, render_table
 from hybridkv.cli.main import main
 from hybridkv.plan import Plan, make_plan
 from hybridkv.specs import ModelSpec
@@ -305,3 +305,20 @@ def test_what_the_config_leaves_out_is_said(
     assert "note: the config names no dtype (dtype, torch_dtype): bfloat16 assumed" in out
     code, out, err = _run(capsys, str(path), "--memory", "1GiB", "--max-model-len", "4096")
     assert code == 0 and err == ""
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.0123, "12.30 ms"),
+        (0.999, "999.00 ms"),
+        (1.0, "1.0 s"),
+        (119.9, "119.9 s"),
+        (120.0, "2.0 min"),
+        (7200.0, "2.0 h"),
+        (1e9, "11574.1 days"),
+    ],
+)
+def test_durations_read_in_their_unit(seconds: float, text: str) -> None:
+    """A simulated link of 1 B/s printed 61603840000.02 ms per request (found by a review)."""
+    assert duration(seconds) == text

@@ -135,11 +135,15 @@ def test_paths_that_cannot_hold_a_cache_are_refused(tmp_path: Path) -> None:
     before = sorted(p.name for p in given.iterdir())
     with pytest.raises(DiskCacheError, match="holds a cache made for another capacity_bytes"):
         DiskSlots(given, 1 << 55, FP, SIZES)
-    assert sorted(p.name for p in given.iterdir()) == before == [
-        "blocks.bin",
-        "lock",
-        "manifest.json",
-    ]
+    assert (
+        sorted(p.name for p in given.iterdir())
+        == before
+        == [
+            "blocks.bin",
+            "lock",
+            "manifest.json",
+        ]
+    )
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")

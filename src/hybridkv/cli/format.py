@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["compact_ranges", "percent", "render_table"]
+__all__ = ["compact_ranges", "duration", "percent", "render_table"]
 
 #: Runs with step 1 at least this long are written ``a..b``.
 _MIN_UNIT_RUN = 3
@@ -53,6 +53,17 @@ def compact_ranges(values: Sequence[int]) -> str:
         parts.append(str(items[i]))
         i += 1
     return ",".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """A time in the unit that reads best: ``0.0123`` -> ``'12.30 ms'``, ``75`` -> ``'75.0
+    s'``, ``7200`` -> ``'2.0 h'``, ``1e9`` -> ``'11574.1 days'``."""
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.1f} s"
 
 
 def percent(fraction: float, digits: int = 2) -> str:

@@ -50,6 +50,7 @@ from hybridkv.cli.common import (
     max_model_len_for,
     model_name,
 )
+from hybridkv.cli.format import duration
 from hybridkv.models.catalog import DEFAULT_MODEL
 from hybridkv.sim.simulator import PROTECT_MODES
 
@@ -588,13 +589,13 @@ def _run_disaggregated(
     )
     print(
         f"moved {format_bytes(summary['transferred_bytes'])} over the link, "
-        f"{summary['transfer_mean_s'] * 1e3:.2f} ms per request (p99 "
-        f"{summary['transfer_p99_s'] * 1e3:.2f} ms); {summary['link_waits']} waits for decode "
+        f"{duration(summary['transfer_mean_s'])} per request (p99 "
+        f"{duration(summary['transfer_p99_s'])}); {summary['link_waits']} waits for decode "
         "memory"
     )
     print(
-        f"TTFT mean {summary['ttft_mean_s'] * 1e3:.1f} ms (p99 {summary['ttft_p99_s'] * 1e3:.1f}"
-        f" ms), TPOT mean {summary['tpot_mean_s'] * 1e3:.2f} ms; simulated "
-        f"{summary['sim_time_s']:.1f} s in {summary['wall_time_s']:.1f} s"
+        f"TTFT mean {duration(summary['ttft_mean_s'])} (p99 {duration(summary['ttft_p99_s'])}"
+        f"), TPOT mean {duration(summary['tpot_mean_s'])}; simulated "
+        f"{duration(summary['sim_time_s'])} in {summary['wall_time_s']:.1f} s"
     )
     return 0
