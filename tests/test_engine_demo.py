@@ -42,3 +42,16 @@ def test_bad_prompts_are_refused_before_anything_runs() -> None:
     assert not engine.has_unfinished() and engine.stats().steps == 0
     with pytest.raises(PromptError, match="waves and max_tokens must be >= 1"):
         run_in_waves(engine, [[1]], max_tokens=2, waves=0)
+
+
+def test_progress_counts_what_max_model_len_lets_each_request_make() -> None:
+    """--max-tokens above what max_model_len leaves: the bar's total is what the requests can
+    make, and it ends full (found by a review: 0/200000 for a run of a few hundred tokens)."""
+    engine = LLMEngine("llama", cache=CacheConfig(block_size=4, max_model_len=16))
+    seen: list[tuple[int, int]] = []
+    done = run_in_waves(
+        engine, [[1, 2, 3], [4] * 10], max_tokens=100, progress=lambda d, t: seen.append((d, t))
+    )
+    assert [c.finish_reason.value for c in done] == ["max_model_len", "max_model_len"]
+    assert [len(c.token_ids) for c in done] == [13, 6]
+    assert seen[-1] == (19, 19) and all(t == 19 for _, t in seen)

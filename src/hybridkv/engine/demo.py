@@ -58,7 +58,8 @@ def run_in_waves(
 
     Every prompt is checked (:meth:`LLMEngine.check_prompt`) before the first is queued, so a
     bad prompt raises :class:`PromptError` with nothing run.  ``progress(done, total)`` is
-    called after every step with generated tokens so far and the most there can be.
+    called after every step with the tokens generated so far (a finished request counts as
+    all it could make) and the most there can be.
     """
     if waves < 1 or max_tokens < 1 or not prompts:
         raise PromptError(
@@ -69,7 +70,12 @@ def run_in_waves(
     checked = [engine.check_prompt(rid, p) for rid, p in zip(ids, prompts, strict=True)]
     size = -(-len(prompts) // waves)
     pending = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
-    total = max_tokens * len(prompts)
+    # what each request can generate: max_tokens, or less where max_model_len stops it
+    most = {
+        rid: max(1, min(max_tokens, engine.max_model_len - len(p)))
+        for rid, p in zip(ids, checked, strict=True)
+    }
+    total = sum(most.values())
     produced: dict[str, int] = {}
     current: list[int] = []
     while pending or engine.has_unfinished():
@@ -80,7 +86,11 @@ def run_in_waves(
                     ids[i], checked[i], max_tokens=max_tokens, eos_token_ids=eos_token_ids
                 )
         for out in engine.step():
-            produced[out.request_id] = produced.get(out.request_id, 0) + len(out.new_token_ids)
+            rid = out.request_id
+            # a finished request (end of sequence, its limit) has made all it will make
+            produced[rid] = (
+                most[rid] if out.finished else produced.get(rid, 0) + len(out.new_token_ids)
+            )
         if progress is not None:
-            progress(sum(produced.values()), total)
+            progress(min(sum(produced.values()), total), total)
     return [engine.completions[rid] for rid in ids]
