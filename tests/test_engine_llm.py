@@ -165,6 +165,10 @@ def test_a_checkpoint_missing_weights_is_refused(tmp_path: Path) -> None:
     assert str(err.value) == (
         f"model: checkpoint '{tmp_path}' lacks 3 weight(s) its config needs ({', '.join(gone)})"
     )
+    # weights of another shape: transformers' own error points at a report it logged
+    save_file({k: torch.cat([v, v]) for k, v in weights.items()}, tmp_path / "model.safetensors")
+    with pytest.raises(ModelSourceError, match="holds weights whose shapes differ from what its"):
+        load_model(tmp_path)
 
 
 def _no_loading(monkeypatch: pytest.MonkeyPatch) -> None:

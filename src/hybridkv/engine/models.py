@@ -91,6 +91,12 @@ def load_model(
             # transformers' own words on a missing or corrupt weight file (safetensors header,
             # pickle, shape mismatch) or an unknown architecture
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+            if "ignore_mismatched_sizes" in first:  # it points at a report it logged
+                raise ModelSourceError(
+                    f"model: checkpoint {name!r} holds weights whose shapes differ from what "
+                    "its config.json describes (transformers' load report, at log level "
+                    "warning, lists them)"
+                ) from exc
             raise ModelSourceError(
                 f"model: cannot load {name!r} ({type(exc).__name__}: {first})"
             ) from exc
