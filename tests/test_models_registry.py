@@ -188,7 +188,8 @@ def test_missing_required_field_names_field_and_model_type() -> None:
     [
         ("num_attention_heads", 0, "an integer >= 1"),
         ("num_key_value_heads", -8, "an integer >= 1"),
-        ("num_hidden_layers", "32", "an integer >= 1"),
+        ("num_hidden_layers", "32", "an integer in [1, 65536]"),
+        ("num_hidden_layers", 65537, "an integer in [1, 65536]"),
         ("hidden_size", 12.5, "an integer >= 1"),
     ],
 )
