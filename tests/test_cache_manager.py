@@ -255,7 +255,7 @@ def test_mla_follows_the_full_attention_rule() -> None:
     mgr.check_invariants()
 
 
-@pytest.mark.parametrize(("value", "message"), [(0, "got 0"), (-1, "got -1"), ("8", "got '8'")])
+@pytest.mark.parametrize(("value", "message"), [(0, "got 0"), (-1, "got -1")])
 def test_max_model_len_must_be_positive(value: Any, message: str) -> None:
     """0 was accepted and then refused every request (found by a review)."""
     with pytest.raises(RequestLengthError, match=f"max_model_len: must be .*{message}"):
