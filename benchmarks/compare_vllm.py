@@ -332,6 +332,7 @@ def compare(
     state_split: int | None = None,
     compaction: bool = True,
     repeat: int = 1,
+    eviction: str = "lru",
 ) -> dict[str, Any]:
     """One model's head to head; ``repeat`` runs of each side, alternating, report the
     median manager time (decisions must repeat exactly)."""
@@ -366,6 +367,7 @@ def compare(
                 hasher="sha256",
                 second_chance=second_chance,
                 window_chances=window_chances,
+                eviction=eviction,
             ),
             token_budget=token_budget,
             compaction=compaction,
@@ -383,6 +385,7 @@ def compare(
             "strategy": strategy,
             "second_chance": second_chance,
             "window_chances": window_chances,
+            "eviction": eviction,
             "compaction": compaction,
             "schedule_alignment": plan.layout.schedule_alignment,
             "state_split": plan.options.state_split,
@@ -457,6 +460,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the same for sliding-window / local-chunk blocks (default: hybridkv's)",
     )
     p.add_argument(
+        "--eviction",
+        choices=("lru", "2q"),
+        default="lru",
+        help="hybridkv's order of its free-list pools (uniform, pools, the flat arena): lru, "
+        "or 2q (blocks used once on probation; KVCacheManager's eviction)",
+    )
+    p.add_argument(
         "--no-compaction",
         action="store_true",
         help="preempt without first compacting the arena (KVCacheManager.compact; hybridkv side)",
@@ -516,6 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             state_split=args.state_split,
             compaction=not args.no_compaction,
             repeat=args.repeat,
+            eviction=args.eviction,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)

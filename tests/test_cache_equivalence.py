@@ -47,6 +47,7 @@ def _general_pool_manager(layout: MemoryLayout, **kw: Any) -> KVCacheManager:
         events: Any,
         *,
         arena_eviction: str = "chunk_lru",
+        eviction: str = "lru",
         second_chance: int = 1,
         window_chances: int | None = None,
     ) -> Any:
@@ -58,6 +59,7 @@ def _general_pool_manager(layout: MemoryLayout, **kw: Any) -> KVCacheManager:
             layout,
             events,
             arena_eviction=arena_eviction,
+            eviction=eviction,
             second_chance=second_chance,
             window_chances=window_chances,
         )

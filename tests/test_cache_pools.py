@@ -302,3 +302,45 @@ def test_fits_is_exact(strategy: str, items: list, capacity: int, data: hst.Data
         pool.check_invariants()
         used = [len(set(h)) for h in held]
         assert [pool.num_used(g) for g in range(num_groups)] == pool.used_per_group() == used
+
+
+def test_two_q_keeps_blocks_used_once_on_probation() -> None:
+    """2Q: blocks released for the first time wait on probation (FIFO) and go first; a block
+    that served a hit, or whose data was evicted and came back (its key in the ghost list),
+    joins the main LRU."""
+    pool = make_block_pool(uniform(groups(full()), 7), EventLog(enabled=True), eviction="2q")
+    assert pool.allocate(0, 5) == [1, 2, 3, 4, 5]
+    for b in (1, 2, 3, 4, 5):
+        pool.cache(0, b, 100 + b)
+    pool.release(0, [1, 2, 3, 4, 5])  # probation: 1 2 3 4 5
+    pool.touch(0, [1])  # a hit: 1 is proven (and holds a chance)
+    pool.release(0, [1])  # main: 1; probation: 2 3 4 5
+    pool.check_invariants()
+    # the never-used block 6 first, then probation's oldest: 2 and 3 (their keys join the ghost)
+    assert pool.allocate(0, 3) == [6, 2, 3]
+    evicted = [e.block_hashes[0] for e in pool.events.take()]  # type: ignore[attr-defined]
+    assert evicted == [102, 103]
+    pool.cache(0, 2, 102)  # the data of 102 came back, computed again
+    pool.release(0, [2])  # its key was in the ghost list: main 1 2; probation 4 5
+    pool.check_invariants()
+    assert pool.allocate(0, 2) == [4, 5]  # probation goes first while it holds more than 10%
+    pool.check_invariants()
+    # probation is empty: the main LRU, where 1 spends its chance and 2 goes
+    assert pool.allocate(0, 1) == [2]
+    evicted = [e.block_hashes[0] for e in pool.events.take()]  # type: ignore[attr-defined]
+    assert evicted == [104, 105, 102]
+    assert pool.maps[0] == {101: 1}
+    pool.check_invariants()
+    before = pool.snapshot()
+    assert pool.reset_cache() is False and pool.snapshot() == before
+
+
+def test_the_eviction_order_is_checked() -> None:
+    """An unknown order, and 2Q on the chunked arena (its chunks keep their own order), are
+    refused by name; the flat arena and per-group pools run it."""
+    with pytest.raises(PlanError, match="eviction: 'mru' is not an eviction order; valid: lru, 2q"):
+        KVCacheManager(uniform(groups(full()), 7), eviction="mru")
+    chunked_arena = arena(groups(full(), state()), 8)
+    with pytest.raises(PlanError, match="eviction: '2q' runs on free-list pools"):
+        KVCacheManager(chunked_arena, eviction="2q")
+    KVCacheManager(pools(groups(full(), swa(4)), 8), eviction="2q").check_invariants()

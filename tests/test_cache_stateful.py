@@ -33,6 +33,7 @@ from hybridkv.cache import (
     Request,
 )
 from hybridkv.cache.admission import CheckpointAdmission
+from hybridkv.cache.pool_shared import FlatArenaPool
 from hybridkv.cache.tiers import TierSpec
 from hybridkv.errors import RequestError
 from test_cache_factories import (
@@ -99,6 +100,7 @@ class CacheMachine(RuleBasedStateMachine):
         tier_admission=hst.sampled_from(TIER_ADMISSION),
         split_block=hst.sampled_from([2, 4, 8]),
         protect_share=hst.sampled_from([1.0, 0.5, 0.25]),
+        two_q=hst.booleans(),
     )
     def setup(
         self,
@@ -117,6 +119,7 @@ class CacheMachine(RuleBasedStateMachine):
         tier_admission: str,
         split_block: int,
         protect_share: float,
+        two_q: bool,
     ) -> None:
         if self.split_state:
             items = [*items, (state(), split_block), (state(), split_block)]
@@ -128,11 +131,16 @@ class CacheMachine(RuleBasedStateMachine):
             tiers.append(TierSpec("host", host * biggest))
             if disk:
                 tiers.append(TierSpec("disk", disk * biggest))
+        # 2Q where the pool is a free-list one (uniform, pools, the flat arena)
+        free_list = layout.arena is None or (
+            eviction_for(self.strategy) == "chunk_lru" and FlatArenaPool.applies(layout)
+        )
         self.mgr = KVCacheManager(
             layout,
             hasher="builtin",
             enable_kv_events=events,
             arena_eviction=eviction_for(self.strategy),
+            eviction="2q" if two_q and free_list else "lru",
             publish=publish,
             window_retention=retention,
             checkpoint_admission=admission,
@@ -577,6 +585,7 @@ def test_compaction_over_tiers_keeps_protected_entries_within_their_share() -> N
         tier_admission="yield",
         split_block=2,
         protect_share=0.5,
+        two_q=False,
     )
     state.arrive_long(tail=[0, 0])  # type: ignore[call-arg]
     state.serve_protected(session=0, which=0)  # type: ignore[call-arg]

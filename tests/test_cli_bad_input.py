@@ -165,6 +165,10 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         "99999999999999999999",
     ),
     (["simulate", "--seed", "-3"], "--seed: must be an integer in [0, 9223372036854775807]"),
+    (
+        ["simulate", "--eviction", "2q", "--strategy", "arena"],
+        "--eviction: '2q' runs on free-list pools (strategies uniform and pools, and arenas",
+    ),
     (  # found by a review: accepted and ignored
         ["simulate", "gpt-oss-20b", "--checkpoint-admission", "all"],
         "--checkpoint-admission all: only applies to models with recurrent-state layers; "

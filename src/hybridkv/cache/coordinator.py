@@ -72,6 +72,7 @@ class HybridCoordinator:
         events: EventLog,
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
+        eviction: str = "lru",
         second_chance: int = DEFAULT_CHANCES,
         window_chances: int | None = None,
         publish: str = "scheduled",
@@ -113,6 +114,7 @@ class HybridCoordinator:
             layout,
             events,
             arena_eviction=arena_eviction,
+            eviction=eviction,
             second_chance=second_chance,
             window_chances=window_chances,
         )

@@ -66,11 +66,16 @@ class KVCacheManager(TierCalls):
     ``max_model_len``: slots are never allocated past it (lookahead is clipped).
     ``arena_eviction``: ``"chunk_lru"`` (default) or ``"own_first"`` for arena layouts (see
     :mod:`hybridkv.cache.pool_arena`).
+    ``eviction``: ``"lru"`` (default) or ``"2q"``, the order of the free-list pools (the
+    ``uniform`` and ``pools`` strategies, and arenas run on them: every group's block the
+    chunk, or one group); 2Q keeps blocks used once on a short probation and admits to the
+    main LRU only blocks that served a hit or came back soon after their eviction (see
+    :class:`~hybridkv.cache.pool_freelist.FreeListPool`).  The chunked arena refuses it.
     ``second_chance``: the chances a cached block holds at most (default 1, ``True`` / ``False``
     = 1 / 0): each hit it serves gives it one, and a block (or an idle arena chunk holding
     one) that has one when it comes up for eviction spends it and moves to the young end
     instead (CLOCK's second chance; above 1, generalized CLOCK's hit counter; see
-    :class:`~hybridkv.cache.pool_base.FreeListPool` and :mod:`hybridkv.cache.pool_arena`).
+    :class:`~hybridkv.cache.pool_freelist.FreeListPool` and :mod:`hybridkv.cache.pool_arena`).
     ``window_chances``: the same cap for the blocks of windowed groups (sliding window, local
     chunks); None (default): ``max(second_chance, 2)``, or 0 when ``second_chance`` is 0 (see
     :data:`~hybridkv.cache.pool_base.DEFAULT_WINDOW_CHANCES` for why and what it measured).
@@ -124,6 +129,7 @@ class KVCacheManager(TierCalls):
         enable_kv_events: bool = False,
         max_model_len: int | None = None,
         arena_eviction: str = "chunk_lru",
+        eviction: str = "lru",
         second_chance: int = DEFAULT_CHANCES,
         window_chances: int | None = None,
         publish: str = "scheduled",
@@ -160,6 +166,7 @@ class KVCacheManager(TierCalls):
             events=self._events,
             max_model_len=max_model_len,
             arena_eviction=arena_eviction,
+            eviction=eviction,
             second_chance=second_chance,
             window_chances=window_chances,
             publish=publish,

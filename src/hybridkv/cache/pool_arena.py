@@ -37,7 +37,7 @@ order:
    blocks evicted lowest first before anything else); another group's is emptied (cached
    blocks evicted) and carved.
 
-With ``second_chance`` = ``k`` >= 1 (the default 1; :class:`~hybridkv.cache.pool_base.
+With ``second_chance`` = ``k`` >= 1 (the default 1; :class:`~hybridkv.cache.pool_freelist.
 FreeListPool`), each hit a block serves (a touch) gives it a chance, up to ``k``; before step
 3 compares, a head of g's LRU holding a chance spends one and gets a new stamp, then so does
 a head of the idle LRU (an idle chunk holding a block with a chance: every such block of the

@@ -19,21 +19,22 @@ allocated, counted or queued.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 from hybridkv.cache.events import EventLog
 from hybridkv.errors import InvariantError, PlanError
-from hybridkv.plan.layout import NULL_BLOCK_ID, MemoryLayout, Strategy
+from hybridkv.plan.layout import MemoryLayout, Strategy
 from hybridkv.specs import WINDOW_KINDS
 
 __all__ = [
     "DEFAULT_CHANCES",
     "DEFAULT_WINDOW_CHANCES",
+    "EVICTION_ORDERS",
+    "GHOST_PER_BLOCK",
     "MAX_CHANCES",
+    "PROBATION_SHARE",
     "BlockPool",
-    "FreeListPool",
     "chance_caps",
     "check_chances",
     "group_chances",
@@ -58,6 +59,14 @@ DEFAULT_CHANCES = 1
 DEFAULT_WINDOW_CHANCES = 2
 #: The most a pool accepts (one byte per block).
 MAX_CHANCES = 255
+
+#: Eviction orders of the free-list pools: ``"lru"`` (one least-recently-used queue) or
+#: ``"2q"`` (new cached blocks on probation; see :class:`FreeListPool`).
+EVICTION_ORDERS = ("lru", "2q")
+#: 2Q: the share of the evictable blocks past which probation evicts first.
+PROBATION_SHARE = 0.1
+#: 2Q: the evicted ``(group, hash)`` keys remembered, per block of the pool.
+GHOST_PER_BLOCK = 5
 
 
 def check_chances(value: object, field: str = "second_chance") -> int:
@@ -254,307 +263,3 @@ class BlockPool(ABC):
     @abstractmethod
     def snapshot(self) -> Any:
         """A deep, comparable copy of every structure (for atomicity tests)."""
-
-
-class FreeListPool:
-    """``num_blocks`` blocks shared by ``group_ids``; a block belongs to one group at a time.
-
-    The building block of the ``uniform`` strategy (one instance for all groups) and the
-    ``pools`` strategy (one instance per group).  ``owner[b]`` is the group whose table or
-    prefix cache holds block ``b`` (-1 for an uncached free block).
-
-    Eviction takes the least recently used cached free block; with ``second_chance`` = ``k``
-    >= 1, each hit a block serves (a touch) gives it a chance, up to ``k`` held at once, and a
-    block holding one when it reaches the evict-first end is moved to the most-recently-used
-    end instead, one chance spent (CLOCK's second chance for ``k`` = 1, generalized CLOCK's
-    hit counter above it).  A block every request shares, such as a system prompt's, then
-    survives up to ``k`` allocations that each sweep the whole LRU.  Feasibility is unchanged
-    (the count of evictable blocks is the same).  0 turns it off.
-    :class:`~hybridkv.cache.pool_arena.ArenaPool` does the same per block and idle chunk.
-    """
-
-    __slots__ = (
-        "chances",
-        "events",
-        "first",
-        "free_cached",
-        "free_uncached",
-        "fresh",
-        "group_ids",
-        "group_used",
-        "hashes",
-        "hit",
-        "maps",
-        "num_blocks",
-        "num_used",
-        "owner",
-        "refs",
-    )
-
-    def __init__(
-        self,
-        num_blocks: int,
-        group_ids: Sequence[int],
-        events: EventLog,
-        *,
-        first: int = 1,
-        second_chance: int = DEFAULT_CHANCES,
-    ) -> None:
-        #: Ids ``[1, first)`` are reserved: never handed out (an arena's null chunk).
-        self.first = first
-        self.num_blocks = num_blocks
-        self.group_ids = tuple(group_ids)
-        self.events = events
-        self.refs = [0] * num_blocks
-        self.hashes: list[int | None] = [None] * num_blocks
-        self.owner = [-1] * num_blocks
-        self.maps: dict[int, dict[int, int]] = {g: {} for g in self.group_ids}
-        #: Uncached free blocks that were used before (LIFO: popitem() takes the last freed);
-        #: ids from ``fresh`` up were never handed out and are taken in order after them, so a
-        #: pool of millions of blocks costs nothing until it is used.
-        self.free_uncached: dict[int, None] = {}
-        self.fresh = first
-        self.free_cached: OrderedDict[int, None] = OrderedDict()
-        self.num_used = 0
-        #: Referenced blocks per owner group (their sum is ``num_used``).
-        self.group_used: dict[int, int] = dict.fromkeys(self.group_ids, 0)
-        #: ``hit[b]``: the chances block ``b`` holds (hits served, not yet spent; at most
-        #: ``chances``); None when the second chance is off.
-        self.chances = check_chances(second_chance)
-        self.hit: bytearray | None = bytearray(num_blocks) if self.chances else None
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_uncached) + len(self.free_cached) + self.num_blocks - self.fresh
-
-    def allocate(self, group_id: int, n: int) -> list[int]:
-        refs, owner = self.refs, self.owner
-        fu = self.free_uncached
-        out: list[int] = []
-        take = min(n, len(fu))
-        hit = self.hit
-        for _ in range(take):
-            b = fu.popitem()[0]
-            refs[b] = 1
-            owner[b] = group_id
-            out.append(b)
-            if hit is not None:
-                hit[b] = 0
-        if take < n and self.fresh < self.num_blocks:  # never used: no mark to clear
-            start = self.fresh
-            stop = min(self.num_blocks, start + n - take)
-            for b in range(start, stop):
-                refs[b] = 1
-                owner[b] = group_id
-            out.extend(range(start, stop))
-            self.fresh = stop
-            take += stop - start
-        if take < n:
-            self._allocate_evicting(group_id, n - take, out)
-        self.num_used += n
-        self.group_used[group_id] += n
-        return out
-
-    def _allocate_evicting(self, group_id: int, n: int, out: list[int]) -> None:
-        fc, refs, owner, hashes, maps = (
-            self.free_cached,
-            self.refs,
-            self.owner,
-            self.hashes,
-            self.maps,
-        )
-        if n > len(fc):
-            raise InvariantError(f"FreeListPool.allocate: {n} blocks wanted, {len(fc)} evictable")
-        # Who evicted what is only gathered for a listener (events, a lower tier's sink).
-        evicted: list[tuple[int, int, int]] | None = [] if self.events.tracks_evictions else None
-        hit = self.hit
-        pop, append = fc.popitem, out.append
-        for _ in range(n):
-            b = pop(False)[0]
-            if hit is not None:
-                while hit[b]:  # each spends one: n <= len(fc) ends the loop
-                    hit[b] -= 1
-                    fc[b] = None
-                    b = pop(False)[0]
-            h = hashes[b]
-            assert h is not None
-            old = owner[b]
-            del maps[old][h]
-            hashes[b] = None
-            if evicted is not None:
-                evicted.append((old, h, b))
-            refs[b] = 1
-            owner[b] = group_id
-            append(b)
-        if evicted is not None:
-            for old, h, b in evicted:
-                self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]
-
-    def touch(self, group_id: int, blocks: Sequence[int], most: int = -1) -> None:
-        """Revive or reference ``blocks`` of ``group_id`` (hits); each gains a chance up to
-        ``most`` (-1: the pool's ``chances``; a shared pool passes the touching group's)."""
-        refs, fc, hit = self.refs, self.free_cached, self.hit
-        if most < 0:
-            most = self.chances
-        revived = 0
-        for b in blocks:
-            r = refs[b]
-            if not r:
-                del fc[b]
-                revived += 1
-            refs[b] = r + 1
-            if hit is not None and hit[b] < most:
-                hit[b] += 1
-        if revived:
-            self.num_used += revived
-            self.group_used[group_id] += revived
-
-    def release(self, group_id: int, blocks: Sequence[int]) -> None:
-        """Drop a reference of each of ``blocks`` of ``group_id``."""
-        refs, hashes, owner = self.refs, self.hashes, self.owner
-        fu, fc = self.free_uncached, self.free_cached
-        freed = 0
-        for b in blocks:
-            r = refs[b] - 1
-            refs[b] = r
-            if r:
-                continue
-            freed += 1
-            if hashes[b] is None:
-                owner[b] = -1
-                fu[b] = None
-            else:
-                fc[b] = None
-        self.num_used -= freed
-        self.group_used[group_id] -= freed
-
-    def refresh(self, blocks: Sequence[int]) -> None:
-        refs, fc = self.refs, self.free_cached
-        for b in blocks:
-            if not refs[b] and b in fc:
-                fc.move_to_end(b)
-
-    def uncache(self, blocks: Sequence[int]) -> int:
-        """:meth:`BlockPool.uncache` (each block's owner group is its own)."""
-        refs, hashes, owner, maps = self.refs, self.hashes, self.owner, self.maps
-        fu, fc, hit = self.free_uncached, self.free_cached, self.hit
-        dropped: list[tuple[int, int, int]] = []
-        for b in blocks:
-            h = hashes[b]
-            if h is None or refs[b]:
-                continue
-            g = owner[b]
-            del fc[b]
-            del maps[g][h]
-            hashes[b] = None
-            owner[b] = -1
-            fu[b] = None
-            if hit is not None:
-                hit[b] = 0
-            dropped.append((g, h, b))
-        if self.events.tracks_evictions:
-            for g, h, b in dropped:
-                self.events.evicted(g, (h,), (b,))  # type: ignore[arg-type]
-        return len(dropped)
-
-    def free_delta(self, releases: Sequence[int] | None, touches: Sequence[int] | None) -> int:
-        """Change of the free count if ``releases`` then ``touches`` were applied."""
-        refs = self.refs
-        delta = 0
-        if releases:
-            for b in releases:
-                if refs[b] == 1:
-                    delta += 1
-        if touches:
-            for b in touches:
-                if not refs[b]:
-                    delta -= 1
-        return delta
-
-    def reset_cache(self) -> bool:
-        if self.num_used:
-            return False
-        # In place: managers hold references to these lists and dicts.
-        self.hashes[:] = [None] * self.num_blocks
-        self.owner[:] = [-1] * self.num_blocks
-        for m in self.maps.values():
-            m.clear()
-        self.free_uncached.clear()
-        self.fresh = self.first
-        self.free_cached.clear()
-        if self.hit is not None:
-            self.hit[:] = bytes(self.num_blocks)
-        return True
-
-    def check_invariants(self) -> None:
-        refs, hashes, owner = self.refs, self.hashes, self.owner
-        fu, fc = self.free_uncached, self.free_cached
-        if refs[NULL_BLOCK_ID] or hashes[NULL_BLOCK_ID] is not None:
-            raise InvariantError("null block has a reference count or a hash")
-        if NULL_BLOCK_ID in fu or NULL_BLOCK_ID in fc:
-            raise InvariantError("null block is in a free queue")
-        for b in range(1, self.first):
-            if refs[b] or hashes[b] is not None or b in fu or b in fc:
-                raise InvariantError(f"reserved block {b} is referenced, cached or queued")
-        hit = self.hit
-        if hit is not None and (len(hit) != self.num_blocks or any(hit[: self.first])):
-            raise InvariantError("second-chance marks on reserved blocks, or a wrong count")
-        if hit is not None and max(hit) > self.chances:
-            raise InvariantError(f"a block holds more than {self.chances} second chances")
-        used = 0
-        per_group = dict.fromkeys(self.group_ids, 0)
-        fresh = self.fresh
-        if not self.first <= fresh <= self.num_blocks:
-            raise InvariantError(f"fresh {fresh} not in [{self.first}, {self.num_blocks}]")
-        for b in range(self.first, self.num_blocks):
-            r = refs[b]
-            if r and b >= fresh:
-                raise InvariantError(f"block {b} has {r} references but was never handed out")
-            if r < 0:
-                raise InvariantError(f"block {b} has ref count {r}")
-            in_fu, in_fc = b in fu, b in fc
-            if r:
-                used += 1
-                if in_fu or in_fc:
-                    raise InvariantError(f"block {b} has {r} references but is in a free queue")
-                if owner[b] not in self.maps:
-                    raise InvariantError(f"referenced block {b} has owner {owner[b]}")
-                per_group[owner[b]] += 1
-            elif b >= fresh:
-                if in_fu or in_fc or hashes[b] is not None or owner[b] != -1:
-                    raise InvariantError(f"never-used block {b} is queued, cached or owned")
-            elif in_fu == in_fc:
-                raise InvariantError(f"free block {b} is in {int(in_fu) + int(in_fc)} free queues")
-            elif in_fu and (hashes[b] is not None or owner[b] != -1):
-                raise InvariantError(f"block {b} is in the uncached queue but holds a hash")
-            elif in_fc and hashes[b] is None:
-                raise InvariantError(f"block {b} is in the cached LRU but holds no hash")
-            h = hashes[b]
-            if h is not None and self.maps.get(owner[b], {}).get(h) != b:
-                raise InvariantError(f"block {b} holds hash {h:#x} but group map disagrees")
-        if used != self.num_used:
-            raise InvariantError(f"num_used {self.num_used} != {used} referenced blocks")
-        if per_group != self.group_used:
-            raise InvariantError(f"group_used {self.group_used} != {per_group} referenced blocks")
-        mapped = 0
-        for g, m in self.maps.items():
-            for h, b in m.items():
-                if hashes[b] != h or owner[b] != g:
-                    raise InvariantError(f"group {g} maps hash {h:#x} to block {b} that lacks it")
-            mapped += len(m)
-        if mapped != sum(1 for h in hashes if h is not None):
-            raise InvariantError("cached blocks and hash-map entries differ in number")
-
-    def snapshot(self) -> Any:
-        return (
-            list(self.refs),
-            list(self.hashes),
-            list(self.owner),
-            {g: list(m.items()) for g, m in self.maps.items()},
-            list(self.free_uncached),
-            self.fresh,
-            list(self.free_cached),
-            self.num_used,
-            dict(self.group_used),
-            None if self.hit is None else bytes(self.hit),
-        )

@@ -16,10 +16,10 @@ from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_base import (
     DEFAULT_CHANCES,
     BlockPool,
-    FreeListPool,
     GroupLists,
     chance_caps,
 )
+from hybridkv.cache.pool_freelist import FreeListPool
 from hybridkv.errors import InvariantError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
@@ -50,14 +50,14 @@ class UniformPool(BlockPool):
         *,
         second_chance: int = DEFAULT_CHANCES,
         chances: Sequence[int] | None = None,
+        eviction: str = "lru",
     ) -> None:
         super().__init__(layout, events)
         if len(layout.pools) != 1:
             raise InvariantError(f"uniform layout with {len(layout.pools)} pools")
         pool = layout.pools[0]
-        self._init_core(
-            pool.num_blocks, pool.block_bytes, chance_caps(self.num_groups, second_chance, chances)
-        )
+        caps = chance_caps(self.num_groups, second_chance, chances)
+        self._init_core(pool.num_blocks, pool.block_bytes, caps, eviction=eviction)
 
     def _init_core(
         self,
@@ -65,6 +65,7 @@ class UniformPool(BlockPool):
         block_bytes: int,
         caps: list[int],
         first: int = 1,
+        eviction: str = "lru",
     ) -> None:
         #: ``caps[g]``: the chances a block of group ``g`` holds at most.
         self.caps = caps
@@ -74,6 +75,7 @@ class UniformPool(BlockPool):
             self.events,
             first=first,
             second_chance=max(caps, default=0),
+            eviction=eviction,
         )
         self.block_bytes = block_bytes
         self.refs = [self.core.refs] * self.num_groups
@@ -176,6 +178,7 @@ class FlatArenaPool(UniformPool):
         *,
         second_chance: int = DEFAULT_CHANCES,
         chances: Sequence[int] | None = None,
+        eviction: str = "lru",
     ) -> None:
         BlockPool.__init__(self, layout, events)
         arena = layout.arena
@@ -189,7 +192,7 @@ class FlatArenaPool(UniformPool):
         tail = layout.tail_host  # one group: the bytes past the last chunk are its ids too
         num_ids = arena.num_chunks * self.bpc if tail is None else tail.end
         caps = chance_caps(self.num_groups, second_chance, chances)
-        self._init_core(num_ids, layout.groups[0].block_bytes, caps, first)
+        self._init_core(num_ids, layout.groups[0].block_bytes, caps, first, eviction)
         self.num_chunks = arena.num_chunks + (tail is not None)
         self._usable = num_ids - first
 
@@ -219,6 +222,7 @@ class PerGroupPools(BlockPool):
         *,
         second_chance: int = DEFAULT_CHANCES,
         chances: Sequence[int] | None = None,
+        eviction: str = "lru",
     ) -> None:
         super().__init__(layout, events)
         caps = chance_caps(self.num_groups, second_chance, chances)
@@ -226,7 +230,11 @@ class PerGroupPools(BlockPool):
         self.block_bytes: list[int] = []
         for g in range(self.num_groups):
             plan = layout.pool_of(g)
-            self.cores.append(FreeListPool(plan.num_blocks, (g,), events, second_chance=caps[g]))
+            self.cores.append(
+                FreeListPool(
+                    plan.num_blocks, (g,), events, second_chance=caps[g], eviction=eviction
+                )
+            )
             self.block_bytes.append(plan.block_bytes)
         self.refs = [c.refs for c in self.cores]
         self.hashes = [c.hashes for c in self.cores]

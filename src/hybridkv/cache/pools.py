@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_arena import ArenaPool
-from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, group_chances
+from hybridkv.cache.pool_base import (
+    DEFAULT_CHANCES,
+    EVICTION_ORDERS,
+    BlockPool,
+    group_chances,
+)
 from hybridkv.cache.pool_shared import FlatArenaPool, PerGroupPools, UniformPool
+from hybridkv.errors import PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 
-__all__ = ["POOL_CLASSES", "make_block_pool"]
+__all__ = ["POOL_CLASSES", "check_eviction", "make_block_pool"]
 
 #: Pool class per layout strategy.
 POOL_CLASSES: dict[Strategy, type[BlockPool]] = {
@@ -18,11 +24,28 @@ POOL_CLASSES: dict[Strategy, type[BlockPool]] = {
 }
 
 
+def check_eviction(layout: MemoryLayout, eviction: str, arena_eviction: str = "chunk_lru") -> None:
+    """Raise :class:`PlanError` unless ``eviction`` is an order the pool of ``layout`` runs:
+    ``"lru"`` everywhere, ``"2q"`` on free-list pools only (not the chunked arena)."""
+    if eviction not in EVICTION_ORDERS:
+        raise PlanError(
+            f"eviction: {eviction!r} is not an eviction order; valid: {', '.join(EVICTION_ORDERS)}"
+        )
+    flat = arena_eviction == "chunk_lru" and FlatArenaPool.applies(layout)
+    if eviction != "lru" and layout.strategy is Strategy.ARENA and not flat:
+        raise PlanError(
+            f"eviction: {eviction!r} runs on free-list pools (strategies uniform and pools, and "
+            "arenas whose chunk is every group's block or with one group); this arena's chunks "
+            "keep their own LRU (give lru)"
+        )
+
+
 def make_block_pool(
     layout: MemoryLayout,
     events: EventLog,
     *,
     arena_eviction: str = "chunk_lru",
+    eviction: str = "lru",
     second_chance: int = DEFAULT_CHANCES,
     window_chances: int | None = None,
 ) -> BlockPool:
@@ -33,15 +56,18 @@ def make_block_pool(
     group, runs the default policy on :class:`FlatArenaPool` (uniform's free lists).
     ``second_chance``: spare a block that served a hit (or, in the chunked arena, an idle
     chunk holding one) once when it comes up for eviction (see
-    :class:`~hybridkv.cache.pool_base.FreeListPool` and :class:`ArenaPool`); windowed groups
+    :class:`~hybridkv.cache.pool_freelist.FreeListPool` and :class:`ArenaPool`); windowed groups
     take ``window_chances`` instead (:func:`~hybridkv.cache.pool_base.group_chances`).
+    ``eviction``: the free-list pools' order (``"lru"`` or ``"2q"``; see
+    :class:`~hybridkv.cache.pool_freelist.FreeListPool`); the chunked arena has only its own.
     Raises PlanError for an unknown policy or a bad count.
     """
+    check_eviction(layout, eviction, arena_eviction)
     caps = group_chances(layout, second_chance, window_chances)
     if layout.strategy is Strategy.ARENA:
         if arena_eviction == "chunk_lru" and FlatArenaPool.applies(layout):
-            return FlatArenaPool(layout, events, chances=caps)
+            return FlatArenaPool(layout, events, chances=caps, eviction=eviction)
         return ArenaPool(layout, events, eviction=arena_eviction, chances=caps)
     if layout.strategy is Strategy.UNIFORM:
-        return UniformPool(layout, events, chances=caps)
-    return PerGroupPools(layout, events, chances=caps)
+        return UniformPool(layout, events, chances=caps, eviction=eviction)
+    return PerGroupPools(layout, events, chances=caps, eviction=eviction)

@@ -350,6 +350,7 @@ FIELD_FLAGS: dict[str, str] = {
     "tp_size": "--tp",
     "host_memory_bytes": "--host-memory",
     "disk_memory_bytes": "--disk-memory",
+    "eviction": "--eviction",
 }
 
 

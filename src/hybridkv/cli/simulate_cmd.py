@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hybridkv.cache import (
     CHECKPOINT_ADMISSION,
@@ -50,7 +50,7 @@ from hybridkv.cli.common import (
     max_model_len_for,
     model_name,
 )
-from hybridkv.cli.format import duration
+from hybridkv.cli.simulate_disagg import run_disaggregated
 from hybridkv.models.catalog import DEFAULT_MODEL
 from hybridkv.sim.simulator import PROTECT_MODES
 
@@ -62,8 +62,6 @@ __all__ = ["DEFAULT_TRACE", "add_arguments", "run"]
 
 #: The demo's workload: tool-use loops re-sending a growing context (long shared prefixes).
 DEFAULT_TRACE = "synthetic:agent"
-#: ``--link-bandwidth`` when not given: a 400 Gb/s RDMA link.
-DEFAULT_LINK_BANDWIDTH = "50GB"
 _ACCELERATORS = ("h100", "h200", "a100")
 
 
@@ -216,6 +214,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_PROTECT_SHARE})",
     )
     parser.add_argument(
+        "--eviction",
+        default="lru",
+        choices=["lru", "2q"],
+        help="order of the free-list pools (uniform, pools, and arenas whose chunk is every "
+        "group's block or with one group): least recently used, or 2Q (blocks used once wait "
+        "on a short probation; only blocks that served a hit or came back soon after their "
+        "eviction join the LRU)",
+    )
+    parser.add_argument(
         "--second-chance",
         type=int,
         default=DEFAULT_CHANCES,
@@ -279,6 +286,7 @@ def _warnings(results: list[SimResult]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridkv.cache.pools import check_eviction
     from hybridkv.cache.tiers import TierStack
     from hybridkv.cli.plan_cmd import parse_ratios
     from hybridkv.cli.progress import Progress
@@ -430,6 +438,7 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_when_full=args.checkpoint_when_full,
             tier_admission=args.tier_admission or "yield",
             second_chance=args.second_chance,
+            eviction=args.eviction,
             window_chances=args.window_chances,
             host_memory_bytes=host,
             disk_memory_bytes=disk,
@@ -448,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliInputError("--disaggregate: not with --host-memory / --disk-memory")
         if len(configs) != 1:
             raise CliInputError("--disaggregate: one strategy at a time (add --strategy arena)")
-        return _run_disaggregated(args, model, profile, workload, configs[0], title_of=name)
+        return run_disaggregated(args, model, profile, workload, configs[0], title_of=name)
     # Plans are cheap: make them all before simulating, so a plan that cannot exist is
     # reported at once (exit 2 for one strategy, n/a among several).
     # A host-size sweep plans the same device layout at every size: one strategy's plan
@@ -459,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
     for config in configs:
         try:
             plan = plan_for(model, config)
+            check_eviction(plan.layout, config.eviction)
         except PlanError as exc:
             if len(strategies) == 1 or isinstance(exc, PoolRatiosError):
                 raise  # one strategy, or the user's --pool-ratios: the command's error
@@ -539,63 +549,3 @@ def _sizes(text: str | None) -> list[str]:
     """The comma-separated sizes of a sweep option (``--host-memory 0,64GiB``), stripped;
     none when it was not given."""
     return [] if text is None else [part.strip() for part in str(text).split(",")]
-
-
-def _run_disaggregated(
-    args: argparse.Namespace,
-    model: Any,
-    profile: Any,
-    workload: Any,
-    config: Any,
-    *,
-    title_of: str,
-) -> int:
-    """``--disaggregate``: :func:`hybridkv.sim.disagg.simulate_pd` with ``config`` for the
-    decode instance and, with ``--prefill-memory``, another budget for the prefill one."""
-    from dataclasses import replace
-
-    from hybridkv.errors import PlanError
-    from hybridkv.sim.disagg import simulate_pd
-    from hybridkv.sim.simulator import plan_for
-    from hybridkv.units import format_bytes, parse_bytes
-
-    if config.host_memory_bytes or config.disk_memory_bytes:
-        raise CliInputError("--disaggregate: not with --host-memory / --disk-memory")
-    prefill = config
-    if args.prefill_memory is not None:
-        prefill = replace(
-            config, memory_bytes=parse_bytes(args.prefill_memory, field="--prefill-memory")
-        )
-        try:  # the prefill budget is --prefill-memory's, not --memory's
-            plan_for(model, prefill)
-        except PlanError as exc:
-            text = str(exc).removeprefix("memory_bytes: ")
-            raise CliInputError(f"--prefill-memory: {text}") from None
-    link = parse_bytes(args.link_bandwidth or DEFAULT_LINK_BANDWIDTH, field="--link-bandwidth")
-    result = simulate_pd(model, profile, workload, prefill, config, link_bandwidth=float(link))
-    summary = result.summary()
-    if args.json:
-        print(json.dumps(summary, indent=1))
-        return 0
-    print(
-        f"{title_of} | {workload.summary()} | prefill {format_bytes(prefill.memory_bytes)}, "
-        f"decode {format_bytes(config.memory_bytes)}, link {format_bytes(link)}/s | "
-        f"{config.strategy}"
-    )
-    print(
-        f"requests {summary['requests']}, finished {summary['finished']}; prompt tokens hit: "
-        f"prefill {summary['prefill_hit_rate']:.1%}, decode {summary['decode_hit_rate']:.1%} "
-        "(the decode side pulls only what it lacks)"
-    )
-    print(
-        f"moved {format_bytes(summary['transferred_bytes'])} over the link, "
-        f"{duration(summary['transfer_mean_s'])} per request (p99 "
-        f"{duration(summary['transfer_p99_s'])}); {summary['link_waits']} waits for decode "
-        "memory"
-    )
-    print(
-        f"TTFT mean {duration(summary['ttft_mean_s'])} (p99 {duration(summary['ttft_p99_s'])}"
-        f"), TPOT mean {duration(summary['tpot_mean_s'])}; simulated "
-        f"{duration(summary['sim_time_s'])} in {summary['wall_time_s']:.1f} s"
-    )
-    return 0

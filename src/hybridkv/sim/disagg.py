@@ -100,6 +100,7 @@ def _instance(model: ModelSpec, config: SimConfig, publish: str) -> Scheduler:
         tier_admission=config.tier_admission,
         second_chance=config.second_chance,
         window_chances=config.window_chances,
+        eviction=config.eviction,
         checkpoint_when_full=config.checkpoint_when_full,
     )
     return scheduler_for(mgr, config)

@@ -81,6 +81,8 @@ class SimConfig:
     tier_admission: str = "yield"
     #: Chances a cached block that served hits holds at most (``KVCacheManager(second_chance=)``).
     second_chance: int = DEFAULT_CHANCES
+    #: The free-list pools' eviction order, ``"lru"`` or ``"2q"`` (``KVCacheManager(eviction=)``).
+    eviction: str = "lru"
     #: The same for windowed groups (``KVCacheManager(window_chances=)``; None: its default).
     window_chances: int | None = None
     #: The scheduler's ``checkpoint_before_end`` (state models; None: by the alignment).
@@ -372,6 +374,7 @@ def simulate(
         tier_admission=config.tier_admission,
         second_chance=config.second_chance,
         window_chances=config.window_chances,
+        eviction=config.eviction,
         group_hit_stats=True,  # the report's per-group hit rates
         tiers=config.tiers(),
         tier_write_through=config.write_through,

@@ -1,0 +1,76 @@
+"""``hybridkv simulate --disaggregate``: a prefill and a decode instance joined by a link
+(:func:`hybridkv.sim.disagg.simulate_pd`), and its summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from hybridkv.cli.common import CliInputError
+from hybridkv.cli.format import duration
+
+__all__ = ["DEFAULT_LINK_BANDWIDTH", "run_disaggregated"]
+
+#: ``--link-bandwidth`` when not given: a 400 Gb/s RDMA link.
+DEFAULT_LINK_BANDWIDTH = "50GB"
+
+
+def run_disaggregated(
+    args: argparse.Namespace,
+    model: Any,
+    profile: Any,
+    workload: Any,
+    config: Any,
+    *,
+    title_of: str,
+) -> int:
+    """``--disaggregate``: :func:`hybridkv.sim.disagg.simulate_pd` with ``config`` for the
+    decode instance and, with ``--prefill-memory``, another budget for the prefill one."""
+    from dataclasses import replace
+
+    from hybridkv.errors import PlanError
+    from hybridkv.sim.disagg import simulate_pd
+    from hybridkv.sim.simulator import plan_for
+    from hybridkv.units import format_bytes, parse_bytes
+
+    if config.host_memory_bytes or config.disk_memory_bytes:
+        raise CliInputError("--disaggregate: not with --host-memory / --disk-memory")
+    prefill = config
+    if args.prefill_memory is not None:
+        prefill = replace(
+            config, memory_bytes=parse_bytes(args.prefill_memory, field="--prefill-memory")
+        )
+        try:  # the prefill budget is --prefill-memory's, not --memory's
+            plan_for(model, prefill)
+        except PlanError as exc:
+            text = str(exc).removeprefix("memory_bytes: ")
+            raise CliInputError(f"--prefill-memory: {text}") from None
+    link = parse_bytes(args.link_bandwidth or DEFAULT_LINK_BANDWIDTH, field="--link-bandwidth")
+    result = simulate_pd(model, profile, workload, prefill, config, link_bandwidth=float(link))
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(
+        f"{title_of} | {workload.summary()} | prefill {format_bytes(prefill.memory_bytes)}, "
+        f"decode {format_bytes(config.memory_bytes)}, link {format_bytes(link)}/s | "
+        f"{config.strategy}"
+    )
+    print(
+        f"requests {summary['requests']}, finished {summary['finished']}; prompt tokens hit: "
+        f"prefill {summary['prefill_hit_rate']:.1%}, decode {summary['decode_hit_rate']:.1%} "
+        "(the decode side pulls only what it lacks)"
+    )
+    print(
+        f"moved {format_bytes(summary['transferred_bytes'])} over the link, "
+        f"{duration(summary['transfer_mean_s'])} per request (p99 "
+        f"{duration(summary['transfer_p99_s'])}); {summary['link_waits']} waits for decode "
+        "memory"
+    )
+    print(
+        f"TTFT mean {duration(summary['ttft_mean_s'])} (p99 {duration(summary['ttft_p99_s'])}"
+        f"), TPOT mean {duration(summary['tpot_mean_s'])}; simulated "
+        f"{duration(summary['sim_time_s'])} in {summary['wall_time_s']:.1f} s"
+    )
+    return 0
