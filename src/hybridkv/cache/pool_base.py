@@ -65,7 +65,7 @@ MAX_CHANCES = 255
 EVICTION_ORDERS = ("lru", "2q")
 #: 2Q: the share of the evictable blocks past which probation evicts first.
 PROBATION_SHARE = 0.1
-#: 2Q: the evicted ``(group, hash)`` keys remembered, per block of the pool.
+#: 2Q: the evicted block hashes remembered, per block of the pool.
 GHOST_PER_BLOCK = 5
 
 

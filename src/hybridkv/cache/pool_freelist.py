@@ -43,9 +43,12 @@ class FreeListPool:
 
     ``eviction="2q"`` splits the cached free blocks in two, as the 2Q policy does: a block
     released for the first time waits on *probation* (``probation``, FIFO), and only a block
-    that served a hit, or whose ``(group, hash)`` was evicted not long ago (it is in
-    ``ghost``, the last ``GHOST_PER_BLOCK * num_blocks`` evicted keys; the data came back),
-    joins the main LRU (``free_cached``).  Eviction takes probation's oldest while probation
+    that served a hit, or whose hash was evicted not long ago (it is in ``ghost``, the last
+    ``GHOST_PER_BLOCK * num_blocks`` evicted hashes: the data came back), joins the main LRU
+    (``free_cached``).  The groups of one prefix share its hashes, so a prefix one group
+    lost proves the blocks of every group holding it (a hit needs them all: the state
+    checkpoint with the attention blocks), and a returned hash stays in the ghost list until
+    it ages out, for the other groups' blocks.  Eviction takes probation's oldest while probation
     holds more than ``PROBATION_SHARE`` of the evictable blocks, else the main LRU's least
     recently used (with its chances).  Data used once then leaves after a short stay instead
     of pushing out data that is reused, which in a cache smaller than the reuse distance
@@ -113,12 +116,12 @@ class FreeListPool:
         #: ``chances``); None when the second chance is off.
         self.chances = check_chances(second_chance)
         self.hit: bytearray | None = bytearray(num_blocks) if self.chances else None
-        #: 2Q (None under LRU): cached free blocks on probation (FIFO), recently evicted
-        #: ``(group, hash)`` keys (oldest first, at most ``ghost_cap``), and ``proven[b]``:
+        #: 2Q (None under LRU): cached free blocks on probation (FIFO), recently evicted block
+        #: hashes of any group (oldest first, at most ``ghost_cap``), and ``proven[b]``:
         #: block ``b`` served a hit or its key came back from the ghost list.
         two_q = eviction == "2q"
         self.probation: OrderedDict[int, None] | None = OrderedDict() if two_q else None
-        self.ghost: OrderedDict[tuple[int, int], None] | None = OrderedDict() if two_q else None
+        self.ghost: OrderedDict[int, None] | None = OrderedDict() if two_q else None
         self.ghost_cap = GHOST_PER_BLOCK * num_blocks
         self.proven: bytearray | None = bytearray(num_blocks) if two_q else None
 
@@ -227,10 +230,10 @@ class FreeListPool:
             del maps[old][h]
             hashes[b] = None
             proven[b] = 0
-            ghost[old, h] = None
+            ghost[h] = None
             if spare > 0:
                 spare -= 1
-            elif len(ghost) > cap:  # a key evicted again (after a hit) did not grow it
+            elif len(ghost) > cap:  # a hash already there (another group's, or again) added none
                 ghost.popitem(False)
             if evicted is not None:
                 evicted.append((old, h, b))
@@ -325,8 +328,7 @@ class FreeListPool:
                 proven[b] = 0
                 fu[b] = None
                 continue
-            if not proven[b] and (owner[b], h) in ghost:  # evicted before, needed again
-                del ghost[owner[b], h]
+            if not proven[b] and h in ghost:  # evicted before, needed again
                 proven[b] = 1
             if proven[b]:
                 fc[b] = None
