@@ -1,4 +1,4 @@
-"""Fixed-capacity replays of a workload's prefix hits: LRU and Belady's rule."""
+"""Fixed-capacity replays of a workload's prefix hits: LRU, 2Q and Belady's rule."""
 
 from __future__ import annotations
 
@@ -32,6 +32,26 @@ def test_lru_forgets_what_belady_keeps() -> None:
     assert ideal_hit_tokens(reqs, 1) == 2
 
 
+def test_two_q_keeps_a_prefix_that_came_back() -> None:
+    """A prefix used, evicted by two others, then used again (its keys back from the ghost
+    list) joins 2Q's main LRU and survives three more: its third use hits where LRU's
+    misses."""
+    a = _R((1, 2, 9))
+    noise = [_R((10 + i, 20 + i, 9)) for i in range(5)]
+    reqs = [a, noise[0], noise[1], a, noise[2], noise[3], noise[4], a]
+    assert replay_hit_tokens(reqs, 1, [4, 6, 8], "lru") == [0, 2, 4]
+    assert replay_hit_tokens(reqs, 1, [4, 6, 8], "2q") == [2, 4, 4]
+    assert replay_hit_tokens(reqs, 1, [4, 6, 8], "belady") == [4, 4, 4]
+
+
+def test_the_replay_runs_the_pools_2q_parameters() -> None:
+    from hybridkv.cache import pool_base
+    from hybridkv.workloads import ideal
+
+    assert ideal._PROBATION_SHARE == pool_base.PROBATION_SHARE
+    assert ideal._GHOST_PER_BLOCK == pool_base.GHOST_PER_BLOCK
+
+
 def test_hits_stop_at_the_first_missing_block_and_keep_the_last_prompt_token() -> None:
     # block size 2: r0 caches [5 6] [7 8] (its output token 0 is never fed back)
     reqs = [_R((5, 6, 7, 8), (0,)), _R((5, 6, 7, 8, 1)), _R((5, 6, 7, 8))]
@@ -44,7 +64,7 @@ def test_hits_stop_at_the_first_missing_block_and_keep_the_last_prompt_token() -
 def test_bad_arguments_name_the_field() -> None:
     with pytest.raises(WorkloadError, match="block_size must be >= 1, got 0"):
         replay_hit_tokens([], 0, [1])
-    with pytest.raises(WorkloadError, match="policy 'fifo' is unknown; valid: lru, belady"):
+    with pytest.raises(WorkloadError, match="policy 'fifo' is unknown; valid: lru, belady, 2q"):
         replay_hit_tokens([], 4, [1], "fifo")
     with pytest.raises(WorkloadError, match="capacities must be >= 1 blocks, got 0"):
         replay_hit_tokens([], 4, [0])

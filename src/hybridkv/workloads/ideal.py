@@ -24,7 +24,11 @@ from hybridkv.workloads.types import WorkloadError
 __all__ = ["REPLAY_POLICIES", "ideal_hit_tokens", "replay_hit_tokens"]
 
 #: Eviction rules :func:`replay_hit_tokens` replays.
-REPLAY_POLICIES = ("lru", "belady")
+REPLAY_POLICIES = ("lru", "belady", "2q")
+#: 2Q's parameters, those of :mod:`hybridkv.cache.pool_base` (this module imports nothing
+#: from the cache: the vLLM driver loads it in vLLM's interpreter; a test keeps them equal).
+_PROBATION_SHARE = 0.1
+_GHOST_PER_BLOCK = 5
 
 
 class _TokenStream(Protocol):
@@ -83,8 +87,9 @@ def replay_hit_tokens(
     """Prompt tokens that hit a cache of ``capacities[i]`` blocks of ``block_size`` tokens,
     one total per capacity, requests served one after another in the given order (each looks
     up the longest cached run of whole blocks, capped as in :func:`ideal_hit_tokens`, then
-    caches its blocks, then the cache evicts down to its capacity by ``policy``: ``"lru"``
-    or ``"belady"``).  Raises :class:`WorkloadError` for a bad block size, capacity or policy."""
+    caches its blocks, then the cache evicts down to its capacity by ``policy``: ``"lru"``,
+    ``"belady"`` or ``"2q"``).  Raises :class:`WorkloadError` for a bad block size, capacity
+    or policy."""
     if block_size < 1:
         raise WorkloadError(f"replay_hit_tokens: block_size must be >= 1, got {block_size}")
     if policy not in REPLAY_POLICIES:
@@ -113,6 +118,8 @@ def _replay(
     capacity: int,
     policy: str,
 ) -> int:
+    if policy == "2q":
+        return _replay_2q(streams, block_size, capacity)
     lru: OrderedDict[int, None] = OrderedDict()
     due: dict[int, int] = {}  # belady: block -> its next use
     heap: list[tuple[int, int]] = []  # belady: (-next use, block), stale entries skipped
@@ -138,4 +145,43 @@ def _replay(
                 neg, k = heapq.heappop(heap)
                 if due.get(k) == -neg:
                     del due[k]
+    return total
+
+
+def _replay_2q(streams: list[tuple[list[int], int]], block_size: int, capacity: int) -> int:
+    """:func:`_replay` under 2Q, as the free-list pools run it
+    (:class:`~hybridkv.cache.pool_freelist.FreeListPool`): new blocks on probation (FIFO),
+    blocks hit or back from the ghost list of recent evictions in the main LRU; probation
+    evicts first while it holds more than its share."""
+    probation: OrderedDict[int, None] = OrderedDict()
+    main: OrderedDict[int, None] = OrderedDict()
+    ghost: OrderedDict[int, None] = OrderedDict()
+    total = 0
+    for keys, hittable in streams:
+        hit = 0
+        while hit < hittable and (keys[hit] in main or keys[hit] in probation):
+            hit += 1
+        total += hit * block_size
+        for j, k in enumerate(keys):
+            if k in main:
+                main.move_to_end(k)
+            elif k in probation and j >= hit:  # on probation, not read: no proof yet
+                probation.move_to_end(k)
+            else:  # a hit, a key back from the ghost list, or a new one
+                probation.pop(k, None)
+                if j < hit or k in ghost:
+                    main[k] = None
+                else:
+                    probation[k] = None
+        while len(main) + len(probation) > capacity:
+            if probation and (
+                not main or len(probation) > _PROBATION_SHARE * (len(probation) + len(main))
+            ):
+                k = probation.popitem(last=False)[0]
+            else:
+                k = main.popitem(last=False)[0]
+            ghost[k] = None
+            ghost.move_to_end(k)
+            if len(ghost) > _GHOST_PER_BLOCK * capacity:
+                ghost.popitem(last=False)
     return total
