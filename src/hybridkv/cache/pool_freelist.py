@@ -193,8 +193,7 @@ class FreeListPool:
             owner[b] = group_id
             append(b)
         if evicted is not None:
-            for old, h, b in evicted:
-                self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]
+            self._report(evicted)
 
     def _allocate_evicting_2q(self, group_id: int, n: int, out: list[int]) -> None:
         """:meth:`_allocate_evicting` under 2Q: probation's oldest while probation holds more
@@ -241,8 +240,12 @@ class FreeListPool:
             owner[b] = group_id
             append(b)
         if evicted is not None:
-            for old, h, b in evicted:
-                self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]
+            self._report(evicted)
+
+    def _report(self, evicted: list[tuple[int, int, int]]) -> None:
+        """A removal event for each ``(group, hash, block)`` an allocation evicted."""
+        for old, h, b in evicted:
+            self.events.evicted(old, (h,), (b,))  # type: ignore[arg-type]
 
     def _unqueue(self, b: int) -> None:
         """Take cached free block ``b`` out of whichever queue holds it."""
