@@ -37,6 +37,7 @@ __all__ = [
     "BlockPool",
     "chance_caps",
     "check_chances",
+    "check_eviction_order",
     "group_chances",
 ]
 
@@ -67,6 +68,16 @@ EVICTION_ORDERS = ("lru", "2q")
 PROBATION_SHARE = 0.1
 #: 2Q: the evicted block hashes remembered, per block of the pool.
 GHOST_PER_BLOCK = 5
+
+
+def check_eviction_order(eviction: str) -> str:
+    """``eviction``, or :class:`PlanError` naming it unless it is one of
+    :data:`EVICTION_ORDERS`."""
+    if eviction not in EVICTION_ORDERS:
+        raise PlanError(
+            f"eviction: {eviction!r} is not an eviction order; valid: {', '.join(EVICTION_ORDERS)}"
+        )
+    return eviction
 
 
 def check_chances(value: object, field: str = "second_chance") -> int:

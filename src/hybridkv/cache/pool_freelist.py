@@ -14,12 +14,12 @@ from typing import Any
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_base import (
     DEFAULT_CHANCES,
-    EVICTION_ORDERS,
     GHOST_PER_BLOCK,
     PROBATION_SHARE,
     check_chances,
+    check_eviction_order,
 )
-from hybridkv.errors import InvariantError, PlanError
+from hybridkv.errors import InvariantError
 from hybridkv.plan.layout import NULL_BLOCK_ID
 
 __all__ = ["FreeListPool"]
@@ -89,11 +89,7 @@ class FreeListPool:
         second_chance: int = DEFAULT_CHANCES,
         eviction: str = "lru",
     ) -> None:
-        if eviction not in EVICTION_ORDERS:
-            raise PlanError(
-                f"eviction: {eviction!r} is not an eviction order; valid: "
-                f"{', '.join(EVICTION_ORDERS)}"
-            )
+        check_eviction_order(eviction)
         #: Ids ``[1, first)`` are reserved: never handed out (an arena's null chunk).
         self.first = first
         self.num_blocks = num_blocks
@@ -283,13 +279,13 @@ class FreeListPool:
 
     def release(self, group_id: int, blocks: Sequence[int]) -> None:
         """Drop a reference of each of ``blocks`` of ``group_id``."""
-        refs, hashes, owner = self.refs, self.hashes, self.owner
-        fu, fc = self.free_uncached, self.free_cached
         if self.probation is not None:
             freed = self._release_2q(blocks)
             self.num_used -= freed
             self.group_used[group_id] -= freed
             return
+        refs, hashes, owner = self.refs, self.hashes, self.owner
+        fu, fc = self.free_uncached, self.free_cached
         freed = 0
         for b in blocks:
             r = refs[b] - 1

@@ -6,8 +6,8 @@ from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_arena import ArenaPool
 from hybridkv.cache.pool_base import (
     DEFAULT_CHANCES,
-    EVICTION_ORDERS,
     BlockPool,
+    check_eviction_order,
     group_chances,
 )
 from hybridkv.cache.pool_shared import FlatArenaPool, PerGroupPools, UniformPool
@@ -27,10 +27,7 @@ POOL_CLASSES: dict[Strategy, type[BlockPool]] = {
 def check_eviction(layout: MemoryLayout, eviction: str, arena_eviction: str = "chunk_lru") -> None:
     """Raise :class:`PlanError` unless ``eviction`` is an order the pool of ``layout`` runs:
     ``"lru"`` everywhere, ``"2q"`` on free-list pools only (not the chunked arena)."""
-    if eviction not in EVICTION_ORDERS:
-        raise PlanError(
-            f"eviction: {eviction!r} is not an eviction order; valid: {', '.join(EVICTION_ORDERS)}"
-        )
+    check_eviction_order(eviction)
     flat = arena_eviction == "chunk_lru" and FlatArenaPool.applies(layout)
     if eviction != "lru" and layout.strategy is Strategy.ARENA and not flat:
         raise PlanError(
