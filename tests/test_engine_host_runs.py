@@ -9,60 +9,34 @@ import pytest
 import torch
 
 from hybridkv.engine import host_runs
-from hybridkv.engine.host_runs import BlockRows, RowRuns, load_rows, spans, store_rows
+from hybridkv.engine.host_runs import BlockRows, load_rows, merge_runs, spans, store_rows
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _runs(
-    merge: bool = True,
-) -> tuple[RowRuns, list[tuple[int, int, list[int]]]]:
-    out: list[tuple[int, int, list[int]]] = []
-    return RowRuns(lambda lo, t, rows: out.append((lo, t, rows)), merge), out
-
-
-def test_runs_grow_at_either_end_and_close_on_a_gap_or_another_table(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(host_runs, "FIRST_RUN_BYTES", 1 << 20)
-    runs, out = _runs()
+def test_runs_merge_adjacent_slots_in_host_order_and_close_on_a_gap_or_another_table() -> None:
     size = 1000
-    runs.add(5000, 0, (7,), size)
-    runs.add(6000, 0, (3,), size)  # after the run's end
-    runs.add(4000, 0, (9,), size)  # before its start
-    runs.add(8000, 0, (1,), size)  # a gap: the run closes
-    runs.add(9000, 1, (2,), size)  # adjacent, another table: closes too
-    runs.add(10000, 1, (4,), size)
-    runs.flush()
-    assert out == [(4000, 0, [9, 7, 3]), (8000, 0, [1]), (9000, 1, [2, 4])]
+    items = [
+        (5000, 0, (7,), size),
+        (6000, 0, (3,), size),  # after the first's end
+        (4000, 0, (9,), size),  # before its start: sorted in
+        (8000, 0, (1,), size),  # a gap: the run closes
+        (9000, 1, (2,), size),  # adjacent, another table: closes too
+        (10000, 1, (4,), size),
+    ]
+    assert merge_runs(items, 1 << 20) == [(4000, 0, [9, 7, 3]), (8000, 0, [1]), (9000, 1, [2, 4])]
 
 
-def test_a_block_of_several_rows_keeps_its_rows_in_order_at_either_end() -> None:
-    runs, out = _runs()
-    runs.add(400, 0, (1, 2), 200)  # two 100-byte rows a block
-    runs.add(600, 0, (5, 6), 200)
-    runs.add(200, 0, (8, 3), 200)
-    runs.flush()
-    assert out == [(200, 0, [8, 3, 1, 2, 5, 6])]
+def test_a_block_of_several_rows_keeps_its_rows_in_order() -> None:
+    items = [(400, 0, (1, 2), 200), (600, 0, (5, 6), 200), (200, 0, (8, 3), 200)]
+    assert merge_runs(items, 1 << 20) == [(200, 0, [8, 3, 1, 2, 5, 6])]
 
 
-def test_run_caps_start_small_and_double_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host_runs, "FIRST_RUN_BYTES", 2)
-    monkeypatch.setattr(host_runs, "RUN_BYTES", 8)
-    runs, out = _runs()
-    for i in range(20):  # one byte each, all adjacent
-        runs.add(i, 0, (i,), 1)
-    runs.flush()
-    assert [len(rows) for _, _, rows in out] == [2, 4, 8, 6]
-    assert [lo for lo, _, _ in out] == [0, 2, 6, 14]
-
-
-def test_without_merging_every_block_is_its_own_run() -> None:
-    runs, out = _runs(merge=False)
-    runs.add(0, 0, (5,), 10)
-    runs.add(10, 0, (6,), 10)
-    runs.flush()
-    assert out == [(0, 0, [5]), (10, 0, [6])]
+def test_a_run_stays_within_its_cap_and_a_cap_of_0_keeps_every_block_alone() -> None:
+    items = [(i, 0, (i,), 1) for i in range(7)]
+    assert [len(r) for _, _, r in merge_runs(list(items), 3)] == [3, 3, 1]
+    assert merge_runs(list(items[:2]), 0) == [(0, 0, [0]), (1, 0, [1])]
+    assert merge_runs([(0, 0, (5,), 10)], 1) == [(0, 0, [5])]  # a block over the cap: alone
 
 
 def test_block_rows_place_blocks_by_length_and_offset_phase() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridkv.cache.tiers import TierOp
-from hybridkv.engine import CacheConfig, LLMEngine, host_runs, verify_completions
+from hybridkv.engine import CacheConfig, LLMEngine, host_runs, tier_store, verify_completions
 from hybridkv.engine.models import load_model
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import PlanError
@@ -112,6 +112,42 @@ def test_a_small_host_tier_drops_entries_and_stays_exact(name: str) -> None:
 def test_host_memory_must_be_positive() -> None:
     with pytest.raises(PlanError, match=r"CacheConfig\.host_memory_bytes"):
         CacheConfig(host_memory_bytes=0)
+
+
+def test_host_stores_go_in_batches_that_double_and_merge_out_of_order_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run of host stores is walked in batches of FIRST_RUN_BYTES doubling to RUN_BYTES,
+    each batch's copies issued before the next is walked; within a batch, blocks whose free
+    slots came back in any order still go as one copy per adjacent stretch of slots."""
+    g = group(0, SPECS["full"], (0, 1))
+    storage = KVCacheStorage(pools_layout((g,), num_blocks=64))
+    size = g.block_bytes
+    monkeypatch.setattr(host_runs, "FIRST_RUN_BYTES", size)
+    monkeypatch.setattr(host_runs, "RUN_BYTES", 4 * size)
+    copies: list[tuple[int, list[int]]] = []
+    real = tier_store.store_rows
+
+    def spy(rows: Any, table: int, picked: list[int], host: torch.Tensor, nb: bool) -> None:
+        copies.append((host.data_ptr(), list(picked)))
+        real(rows, table, picked, host, nb)
+
+    monkeypatch.setattr(tier_store, "store_rows", spy)
+    store = TierStore(storage, 40 * size)
+    store.apply([TierOp("store", "host", 0, 100 + b, b) for b in range(1, 13)])
+    assert [len(p) for _, p in copies] == [1, 2, 4, 4, 1]  # batches of 1, 2, 4, 4, 1 blocks
+    assert [p for _, p in copies] == [[1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12]]
+    # free the slots of hashes 103..106 (blocks 3..6) in a scrambled order; stores reuse them
+    store.apply([TierOp("drop", "host", 0, h, 0) for h in (105, 103, 106, 104)])
+    copies.clear()
+    monkeypatch.setattr(host_runs, "FIRST_RUN_BYTES", 4 * size)
+    store.apply([TierOp("store", "host", 0, 200 + b, b) for b in (20, 21, 22, 23)])
+    assert len(copies) == 1  # one stretch of four slots, one copy
+    assert store._host[0, 220][0] != store._host[0, 221][0] - size  # taken out of order
+    store.check_invariants()
+    for b in (20, 21, 22, 23):
+        want = gather(storage.descriptor(0, [b]), storage.buffers)
+        assert torch.equal(store._bytes((0, 200 + b)), want.cpu())
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -15,13 +15,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from hybridkv.cache.tiers import TierOp
 from hybridkv.engine.host_runs import BlockRows, load_rows, store_rows
 from hybridkv.storage import KVCacheStorage
 from hybridkv.storage.transfer import TransferDescriptor, gather, scatter
 
-__all__ = ["BlockPlaces"]
+__all__ = ["BlockPlaces", "Place"]
+
+#: ``(bytes, table id, rows)`` of a device block (:meth:`BlockPlaces.place`).
+Place = tuple[int, int, tuple[int, ...]]
 
 
 class BlockPlaces:
@@ -35,14 +41,19 @@ class BlockPlaces:
         self.rows = BlockRows(storage.buffers)
         #: ``(bytes, table id, rows)`` of each ``(group, block)``; table id -1 for a block
         #: of several byte ranges that are not rows of one table.
-        self._places: dict[tuple[int, int], tuple[int, int, tuple[int, ...]]] = {}
+        self._places: dict[tuple[int, int], Place] = {}
         #: One-block transfer descriptors.
         self._descs: dict[tuple[int, int], TransferDescriptor] = {}
         #: The storage buffers' bytes, and each ``(group, block)``'s ranges of them.
         self._flat: list[memoryview] | None = None
         self._views: dict[tuple[int, int], tuple[tuple[memoryview, ...], int]] = {}
 
-    def place(self, group_id: int, block: int) -> tuple[int, int, tuple[int, ...]]:
+    def places(self, ops: Sequence[TierOp]) -> list[Place]:
+        """:meth:`place` of each operation's ``(group_id, block)``, in one pass."""
+        get, place = self._places.get, self.place
+        return [get((op.group_id, op.block)) or place(op.group_id, op.block) for op in ops]
+
+    def place(self, group_id: int, block: int) -> Place:
         """``(bytes, table id, rows)`` of device block ``block`` of ``group_id``: its byte
         ranges as rows of one table of :attr:`rows` when they are all of one length and
         phase in one buffer, else table id -1 and no rows."""

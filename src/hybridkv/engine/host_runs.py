@@ -23,14 +23,16 @@ merged into runs: blocks whose host slots are adjacent, of one such table, up to
   :data:`CPU_WIDE_SPAN` bytes, one indexed scatter over 8-byte words (single-threaded, but
   without a copy call per stretch).
 
-Runs are issued as they close, so the first copies overlap the host's walk over the rest;
-they start small and grow (:data:`FIRST_RUN_BYTES` doubling to :data:`RUN_BYTES`).
+The tier store walks a stream of stores (loads) in batches that start small and grow
+(:data:`FIRST_RUN_BYTES` doubling to :data:`RUN_BYTES`) and issues each batch's runs before
+walking the next, so the first copies overlap the host's walk over the rest.  Within a batch
+the blocks are sorted by host offset before they merge (:func:`merge_runs`): slots that a
+free list hands back in any order still go as one copy per adjacent stretch.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -41,16 +43,18 @@ __all__ = [
     "FIRST_RUN_BYTES",
     "RUN_BYTES",
     "BlockRows",
-    "RowRuns",
     "load_rows",
+    "merge_runs",
     "spans",
     "store_rows",
 ]
 
-#: Bytes the first run of a batch carries at most; each later run may carry twice its
-#: predecessor's cap, up to :data:`RUN_BYTES`.  A smaller first run starts the copies after
-#: fewer blocks of the host's walk; larger runs pay the per-run cost (on CUDA an index
-#: upload, a kernel and a copy, ~15 us between them on an H200) fewer times.  Measured on an
+#: Bytes the first batch of a stream of host stores (loads) carries at most; each later batch
+#: may carry twice its predecessor's, up to :data:`RUN_BYTES`, and a run never more than its
+#: batch.  A smaller first batch starts the copies after fewer blocks of the host's walk;
+#: larger runs pay the per-run cost (on CUDA an index upload, a kernel and a copy: the index
+#: upload alone, a pinned tensor made per list, took 43 us of host time on an H200 machine,
+#: 2026-11-27) fewer times.  Measured on an
 #: H200 (2026-11-27, 1, 2, 4 and 8 MiB, two interleaved rounds, blocks of 128 KiB to 1 MiB,
 #: 128 and 1,024 of them, both layouts): 8 MiB gave the best round trip in 13 of 16 rows
 #: (128 blocks of 128 KiB, cross-layer: 0.41-0.46 of one contiguous copy with 1 MiB, 0.58-0.66
@@ -115,46 +119,30 @@ class BlockRows:
         return tid, offset // length
 
 
-class RowRuns:
-    """Blocks ``(host offset, table, rows, bytes)`` arriving one by one, merged into a run
-    while each extends the run's host range at either end, is of the run's table and the run
-    stays within its cap (:data:`FIRST_RUN_BYTES`, doubling with each run up to
-    :data:`RUN_BYTES`) (with ``merge``; else each block alone).  Every finished run goes to
-    ``emit(first host offset, table, rows in host order)``."""
-
-    def __init__(self, emit: Callable[[int, int, list[int]], None], merge: bool) -> None:
-        self.emit = emit
-        self.merge = merge
-        self.rows: deque[int] = deque()
-        self.table = -1
-        self.lo = self.hi = 0
-        self.cap = min(FIRST_RUN_BYTES, RUN_BYTES)
-
-    def add(self, offset: int, table: int, block: tuple[int, ...], nbytes: int) -> None:
-        if not self.merge:
-            self.emit(offset, table, list(block))
-            return
-        rows = self.rows
-        if rows and table == self.table and self.hi - self.lo + nbytes <= self.cap:
-            if offset == self.hi:
-                rows.extend(block)
-                self.hi += nbytes
-                return
-            if offset + nbytes == self.lo:
-                rows.extendleft(reversed(block))
-                self.lo = offset
-                return
+def merge_runs(
+    items: list[tuple[int, int, tuple[int, ...], int]], cap: int
+) -> list[tuple[int, int, list[int]]]:
+    """Blocks ``(host offset, table, rows, bytes)`` as runs ``(first host offset, table, rows
+    in host order)``: sorted by host offset (a batch's slots come from a free list in any
+    order), a block joins the run before it when it starts where that run ends, is of its
+    table and the run stays within ``cap`` bytes (two loads of one entry: two runs)."""
+    items.sort()
+    out: list[tuple[int, int, list[int]]] = []
+    rows: list[int] = []
+    lo = hi = 0
+    table = -1
+    for offset, t, block, nbytes in items:
+        if offset == hi and t == table and hi - lo + nbytes <= cap:
+            rows += block
+            hi += nbytes
+            continue
         if rows:
-            self.flush()
-        rows.extend(block)
-        self.table = table
-        self.lo, self.hi = offset, offset + nbytes
-
-    def flush(self) -> None:
-        if self.rows:
-            self.emit(self.lo, self.table, list(self.rows))
-            self.rows.clear()
-            self.cap = min(2 * self.cap, RUN_BYTES)
+            out.append((lo, table, rows))
+        rows = list(block)
+        lo, hi, table = offset, offset + nbytes, t
+    if rows:
+        out.append((lo, table, rows))
+    return out
 
 
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:

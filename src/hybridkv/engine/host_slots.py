@@ -32,6 +32,24 @@ class HostSlots:
         self.top += size
         return self.top - size
 
+    def take_many(self, size: int, count: int) -> list[int]:
+        """Offsets of ``count`` slots of ``size`` bytes, as :meth:`take` would give them one
+        by one (-1 for each that finds no room), in one call."""
+        out: list[int] = []
+        spare = self.free.get(size)
+        if spare:
+            k = min(count, len(spare))
+            out = spare[-k:]
+            out.reverse()  # the order of k pops
+            del spare[-k:]
+        rest = count - len(out)
+        if rest:
+            fit = min(rest, (self.buffer.numel() - self.top) // size)
+            out.extend(range(self.top, self.top + fit * size, size))
+            self.top += fit * size
+            out.extend([-1] * (rest - fit))
+        return out
+
     def give(self, offset: int, size: int) -> None:
         self.free.setdefault(size, []).append(offset)
 

@@ -44,21 +44,22 @@ copy would cost as much memory traffic as the write to the page cache).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
 from hybridkv.cache.tiers import TierOp
-from hybridkv.engine.block_places import BlockPlaces
+from hybridkv.engine import host_runs
+from hybridkv.engine.block_places import BlockPlaces, Place
 from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.errors import EngineError
 from hybridkv.engine.host_runs import (
     FIRST_RUN_BYTES,
     RUN_BYTES,
     BlockRows,
-    RowRuns,
     load_rows,
+    merge_runs,
     store_rows,
 )
 from hybridkv.engine.host_slots import HostSlots
@@ -234,52 +235,89 @@ class TierStore:
         if self.disk is not None:
             self.disk.settle()
 
+    def _batches(self, run: list[TierOp]) -> Iterator[tuple[int, int, list[Place], int]]:
+        """``run`` cut into batches ``(start, end, places, cap)`` of growing bytes
+        (:data:`~hybridkv.engine.host_runs.FIRST_RUN_BYTES` doubling up to
+        :data:`~hybridkv.engine.host_runs.RUN_BYTES`, counted in blocks of the batch's first):
+        each batch's copies are queued before the host walks the next, so the first start
+        after a few blocks.  ``cap``: bytes a run may carry (0 without merging)."""
+        cap, n = host_runs.FIRST_RUN_BYTES, len(run)
+        places = self._blocks.places
+        start = 0
+        while start < n:
+            first = run[start]
+            size = self._blocks.place(first.group_id, first.block)[0]
+            end = min(n, start + max(1, cap // size))
+            yield start, end, places(run[start:end]), cap if self._coalesce else 0
+            start = end
+            cap = min(2 * cap, host_runs.RUN_BYTES)
+
     def _store_run(self, run: list[TierOp]) -> None:
-        """Host stores: blocks bound for adjacent host slots go as one run
-        (:func:`~hybridkv.engine.host_runs.store_rows`), the others one by one."""
-        host, place, slots = self._host, self._blocks.place, self._slots
-        buffer = None if slots is None else slots.buffer
-        runs = self._row_runs(store_rows)
-        for op in run:
-            key = (op.group_id, op.block_hash)
-            size, table, rows = place(op.group_id, op.block)
-            offset = -1 if slots is None else slots.take(size)
-            host[key] = (offset, size)
-            if offset < 0:  # no room in the buffer: a tensor of its own
-                data = self._own[key] = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
-                self._gather(op, data)
-            elif table < 0:  # several byte ranges
-                assert buffer is not None
-                self._gather(op, buffer[offset : offset + size])
+        """Host stores, a batch at a time (:meth:`_batches`): blocks bound for adjacent host
+        slots go as one run (:func:`~hybridkv.engine.host_runs.merge_runs`,
+        :func:`~hybridkv.engine.host_runs.store_rows`), the others one by one."""
+        host, slots = self._host, self._slots
+        emit = self._emitter(store_rows)
+        for start, end, found, cap in self._batches(run):
+            batch = run[start:end]
+            size = found[0][0]
+            if slots is None:
+                offsets = [-1] * len(batch)
+            elif all(f[0] == size for f in found):
+                offsets = slots.take_many(size, len(batch))
             else:
-                runs.add(offset, table, rows, size)
-        runs.flush()
+                offsets = [slots.take(f[0]) for f in found]
+            keys = [(op.group_id, op.block_hash) for op in batch]
+            sizes = [(o, f[0]) for o, f in zip(offsets, found, strict=True)]
+            host.update(zip(keys, sizes, strict=True))
+            items = [
+                (o, f[1], f[2], f[0])
+                for o, f in zip(offsets, found, strict=True)
+                if o >= 0 and f[1] >= 0
+            ]
+            if len(items) < len(batch):  # no room in the buffer, or several byte ranges
+                for op, key, o, f in zip(batch, keys, offsets, found, strict=True):
+                    if o < 0:  # a tensor of its own
+                        data = torch.empty(f[0], dtype=torch.uint8, pin_memory=self._pin)
+                        self._own[key] = data
+                        self._gather(op, data)
+                    elif f[1] < 0:
+                        self._gather(op, self._bytes(key))
+            for lo, table, rows in merge_runs(items, cap):
+                emit(lo, table, rows)
         self.stored += len(run)
         self._unsynced = self._async
 
     def _load_run(self, run: list[TierOp]) -> None:
-        """Host loads: adjacent host slots go to their blocks as one run
-        (:func:`~hybridkv.engine.host_runs.load_rows`), the others one by one."""
-        host, place = self._host, self._blocks.place
-        for op in run:  # every entry present before any copy
-            if (op.group_id, op.block_hash) not in host:
+        """Host loads, a batch at a time (:meth:`_batches`): adjacent host slots go to their
+        blocks as one run (:func:`~hybridkv.engine.host_runs.load_rows`), the others one by
+        one.  Every entry is checked present before any copy."""
+        get = self._host.get
+        entries = [get((op.group_id, op.block_hash)) for op in run]
+        for op, entry in zip(run, entries, strict=True):
+            if entry is None:
                 self._entry(op)  # raises
-        runs = self._row_runs(load_rows)
-        for op in run:
-            offset, size = host[op.group_id, op.block_hash]
-            _, table, rows = place(op.group_id, op.block)
-            if offset < 0 or table < 0:
-                self._scatter(op, self._bytes((op.group_id, op.block_hash)))
-            else:
-                runs.add(offset, table, rows, size)
-        runs.flush()
+        emit = self._emitter(load_rows)
+        for start, end, found, cap in self._batches(run):
+            held = entries[start:end]
+            items = [
+                (e[0], f[1], f[2], f[0])
+                for e, f in zip(held, found, strict=True)
+                if e is not None and e[0] >= 0 and f[1] >= 0
+            ]
+            if len(items) < end - start:  # a tensor of its own, or several byte ranges
+                for op, e, f in zip(run[start:end], held, found, strict=True):
+                    if e is not None and (e[0] < 0 or f[1] < 0):
+                        self._scatter(op, self._bytes((op.group_id, op.block_hash)))
+            for lo, table, rows in merge_runs(items, cap):
+                emit(lo, table, rows)
         self.loaded += len(run)
 
-    def _row_runs(
+    def _emitter(
         self, copy: Callable[[BlockRows, int, list[int], torch.Tensor, bool], None]
-    ) -> RowRuns:
-        """Runs whose rows ``copy`` (:func:`store_rows` or :func:`load_rows`) moves to or from
-        their range of the host buffer."""
+    ) -> Callable[[int, int, list[int]], None]:
+        """A function that has ``copy`` (:func:`store_rows` or :func:`load_rows`) move a run's
+        rows to or from their range of the host buffer."""
         buffer = None if self._slots is None else self._slots.buffer
         tables, nb = self._rows.tables, self._async
 
@@ -288,7 +326,7 @@ class TierStore:
             size = len(rows) * tables[table].shape[1]
             copy(self._rows, table, rows, buffer[start : start + size], nb)
 
-        return RowRuns(emit, self._coalesce)
+        return emit
 
     def _give_back_staging(self, wait: bool = False) -> None:
         """Give the disk tier back the staging tensors whose loads completed (all: ``wait``)."""
