@@ -13,6 +13,7 @@ from hybridkv.cache import KVCacheManager, compiled
 from hybridkv.cache.events import BlockRemoved, EventLog
 from hybridkv.cache.pool_arena import ArenaPool
 from hybridkv.cache.pool_base import DEFAULT_WINDOW_CHANCES, BlockPool, group_chances
+from hybridkv.cache.pool_freelist import FreeListPool
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.errors import InvariantError, PlanError
 from test_cache_factories import (
@@ -333,6 +334,34 @@ def test_two_q_keeps_blocks_used_once_on_probation() -> None:
     pool.check_invariants()
     before = pool.snapshot()
     assert pool.reset_cache() is False and pool.snapshot() == before
+
+
+def test_two_q_ghost_keeps_the_youngest_evictions_and_a_key_evicted_again_is_young() -> None:
+    """The ghost list holds the last ``ghost_cap`` evicted keys: a key evicted a second time
+    moves to the young end, so the oldest other key leaves first."""
+    pool = make_block_pool(uniform(groups(full()), 4), EventLog(enabled=False), eviction="2q")
+    core = pool.core  # type: ignore[attr-defined]
+    assert isinstance(core, FreeListPool) and core.ghost is not None
+    core.ghost_cap = 2
+
+    def cycle(h: int) -> None:  # cache h on a fresh or evicted block, release, evict it
+        (b,) = pool.allocate(0, 1)
+        pool.cache(0, b, h)
+        pool.release(0, [b])
+
+    for h in (10, 11, 12):
+        cycle(h)  # blocks 1, 2, 3 on probation: 10 11 12
+    assert pool.allocate(0, 2) == [1, 2]  # 10 and 11 evicted
+    assert list(core.ghost) == [10, 11]
+    pool.cache(0, 1, 10)  # 10 computed again: back from the ghost list, proven
+    pool.release(0, [1])
+    pool.release(0, [2])  # uncached: free
+    pool.touch(0, [3])  # 12 proven too
+    pool.release(0, [3])
+    assert pool.allocate(0, 1) == [2]
+    assert pool.allocate(0, 2) == [1, 3]  # main LRU: 10, then 12
+    assert list(core.ghost) == [10, 12]  # 10 young again, 11 the oldest: dropped
+    pool.check_invariants()
 
 
 def test_the_eviction_order_is_checked() -> None:

@@ -193,8 +193,9 @@ class FreeListPool:
 
     def _allocate_evicting_2q(self, group_id: int, n: int, out: list[int]) -> None:
         """:meth:`_allocate_evicting` under 2Q: probation's oldest while probation holds more
-        than its share of the evictable blocks, else the main LRU's (with its chances); each
-        evicted key joins the ghost list."""
+            than its share of the evictable blocks, else the main LRU's (with its chances); each
+            evicted key joins the ghost list at its young end (a key already there moves to it), which
+        keeps the ``ghost_cap`` youngest."""
         fc, prob, ghost, proven = self.free_cached, self.probation, self.ghost, self.proven
         assert prob is not None and ghost is not None and proven is not None
         refs, owner, hashes, maps = self.refs, self.owner, self.hashes, self.maps
@@ -203,10 +204,10 @@ class FreeListPool:
                 f"FreeListPool.allocate: {n} blocks wanted, {len(fc) + len(prob)} evictable"
             )
         evicted: list[tuple[int, int, int]] | None = [] if self.events.tracks_evictions else None
-        hit, share, cap = self.hit, PROBATION_SHARE, self.ghost_cap
+        hit, share = self.hit, PROBATION_SHARE
         n_prob, n_main = len(prob), len(fc)
-        spare = cap - len(ghost)  # keys the ghost list takes before it drops any
         pop_prob, pop_main, append = prob.popitem, fc.popitem, out.append
+        again = ghost.move_to_end
         for _ in range(n):
             if n_prob and (not n_main or n_prob > share * (n_prob + n_main)):
                 b = pop_prob(False)[0]
@@ -225,16 +226,17 @@ class FreeListPool:
             del maps[old][h]
             hashes[b] = None
             proven[b] = 0
-            ghost[h] = None
-            if spare > 0:
-                spare -= 1
-            elif len(ghost) > cap:  # a hash already there (another group's, or again) added none
-                ghost.popitem(False)
+            if h in ghost:  # another group's block of the hash, or evicted again: young again
+                again(h)
+            else:
+                ghost[h] = None
             if evicted is not None:
                 evicted.append((old, h, b))
             refs[b] = 1
             owner[b] = group_id
             append(b)
+        for _ in range(len(ghost) - self.ghost_cap):  # the oldest keys beyond the cap
+            ghost.popitem(False)
         if evicted is not None:
             self._report(evicted)
 
@@ -327,9 +329,8 @@ class FreeListPool:
                 proven[b] = 0
                 fu[b] = None
                 continue
-            if not proven[b] and h in ghost:  # evicted before, needed again
+            if proven[b] or h in ghost:  # a hit, or evicted before and needed again
                 proven[b] = 1
-            if proven[b]:
                 fc[b] = None
             else:
                 prob[b] = None
