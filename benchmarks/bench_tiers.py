@@ -7,6 +7,10 @@ against one contiguous copy of the same bytes each way (device -> host, host -> 
 Reports GB/s, the ratio to the contiguous copies (target >= 0.8) and whether the round trip
 is byte-identical.  Blocks are copied one at a time, as evictions and hits arrive, into the
 store's host buffer; the per-layer layout is measured too (one range per layer and block).
+Each row also says where the time goes: how long the store's calls take to return (on CUDA
+the copies they queue are not waited for: the host's own share), and the round trip of the
+same blocks as one run each way (one indexed gather / scatter and one copy, no per-block
+walk: the most the runs can reach).
 
 The disk half runs the same blocks through the disk tier (:mod:`hybridkv.engine.disk_tier`:
 ``store`` operations written, checksummed, by its writer thread into a
@@ -34,6 +38,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,8 @@ import torch
 
 from bench_transfer import _layout, _paired, _sync, add_block_arguments
 from hybridkv.cache.tiers import TierOp
+from hybridkv.engine.block_places import BlockPlaces
+from hybridkv.engine.host_runs import load_rows, store_rows
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.plan import MemoryLayout
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather
@@ -91,6 +98,24 @@ def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> 
     t_out, t_d2h = _paired((out, d2h_one), device, args.repeats)
     out()
     t_back, t_h2d = _paired((back, h2d_one), device, args.repeats)
+    # where the time goes: the host's share (until the calls return, queued copies not
+    # waited for), and the same blocks as one run each way (one indexed copy, no walk)
+    host_out = _host_time(out, device, args.repeats)
+    host_back = _host_time(back, device, args.repeats)
+    places = BlockPlaces(storage, pin)
+    table = places.place(0, evicted[0])[1]
+    one = table >= 0 and all(places.place(0, b)[1] == table for b in evicted + reused)
+    rows_out = [r for b in evicted for r in places.place(0, b)[2]]
+    rows_back = [r for b in reused for r in places.place(0, b)[2]]
+
+    def out_one() -> object:
+        return store_rows(places.rows, table, rows_out, staging, pin)
+
+    def back_one() -> object:
+        return load_rows(places.rows, table, rows_back, staging, pin)
+
+    t_out_one, _ = _paired((out_one, d2h_one), device, args.repeats) if one else (0.0, 0.0)
+    t_back_one, _ = _paired((back_one, h2d_one), device, args.repeats) if one else (0.0, 0.0)
     # a clean round trip: the stored blocks, read back into the other blocks, are identical
     out()
     back()
@@ -108,7 +133,25 @@ def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> 
         "contiguous_h2d_gbps": total / t_h2d / 1e9,
         "ratio_to_contiguous": (t_d2h + t_h2d) / (t_out + t_back),
         "round_trip_identical": same,
+        "store_us": t_out * 1e6,
+        "load_us": t_back * 1e6,
+        "store_host_us": host_out * 1e6,
+        "load_host_us": host_back * 1e6,
+        "one_run_ratio": (t_d2h + t_h2d) / (t_out_one + t_back_one) if one else None,
     }
+
+
+def _host_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Best seconds until ``fn`` returns, the device idle before each run (on CUDA the copies
+    it queues are not waited for: the host's own share of the work)."""
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    _sync(device)
+    return best
 
 
 def _bench_disk(
@@ -253,6 +296,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['contiguous_d2h_gbps']:.2f} / {r['contiguous_h2d_gbps']:.2f} GB/s; ratio "
             f"{r['ratio_to_contiguous']:.2f} (target >= 0.8); identical {r['round_trip_identical']}"
         )
+        one = r["one_run_ratio"]
+        print(
+            f"{'':<12} store {r['store_us']:.0f} us ({r['store_host_us']:.0f} us on the host), "
+            f"load {r['load_us']:.0f} us ({r['load_host_us']:.0f} us on the host); "
+            + ("" if one is None else f"all blocks as one run each way: ratio {one:.2f}")
+        )
     for r in disk_rows:
         print(
             f"{r['kind']:<12} disk{' (cold)' if r['cold'] else ''}: write {r['write_gbps']:.2f} "
@@ -261,11 +310,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['read_ratio']:.2f}) (target >= 0.7); identical {r['round_trip_identical']}"
         )
     if sweep_rows:
-        print(f"{'block':>9} {'layout':<12} {'store GB/s':>10} {'load GB/s':>9} {'ratio':>6}")
+        print(
+            f"{'block':>9} {'layout':<12} {'store GB/s':>10} {'load GB/s':>9} {'ratio':>6} "
+            f"{'host us (store/load)':>21} {'one run':>7}"
+        )
         for r in sweep_rows:
+            one = r["one_run_ratio"]
+            host = f"{r['store_host_us']:.0f} / {r['load_host_us']:.0f}"
             print(
                 f"{r['bytes'] // r['blocks'] // 1024:>6} KiB {r['kind']:<12} "
-                f"{r['store_gbps']:>10.2f} {r['load_gbps']:>9.2f} {r['ratio_to_contiguous']:>6.2f}"
+                f"{r['store_gbps']:>10.2f} {r['load_gbps']:>9.2f} {r['ratio_to_contiguous']:>6.2f} "
+                f"{host:>21} {'-' if one is None else f'{one:.2f}':>7}"
             )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
