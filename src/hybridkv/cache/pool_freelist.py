@@ -193,9 +193,9 @@ class FreeListPool:
 
     def _allocate_evicting_2q(self, group_id: int, n: int, out: list[int]) -> None:
         """:meth:`_allocate_evicting` under 2Q: probation's oldest while probation holds more
-            than its share of the evictable blocks, else the main LRU's (with its chances); each
-            evicted key joins the ghost list at its young end (a key already there moves to it), which
-        keeps the ``ghost_cap`` youngest."""
+        than its share of the evictable blocks, else the main LRU's (with its chances); each
+        evicted key joins the ghost list at its young end (a key already there moves to it),
+        which keeps the ``ghost_cap`` youngest."""
         fc, prob, ghost, proven = self.free_cached, self.probation, self.ghost, self.proven
         assert prob is not None and ghost is not None and proven is not None
         refs, owner, hashes, maps = self.refs, self.owner, self.hashes, self.maps
