@@ -28,7 +28,7 @@ def test_bench_tiers_round_trips_are_identical(
     assert all(r["round_trip_identical"] for r in rows)
     assert [r["bytes"] // r["blocks"] for r in result["sweep"]] == [1024, 1024, 2048, 2048]
     for r in result["rows"] + result["sweep"]:  # the breakdown: every block is rows of a table
-        assert 0 < r["store_host_us"] and 0 < r["load_host_us"]
+        assert r["store_host_us"] > 0 and r["load_host_us"] > 0
         assert r["one_run_ratio"] is not None and r["one_run_ratio"] > 0
     with pytest.raises(SystemExit):
         bench_tiers.main(["--sweep", "0"])

@@ -137,40 +137,62 @@ def test_state_split_shrinks_the_arena_chunk_and_keeps_every_layer() -> None:
     )  # uniform groups layers by vLLM's rule
 
 
-def test_auto_state_split_cuts_only_whole_chunk_slots_in_small_arenas() -> None:
+def test_auto_state_split_cuts_under_pressure_or_whole_chunk_slots_in_small_arenas() -> None:
     from hybridkv.models import resolve_model
     from hybridkv.plan import Plan, make_plan
-    from hybridkv.plan.planner import AUTO_SPLIT_MAX_CHUNKS, auto_state_split
+    from hybridkv.plan.planner import (
+        AUTO_SPLIT_CAPACITY,
+        AUTO_SPLIT_MAX_CHUNKS,
+        auto_state_split,
+    )
 
-    def plan(name: str, gib: int, **kw: object) -> Plan:
+    def plan(name: str, gib: int, max_model_len: int = 131072, **kw: object) -> Plan:
         return make_plan(
             resolve_model(name),
             memory_bytes=gib << 30,
-            max_model_len=131072,
+            max_model_len=max_model_len,
             **kw,  # type: ignore[arg-type]
         )
 
-    # (model, GiB) -> the split "auto" uses and the unsplit arena's chunk count it judges by,
-    # with whether a >= 32 MiB slot takes a whole chunk (Qwen3-Next-80B-A3B: 74.2 MiB slots,
-    # one a chunk; Nemotron-H-8B: 98 MiB slots, one a chunk at 8 GiB, two from 16 GiB;
-    # Jamba-v0.1: 15.8 MiB slots).
+    # (model, GiB, max_model_len) -> the split "auto" uses, the unsplit arena's chunk count
+    # and how many max_model_len requests it fits: it cuts where fewer than 16 fit (running
+    # requests hold the budget), or where a >= 32 MiB slot takes a whole chunk of an arena
+    # under 512 chunks (Qwen3-Next-80B-A3B: 74.2 MiB slots, one a chunk; Nemotron-H-8B: 98
+    # MiB slots, one a chunk at 8 GiB, two from 16 GiB; Jamba-v0.1: 15.8 MiB slots).
     expected = {
-        ("Qwen3-Next-80B-A3B", 8): (4, 110),
-        ("Qwen3-Next-80B-A3B", 32): (4, 441),
-        ("Qwen3-Next-80B-A3B", 64): (1, 882),
-        ("Nemotron-H-8B", 8): (4, 83),
-        ("Nemotron-H-8B", 16): (1, 83),
-        ("Jamba-v0.1", 8): (1, 520),
+        ("Qwen3-Next-80B-A3B", 8, 131072): (4, 110, 2),
+        ("Qwen3-Next-80B-A3B", 32, 131072): (4, 441, 10),
+        ("Qwen3-Next-80B-A3B", 64, 131072): (1, 882, 20),
+        ("Qwen3-Next-80B-A3B", 8, 4096): (4, 110, 47),  # many fit, but whole-chunk slots
+        ("Nemotron-H-8B", 8, 131072): (4, 83, 3),
+        ("Nemotron-H-8B", 16, 131072): (4, 83, 7),
+        ("Nemotron-H-8B", 64, 131072): (1, 334, 30),
+        ("Nemotron-H-8B", 16, 8192): (1, 83, 71),  # two slots a chunk, and many fit
+        ("Jamba-v0.1", 8, 131072): (4, 520, 3),
+        ("Jamba-v0.1", 16, 131072): (4, 1040, 7),
+        ("Jamba-v0.1", 32, 131072): (4, 2080, 15),
+        ("Jamba-v0.1", 64, 131072): (1, 4161, 31),
     }
-    for (name, gib), (split, chunks) in expected.items():
-        unsplit = plan(name, gib, state_split=1)
+    for (name, gib, length), (split, chunks, fit) in expected.items():
+        key = (name, gib, length)
+        unsplit = plan(name, gib, length, state_split=1)
         assert unsplit.layout.arena is not None
-        assert unsplit.layout.arena.num_chunks == chunks, (name, gib)
-        assert auto_state_split(unsplit.layout) == split, (name, gib)
-        auto = plan(name, gib)
-        assert auto.options.state_split == split, (name, gib)
-        assert auto.layout == plan(name, gib, state_split=split).layout
+        assert unsplit.layout.arena.num_chunks == chunks, key
+        assert unsplit.capacity.max_concurrent_requests == fit, key
+        assert auto_state_split(unsplit.layout, fit) == split, key
+        auto = plan(name, gib, length)
+        assert auto.options.state_split == split, key
+        assert auto.layout == plan(name, gib, length, state_split=split).layout
+    assert auto_state_split(plan("Jamba-v0.1", 16, state_split=1).layout) == 1  # not judged
+    # The rule would cut Qwen3-Next-80B-A3B at 40 GiB (13 fit), but cut in four it plans 12:
+    # a split that plans fewer requests (or wastes more than 1%) is not kept.
+    whole = plan("Qwen3-Next-80B-A3B", 40, state_split=1)
+    assert auto_state_split(whole.layout, whole.capacity.max_concurrent_requests) == 4
+    assert plan("Qwen3-Next-80B-A3B", 40, state_split=4).capacity.max_concurrent_requests == 12
+    auto = plan("Qwen3-Next-80B-A3B", 40)
+    assert auto.options.state_split == 1 and auto.capacity.max_concurrent_requests == 13
     assert 441 < AUTO_SPLIT_MAX_CHUNKS <= 520
+    assert 15 < AUTO_SPLIT_CAPACITY <= 20
     # Only the arena splits by itself; an explicit value is kept (uniform says 1: it keeps
     # vLLM's grouping); pools and uniform stay whole under auto.
     for strategy in ("pools", "uniform"):

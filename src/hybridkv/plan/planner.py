@@ -42,6 +42,7 @@ from hybridkv.specs import MAX_TOKENS, ModelSpec
 
 __all__ = [
     "AUTO_SPLIT",
+    "AUTO_SPLIT_CAPACITY",
     "AUTO_SPLIT_MAX_CHUNKS",
     "AUTO_SPLIT_MIN_SLOT_BYTES",
     "auto_state_split",
@@ -65,16 +66,23 @@ AUTO_SPLIT_MAX_CHUNKS = 512
 AUTO_SPLIT_MIN_SLOT_BYTES = 32 << 20
 #: ... is planned again with each state group cut in this many (see :func:`auto_state_split`).
 AUTO_SPLIT = 4
+#: ``state_split="auto"`` also cuts an arena where fewer requests of ``max_model_len`` tokens
+#: than this fit the budget: running requests then hold most of it, and a whole-chunk state
+#: slot strands what they leave (see :func:`auto_state_split`).
+AUTO_SPLIT_CAPACITY = 16
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def auto_state_split(layout: MemoryLayout) -> int:
+def auto_state_split(layout: MemoryLayout, capacity: int | None = None) -> int:
     """The ``state_split`` the planner uses for ``"auto"``, judged on the unsplit layout.
 
-    :data:`AUTO_SPLIT` for an ``arena`` of fewer than :data:`AUTO_SPLIT_MAX_CHUNKS` chunks
+    :data:`AUTO_SPLIT` for an ``arena`` with a state group of several layers where fewer
+    than :data:`AUTO_SPLIT_CAPACITY` requests of ``max_model_len`` tokens fit
+    (``capacity``, the unsplit plan's; None: not judged); also for an ``arena`` of fewer
+    than :data:`AUTO_SPLIT_MAX_CHUNKS` chunks
     where some state group of several layers has slots of at least
     :data:`AUTO_SPLIT_MIN_SLOT_BYTES` that each take a whole chunk; 1 otherwise.  Such a slot
     can only go where no referenced block is left in a chunk, and attention blocks land
@@ -83,10 +91,23 @@ def auto_state_split(layout: MemoryLayout) -> int:
     is evicted whole, with every checkpoint part in it, so where chunks are many or slots
     small the split only costs hits.  Measured on the Mooncake trace (docs/architecture.md,
     section 5): it pays for Qwen3-Next-80B-A3B (74.2 MiB slots, 110 to 441 chunks at 8-32
-    GiB) and Nemotron-H-8B at 8 GiB (98 MiB slots, 83 chunks), not for Jamba-v0.1 (15.8 MiB,
-    520 chunks and more) or where Nemotron-H-8B's chunk holds two slots (16 GiB and up)."""
+    GiB) and Nemotron-H-8B at 8 GiB (98 MiB slots, 83 chunks).  Where the budget holds few
+    full-length requests the running ones keep most chunks pinned whatever the slot size
+    (Jamba-v0.1, 15.8 MiB slots; Nemotron-H-8B, two slots a chunk): in vLLM's scheduling loop
+    on the Mooncake trace at 16 GiB (capacity 7 at 131072 tokens) the unsplit arena refused
+    admissions at a median 52-61% of the budget referenced and served the trace in 17-38%
+    more steps than vLLM; cut in four it matched vLLM's steps with slightly more hits
+    (docs/vllm.md).  Where many fit (64 GiB: 20-31), the cache holds the memory and a split
+    only costs hits (Jamba-v0.1 12.64% -> 11.96%).  :func:`make_plan` keeps a split only
+    where it plans as many requests and wastes at most 1% of the budget (or no more than the
+    unsplit plan)."""
     arena = layout.arena
-    if arena is None or arena.num_chunks >= AUTO_SPLIT_MAX_CHUNKS:
+    if arena is None:
+        return 1
+    splittable = any(is_state(g.spec) and len(g.members) > 1 for g in layout.groups)
+    if splittable and capacity is not None and capacity < AUTO_SPLIT_CAPACITY:
+        return AUTO_SPLIT
+    if arena.num_chunks >= AUTO_SPLIT_MAX_CHUNKS:
         return 1
     for g in layout.groups:
         if (
@@ -97,6 +118,13 @@ def auto_state_split(layout: MemoryLayout) -> int:
         ):
             return AUTO_SPLIT
     return 1
+
+
+def _fit(layout: MemoryLayout, max_model_len: int, memory_bytes: int) -> tuple[int, int]:
+    """``(requests of max_model_len tokens the layout holds, bytes it wastes)``."""
+    need = tuple(blocks_for_request(g, max_model_len) for g in layout.groups)
+    n = _capacity(layout, need, max_model_len).max_concurrent_requests
+    return n, ledger(layout, need, n, memory_bytes).waste.total
 
 
 def parse_strategy(value: Strategy | str) -> Strategy:
@@ -188,15 +216,19 @@ def make_plan(
     if split == AUTO_STATE_SPLIT:  # judged on the unsplit plan; the plan names what it used
         options = replace(options, state_split=1)
         layout, notes = build(groups, options, memory_bytes, max_model_len)
-        split = auto_state_split(layout)  # 1 for pools and uniform (no arena)
+        fit, waste = _fit(layout, max_model_len, memory_bytes)
+        split = auto_state_split(layout, fit)  # 1 for pools and uniform (no arena)
         if split > 1:
             cut = split_state_groups(groups, split)
             try:
-                layout, notes = build(cut, options, memory_bytes, max_model_len)
+                cut_layout, cut_notes = build(cut, options, memory_bytes, max_model_len)
             except PlanError:  # the unsplit plan stands
                 pass
-            else:
-                options = replace(options, state_split=split)
+            else:  # kept unless it plans fewer requests, or wastes more than 1% and the unsplit
+                cut_fit, cut_waste = _fit(cut_layout, max_model_len, memory_bytes)
+                if cut_fit >= fit and cut_waste <= max(waste, memory_bytes // 100):
+                    layout, notes = cut_layout, cut_notes
+                    options = replace(options, state_split=split)
     else:
         assert isinstance(split, int)
         if split > 1 and kind is Strategy.UNIFORM:  # vLLM's grouping: the plan says 1
