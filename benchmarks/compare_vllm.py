@@ -412,10 +412,13 @@ def _print(result: dict[str, Any]) -> None:
     v, h, r = result["vllm"], result["hybridkv"], result["ratios"]
     gib = float(1 << 30)
     print(f"\n{result['model']} at {result['memory_bytes'] / gib:.1f} GiB")
-    print(f"  {'':10} {'hit rate':>9} {'preempt':>8} {'peak GiB':>9} {'mgr us/step':>12}")
+    print(
+        f"  {'':10} {'hit rate':>9} {'preempt':>8} {'steps':>7} {'peak GiB':>9} "
+        f"{'mgr us/step':>12}"
+    )
     for label, s in (("vLLM 0.33", v), (f"hybridkv/{h['strategy']}", h)):
         print(
-            f"  {label:10} {s['token_hit_rate']:9.1%} {s['preemptions']:8d} "
+            f"  {label:10} {s['token_hit_rate']:9.1%} {s['preemptions']:8d} {s['steps']:7d} "
             f"{s['peak_used_bytes'] / gib:9.2f} {s['manager_us_per_step']:12.1f}"
         )
     hr = "n/a" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}x"
