@@ -413,8 +413,7 @@ def _print(result: dict[str, Any]) -> None:
     gib = float(1 << 30)
     print(f"\n{result['model']} at {result['memory_bytes'] / gib:.1f} GiB")
     print(
-        f"  {'':10} {'hit rate':>9} {'preempt':>8} {'steps':>7} {'peak GiB':>9} "
-        f"{'mgr us/step':>12}"
+        f"  {'':10} {'hit rate':>9} {'preempt':>8} {'steps':>7} {'peak GiB':>9} {'mgr us/step':>12}"
     )
     for label, s in (("vLLM 0.33", v), (f"hybridkv/{h['strategy']}", h)):
         print(
