@@ -191,6 +191,20 @@ def test_auto_state_split_cuts_under_pressure_or_whole_chunk_slots_in_small_aren
     assert plan("Qwen3-Next-80B-A3B", 40, state_split=4).capacity.max_concurrent_requests == 12
     auto = plan("Qwen3-Next-80B-A3B", 40)
     assert auto.options.state_split == 1 and auto.capacity.max_concurrent_requests == 13
+    # the plan's notes say what "auto" chose and why
+    assert auto.notes[-1] == (
+        "state_split auto: 1 (cut in 4 it would plan 12 requests and waste 640 KiB, whole 13 "
+        "and 640 KiB)"
+    )
+    assert plan("Jamba-v0.1", 16).notes[-1] == (
+        "state_split auto: 4 (7 requests of max_model_len fit the arena, fewer than 16: "
+        "running requests would pin the chunks a whole state slot needs)"
+    )
+    assert plan("Qwen3-Next-80B-A3B", 8, 4096).notes[-1] == (
+        "state_split auto: 4 (group 0's 74.2 MiB state slot takes a whole chunk of an arena of "
+        "110 chunks)"
+    )
+    assert not any("state_split" in n for n in plan("Jamba-v0.1", 64).notes)
     assert 441 < AUTO_SPLIT_MAX_CHUNKS <= 520
     assert 15 < AUTO_SPLIT_CAPACITY <= 20
     # Only the arena splits by itself; an explicit value is kept (uniform says 1: it keeps

@@ -39,6 +39,7 @@ from hybridkv.plan.pools import plan_pools
 from hybridkv.plan.result import Capacity, PhysicalNeed, Plan
 from hybridkv.plan.uniform import plan_uniform
 from hybridkv.specs import MAX_TOKENS, ModelSpec
+from hybridkv.units import format_bytes
 
 __all__ = [
     "AUTO_SPLIT",
@@ -101,14 +102,22 @@ def auto_state_split(layout: MemoryLayout, capacity: int | None = None) -> int:
     only costs hits (Jamba-v0.1 12.64% -> 11.96%).  :func:`make_plan` keeps a split only
     where it plans as many requests and wastes at most 1% of the budget (or no more than the
     unsplit plan)."""
+    return _auto_split(layout, capacity)[0]
+
+
+def _auto_split(layout: MemoryLayout, capacity: int | None) -> tuple[int, str]:
+    """:func:`auto_state_split` with the reason for a cut ("" for none)."""
     arena = layout.arena
     if arena is None:
-        return 1
+        return 1, ""
     splittable = any(is_state(g.spec) and len(g.members) > 1 for g in layout.groups)
     if splittable and capacity is not None and capacity < AUTO_SPLIT_CAPACITY:
-        return AUTO_SPLIT
+        return AUTO_SPLIT, (
+            f"{capacity} requests of max_model_len fit the arena, fewer than "
+            f"{AUTO_SPLIT_CAPACITY}: running requests would pin the chunks a whole state slot needs"
+        )
     if arena.num_chunks >= AUTO_SPLIT_MAX_CHUNKS:
-        return 1
+        return 1, ""
     for g in layout.groups:
         if (
             is_state(g.spec)
@@ -116,8 +125,11 @@ def auto_state_split(layout: MemoryLayout, capacity: int | None = None) -> int:
             and g.block_bytes >= AUTO_SPLIT_MIN_SLOT_BYTES
             and layout.blocks_per_chunk(g.group_id) == 1
         ):
-            return AUTO_SPLIT
-    return 1
+            return AUTO_SPLIT, (
+                f"group {g.group_id}'s {format_bytes(g.block_bytes)} state slot takes a whole "
+                f"chunk of an arena of {arena.num_chunks} chunks"
+            )
+    return 1, ""
 
 
 def _fit(layout: MemoryLayout, max_model_len: int, memory_bytes: int) -> tuple[int, int]:
@@ -217,18 +229,25 @@ def make_plan(
         options = replace(options, state_split=1)
         layout, notes = build(groups, options, memory_bytes, max_model_len)
         fit, waste = _fit(layout, max_model_len, memory_bytes)
-        split = auto_state_split(layout, fit)  # 1 for pools and uniform (no arena)
+        split, why = _auto_split(layout, fit)  # 1 for pools and uniform (no arena)
         if split > 1:
             cut = split_state_groups(groups, split)
             try:
                 cut_layout, cut_notes = build(cut, options, memory_bytes, max_model_len)
             except PlanError:  # the unsplit plan stands
-                pass
+                notes = (*notes, f"state_split auto: 1 (cut in {split}, no request fits)")
             else:  # kept unless it plans fewer requests, or wastes more than 1% and the unsplit
                 cut_fit, cut_waste = _fit(cut_layout, max_model_len, memory_bytes)
                 if cut_fit >= fit and cut_waste <= max(waste, memory_bytes // 100):
-                    layout, notes = cut_layout, cut_notes
+                    layout, notes = cut_layout, (*cut_notes, f"state_split auto: {split} ({why})")
                     options = replace(options, state_split=split)
+                else:
+                    notes = (
+                        *notes,
+                        f"state_split auto: 1 (cut in {split} it would plan {cut_fit} requests "
+                        f"and waste {format_bytes(cut_waste)}, whole {fit} and "
+                        f"{format_bytes(waste)})",
+                    )
     else:
         assert isinstance(split, int)
         if split > 1 and kind is Strategy.UNIFORM:  # vLLM's grouping: the plan says 1
