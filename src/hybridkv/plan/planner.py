@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from hybridkv.errors import PlanError
-from hybridkv.plan.accounting import arena_capacity, ledger, pool_capacity
+from hybridkv.plan.accounting import Ledger, arena_capacity, ledger, pool_capacity
 from hybridkv.plan.arena import plan_arena
 from hybridkv.plan.grouping import (
     BuiltLayout,
@@ -132,11 +132,11 @@ def _auto_split(layout: MemoryLayout, capacity: int | None) -> tuple[int, str]:
     return 1, ""
 
 
-def _fit(layout: MemoryLayout, max_model_len: int, memory_bytes: int) -> tuple[int, int]:
-    """``(requests of max_model_len tokens the layout holds, bytes it wastes)``."""
+def _sized(layout: MemoryLayout, max_model_len: int, memory_bytes: int) -> tuple[Capacity, Ledger]:
+    """The layout's capacity for requests of ``max_model_len`` tokens, and its byte ledger."""
     need = tuple(blocks_for_request(g, max_model_len) for g in layout.groups)
-    n = _capacity(layout, need, max_model_len).max_concurrent_requests
-    return n, ledger(layout, need, n, memory_bytes).waste.total
+    capacity = _capacity(layout, need, max_model_len)
+    return capacity, ledger(layout, need, capacity.max_concurrent_requests, memory_bytes)
 
 
 def parse_strategy(value: Strategy | str) -> Strategy:
@@ -228,7 +228,8 @@ def make_plan(
     if split == AUTO_STATE_SPLIT:  # judged on the unsplit plan; the plan names what it used
         options = replace(options, state_split=1)
         layout, notes = build(groups, options, memory_bytes, max_model_len)
-        fit, waste = _fit(layout, max_model_len, memory_bytes)
+        sized = _sized(layout, max_model_len, memory_bytes)
+        fit, waste = sized[0].max_concurrent_requests, sized[1].waste.total
         split, why = _auto_split(layout, fit)  # 1 for pools and uniform (no arena)
         if split > 1:
             cut = split_state_groups(groups, split)
@@ -237,10 +238,13 @@ def make_plan(
             except PlanError:  # the unsplit plan stands
                 notes = (*notes, f"state_split auto: 1 (cut in {split}, no request fits)")
             else:  # kept unless it plans fewer requests, or wastes more than 1% and the unsplit
-                cut_fit, cut_waste = _fit(cut_layout, max_model_len, memory_bytes)
+                cut_sized = _sized(cut_layout, max_model_len, memory_bytes)
+                cut_fit = cut_sized[0].max_concurrent_requests
+                cut_waste = cut_sized[1].waste.total
                 if cut_fit >= fit and cut_waste <= max(waste, memory_bytes // 100):
                     layout, notes = cut_layout, (*cut_notes, f"state_split auto: {split} ({why})")
                     options = replace(options, state_split=split)
+                    sized = cut_sized
                 else:
                     notes = (
                         *notes,
@@ -255,9 +259,8 @@ def make_plan(
         elif split > 1:
             groups = split_state_groups(groups, split)
         layout, notes = build(groups, options, memory_bytes, max_model_len)
-    need = tuple(blocks_for_request(g, max_model_len) for g in layout.groups)
-    capacity = _capacity(layout, need, max_model_len)
-    ledger_ = ledger(layout, need, capacity.max_concurrent_requests, memory_bytes)
+        sized = _sized(layout, max_model_len, memory_bytes)
+    capacity, ledger_ = sized
     return Plan(
         model=model,
         strategy=kind,
