@@ -7,6 +7,7 @@ fails or reads back on its own."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ class DiskStores(HostTier):
 
     def teardown(self) -> None:
         self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("borrow", [False, True], ids=["staged", "borrowed"])

@@ -4,6 +4,7 @@ for a key with none, never other bytes."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class DiskTierMachine(RuleBasedStateMachine):
             assert self.tier.slots.read(key, out.numpy().data)
             assert torch.equal(out, payload)
         self.tier.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 TestDiskTierMachine = DiskTierMachine.TestCase

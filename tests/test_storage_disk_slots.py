@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -419,6 +420,7 @@ class DiskSlotsMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.s.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 TestDiskSlotsMachine = DiskSlotsMachine.TestCase
