@@ -33,6 +33,7 @@ from hybridkv.cache import (
     Request,
 )
 from hybridkv.cache.admission import CheckpointAdmission
+from hybridkv.cache.policies import DEAD_TAILS
 from hybridkv.cache.pool_shared import FlatArenaPool
 from hybridkv.cache.tiers import TierSpec
 from hybridkv.errors import RequestError
@@ -101,6 +102,7 @@ class CacheMachine(RuleBasedStateMachine):
         split_block=hst.sampled_from([2, 4, 8]),
         protect_share=hst.sampled_from([1.0, 0.5, 0.25]),
         two_q=hst.booleans(),
+        dead_tails=hst.sampled_from(DEAD_TAILS),
     )
     def setup(
         self,
@@ -120,6 +122,7 @@ class CacheMachine(RuleBasedStateMachine):
         split_block: int,
         protect_share: float,
         two_q: bool,
+        dead_tails: str = "keep",
     ) -> None:
         if self.split_state:
             items = [*items, (state(), split_block), (state(), split_block)]
@@ -150,6 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
             tier_ops=self.tiered,  # compaction's moves join the storage operations
             tier_admission=tier_admission,
             protect_share=protect_share,
+            dead_tails=dead_tails,
         )
         adm = self.mgr._coord.admission
         if adm is not None:  # decide from the first checkpoints on, explore often

@@ -158,6 +158,12 @@ class ArenaReturns(ArenaFits):
                 self.idle_all[c] = self.clock
                 self.idle_all.move_to_end(c)
 
+    def untouched(self, group_id: int, blocks: Sequence[int]) -> list[int]:
+        if not self.caps[group_id]:
+            return []
+        hitg = self.hit[group_id]
+        return [b for b in blocks if not hitg[b]]
+
     def uncache(self, group_id: int, blocks: Sequence[int]) -> int:
         g = group_id
         refs, hashes, m = self.refs[g], self.hashes[g], self.maps[g]

@@ -20,17 +20,16 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from hybridkv.cache.admission import (
-    CHECKPOINT_ADMISSION,
-    CHECKPOINT_WHEN_FULL,
     JUNCTION,
     PROMPT_END,
-    TIER_ADMISSION,
     CheckpointAdmission,
 )
 from hybridkv.cache.coupling import CheckpointCoupling
+from hybridkv.cache.dead_tails import DeadTails
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.hit_grid import HitGrid
 from hybridkv.cache.kinds import KindManager, StepOutputs, StepPlan, manager_class
+from hybridkv.cache.policies import PUBLISH_MODES, WINDOW_RETENTION, check_policies
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
@@ -40,26 +39,10 @@ from hybridkv.cache.tier_sessions import TierSessions, hash_limit
 from hybridkv.cache.tiers import TierSpec, TierStack, check_protect_share
 from hybridkv.cache.types import AllocationResult, BlockId, TierLoad
 from hybridkv.cache.window_spread import WindowSpread
-from hybridkv.errors import PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
 from hybridkv.specs import CacheKind, SlidingWindowSpec
 
 __all__ = ["PUBLISH_MODES", "WINDOW_RETENTION", "HybridCoordinator"]
-
-#: When attention blocks join the prefix cache: ``scheduled`` (default) at the allocation of
-#: the step that fills them, as vLLM does, so requests admitted later in the same step hit
-#: them (the runner writes a step's tokens before reading them); ``computed`` only once the
-#: scheduler reports them computed (the next allocation or the free).  State checkpoints are
-#: always published once computed: a recurrent layer cannot read a state its own pass is
-#: still producing.
-PUBLISH_MODES = ("scheduled", "computed")
-
-#: Which blocks of windowed kinds (sliding window, chunked local) join the prefix cache:
-#: ``tails`` (default): only those a hit at a likely position reads (the window before the
-#: prompt's end, the request's hit and junction, and its computed end when freed; the rest
-#: leave the window uncached, so they are reused before any cached block is evicted);
-#: ``all``: every computed block.
-WINDOW_RETENTION = ("tails", "all")
 
 
 class HybridCoordinator:
@@ -84,30 +67,17 @@ class HybridCoordinator:
         tier_write_through: str | None = None,
         checkpoint_when_full: str | None = None,
         protect_share: float = 1.0,
+        dead_tails: str = "keep",
     ) -> None:
-        if checkpoint_when_full is not None and checkpoint_when_full not in CHECKPOINT_WHEN_FULL:
-            raise PlanError(
-                f"checkpoint_when_full: unknown policy {checkpoint_when_full!r}; valid: "
-                f"{', '.join(CHECKPOINT_WHEN_FULL)} (or None: by layout)"
-            )
         protect_share = check_protect_share(protect_share)
-        if tier_admission not in TIER_ADMISSION:
-            raise PlanError(
-                f"tier_admission: unknown policy {tier_admission!r}; valid: "
-                f"{', '.join(TIER_ADMISSION)}"
-            )
-        if checkpoint_admission not in CHECKPOINT_ADMISSION:
-            raise PlanError(
-                f"checkpoint_admission: unknown policy {checkpoint_admission!r}; valid: "
-                f"{', '.join(CHECKPOINT_ADMISSION)}"
-            )
-        if window_retention not in WINDOW_RETENTION:
-            raise PlanError(
-                f"window_retention: unknown policy {window_retention!r}; valid: "
-                f"{', '.join(WINDOW_RETENTION)}"
-            )
-        if publish not in PUBLISH_MODES:
-            raise PlanError(f"publish: unknown mode {publish!r}; valid: {', '.join(PUBLISH_MODES)}")
+        check_policies(
+            publish=publish,
+            window_retention=window_retention,
+            checkpoint_admission=checkpoint_admission,
+            tier_admission=tier_admission,
+            checkpoint_when_full=checkpoint_when_full,
+            dead_tails=dead_tails,
+        )
         self.layout = layout
         self.events = events
         self.pool = make_block_pool(
@@ -187,6 +157,10 @@ class HybridCoordinator:
             events.set_eviction_sink(self.bridge.evicted)
             for m in self.managers:
                 m.hit_map = self.tiers.view(m.group_id, m.map)
+        #: Drops freed requests' unread blocks past their hit (:mod:`~hybridkv.cache.dead_tails`;
+        #: only where a group that is not prefix-closed bounds hits), or None.
+        drop = dead_tails == "drop" or (dead_tails == "auto" and self.tiers is None)
+        self.dead_tails = DeadTails(self.managers, self.pool) if drop and self._open else None
         #: Prefixes clients protect in the lower tiers (:mod:`hybridkv.cache.tier_sessions`).
         per_hash = sum(m.block_bytes // m.stride for m in self._closed)
         self.sessions = TierSessions(
@@ -532,15 +506,22 @@ class HybridCoordinator:
 
     # -- free ---------------------------------------------------------------------------------
     def release(self, request_id: str) -> RequestState | None:
-        """Publish computed blocks and drop every reference of ``request_id`` (None if none)."""
+        """Publish computed blocks and drop every reference of ``request_id`` (None if none);
+        then its dead tails (:mod:`~hybridkv.cache.dead_tails`) when they are dropped."""
         rs = self.requests.pop(request_id, None)
         if rs is None:
             return None
         end = rs.request.num_computed_tokens
         marks = (*rs.marks, end - end % self.alignment)
+        dead = self.dead_tails
+        tables = None if dead is None else dead.tables(rs)
         for m, st in zip(self.managers, rs.groups, strict=True):
             m.release_all(st, rs.request)
             m.protect(rs.request.block_hashes, marks)
+        if dead is None or tables is None:
+            return rs
+        if dead.drop(rs.request, tables, self.find_hit(rs.request).length) and self.bridge:
+            self.sessions.enforce()  # the drops went down a tier, protected ones too
         return rs
 
     def reset_prefix_cache(self) -> bool:

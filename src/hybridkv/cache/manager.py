@@ -95,6 +95,10 @@ class KVCacheManager(TierCalls):
     (default) those whose reason (junction, prompt end, prefill chunk end, decode) has served
     at least the cache's average hit tokens per byte; ``"all"``: every aligned step end.  See
     :mod:`hybridkv.cache.admission` and :meth:`checkpoint_admission_report`.
+    ``dead_tails``: ``"drop"`` a freed request's attention blocks that no hit can read now
+    (past the longest hit its tokens have: no state checkpoint or window serves them) and no
+    other request read, ``"keep"`` (default) them under LRU, or ``"auto"``: drop without
+    lower tiers (see :mod:`hybridkv.cache.dead_tails`).
     ``tiers``: lower cache tiers (:class:`~hybridkv.cache.tiers.TierSpec`, ``host`` then
     ``disk``) that blocks the device evicts are written back to; a hit on them allocates
     device blocks and returns :attr:`AllocationResult.loads` (see :mod:`hybridkv.cache.tiers`
@@ -142,6 +146,7 @@ class KVCacheManager(TierCalls):
         tier_write_through: str | None = None,
         checkpoint_when_full: str | None = None,
         protect_share: float = DEFAULT_PROTECT_SHARE,
+        dead_tails: str = "keep",
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
@@ -178,6 +183,7 @@ class KVCacheManager(TierCalls):
             tier_write_through=tier_write_through,
             checkpoint_when_full=checkpoint_when_full,
             protect_share=protect_share,
+            dead_tails=dead_tails,
         )
         self.group_hit_stats = bool(group_hit_stats)
         self._stats = StatsCollector(len(layout.groups) if group_hit_stats else 0)

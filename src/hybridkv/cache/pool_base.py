@@ -209,6 +209,12 @@ class BlockPool(ABC):
             m[h] = b
             held[b] = h
 
+    def untouched(self, group_id: int, blocks: Sequence[int]) -> list[int]:
+        """The ``blocks`` of ``group_id`` that served no hit since they were allocated (they
+        hold no chance: :meth:`touch` gives one); empty where the group keeps no chances, so
+        it cannot tell."""
+        return []
+
     @abstractmethod
     def uncache(self, group_id: int, blocks: Sequence[int]) -> int:
         """Drop the prefix-cache entries of the free cached ``blocks`` of ``group_id``: they

@@ -38,6 +38,15 @@ def _check_caps(core: FreeListPool, caps: Sequence[int]) -> None:
             )
 
 
+def _untouched(core: FreeListPool, cap: int, blocks: Sequence[int]) -> list[int]:
+    """:meth:`BlockPool.untouched` on a free-list core whose group holds at most ``cap``
+    chances."""
+    hit = core.hit
+    if hit is None or not cap:
+        return []
+    return [b for b in blocks if not hit[b]]
+
+
 class UniformPool(BlockPool):
     """One :class:`FreeListPool` shared by every group of a ``uniform`` layout."""
 
@@ -93,6 +102,9 @@ class UniformPool(BlockPool):
 
     def refresh(self, group_id: int, blocks: Sequence[int]) -> None:
         self.core.refresh(blocks)
+
+    def untouched(self, group_id: int, blocks: Sequence[int]) -> list[int]:
+        return _untouched(self.core, self.caps[group_id], blocks)
 
     def uncache(self, group_id: int, blocks: Sequence[int]) -> int:
         owner = self.core.owner
@@ -254,6 +266,10 @@ class PerGroupPools(BlockPool):
 
     def refresh(self, group_id: int, blocks: Sequence[int]) -> None:
         self.cores[group_id].refresh(blocks)
+
+    def untouched(self, group_id: int, blocks: Sequence[int]) -> list[int]:
+        core = self.cores[group_id]
+        return _untouched(core, core.chances, blocks)
 
     def uncache(self, group_id: int, blocks: Sequence[int]) -> int:
         return self.cores[group_id].uncache(blocks)
