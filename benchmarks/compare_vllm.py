@@ -39,6 +39,7 @@ from hybridkv.cache import (  # noqa: E402
     Request,
     compiled,
 )
+from hybridkv.cache.policies import DEAD_TAILS  # noqa: E402
 from hybridkv.cache.pool_base import DEFAULT_CHANCES  # noqa: E402
 from hybridkv.models import resolve_model  # noqa: E402
 from hybridkv.plan import make_plan  # noqa: E402
@@ -333,6 +334,7 @@ def compare(
     compaction: bool = True,
     repeat: int = 1,
     eviction: str = "lru",
+    dead_tails: str = "keep",
 ) -> dict[str, Any]:
     """One model's head to head; ``repeat`` runs of each side, alternating, report the
     median manager time (decisions must repeat exactly)."""
@@ -368,6 +370,7 @@ def compare(
                 second_chance=second_chance,
                 window_chances=window_chances,
                 eviction=eviction,
+                dead_tails=dead_tails,
             ),
             token_budget=token_budget,
             compaction=compaction,
@@ -386,6 +389,7 @@ def compare(
             "second_chance": second_chance,
             "window_chances": window_chances,
             "eviction": eviction,
+            "dead_tails": dead_tails,
             "compaction": compaction,
             "schedule_alignment": plan.layout.schedule_alignment,
             "state_split": plan.options.state_split,
@@ -469,6 +473,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "or 2q (blocks used once on probation; KVCacheManager's eviction)",
     )
     p.add_argument(
+        "--dead-tails",
+        choices=DEAD_TAILS,
+        default="keep",
+        help="hybridkv's freed attention blocks no hit can read: keep (LRU), drop, or auto "
+        "(KVCacheManager's dead_tails)",
+    )
+    p.add_argument(
         "--no-compaction",
         action="store_true",
         help="preempt without first compacting the arena (KVCacheManager.compact; hybridkv side)",
@@ -529,6 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             compaction=not args.no_compaction,
             repeat=args.repeat,
             eviction=args.eviction,
+            dead_tails=args.dead_tails,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)
