@@ -334,7 +334,7 @@ def compare(
     compaction: bool = True,
     repeat: int = 1,
     eviction: str = "lru",
-    dead_tails: str = "keep",
+    dead_tails: str = "auto",
 ) -> dict[str, Any]:
     """One model's head to head; ``repeat`` runs of each side, alternating, report the
     median manager time (decisions must repeat exactly)."""
@@ -475,9 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--dead-tails",
         choices=DEAD_TAILS,
-        default="keep",
-        help="hybridkv's freed attention blocks no hit can read: keep (LRU), drop, or auto "
-        "(KVCacheManager's dead_tails)",
+        default="auto",
+        help="hybridkv's freed attention blocks no hit can read: auto (the default: drop "
+        "them, as there are no tiers here), drop, or keep (LRU); KVCacheManager's dead_tails",
     )
     p.add_argument(
         "--no-compaction",

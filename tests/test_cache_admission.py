@@ -99,8 +99,13 @@ def test_layouts_without_state_groups_have_no_admission() -> None:
 
 
 def _manager(policy: str) -> KVCacheManager:
+    # dead tails kept: a freed request's blocks past its last checkpoint mark the junction a
+    # later request branches at (test_cache_dead_tails.py shows what dropping them costs)
     mgr = KVCacheManager(
-        uniform(groups(full(), state()), 60), hasher="builtin", checkpoint_admission=policy
+        uniform(groups(full(), state()), 60),
+        hasher="builtin",
+        checkpoint_admission=policy,
+        dead_tails="keep",
     )
     adm = mgr._coord.admission
     if adm is not None:  # decide at once, never explore

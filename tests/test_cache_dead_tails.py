@@ -97,6 +97,8 @@ def test_a_pool_without_chances_cannot_tell_and_drops_nothing() -> None:
 
 
 def test_an_unknown_policy_is_refused() -> None:
-    with pytest.raises(PlanError, match=r"dead_tails: unknown policy 'some'; valid: keep, drop"):
+    with pytest.raises(PlanError, match=r"dead_tails: unknown policy 'some'; valid: auto, d"):
         _manager("some")
-    assert DEAD_TAILS == ("keep", "drop", "auto")
+    assert DEAD_TAILS == ("auto", "drop", "keep")
+    default = KVCacheManager(uniform(groups(full(), state()), 40))
+    assert default._coord.dead_tails is not None  # auto, no tiers: dropped

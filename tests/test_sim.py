@@ -469,7 +469,7 @@ def test_cli_says_when_the_trace_holds_fewer_requests_than_asked(
 
 def test_compaction_moves_blocks_where_a_preemption_was() -> None:
     # gemma-3-27b's arena (sliding-window and full-attention blocks share chunks) at 6 GiB:
-    # one running request's step finds no chunk; compaction frees chunks by moving 18 blocks
+    # one running request's step finds no chunk; compaction frees chunks by moving 9 blocks
     # (charged at device bandwidth) where the scheduler without it preempts.
     model = resolve_model("gemma-3-27b")
     profile = ModelProfile.from_config(load_model_config("gemma-3-27b"))
@@ -479,9 +479,9 @@ def test_compaction_moves_blocks_where_a_preemption_was() -> None:
         cfg = SimConfig(memory_bytes=6 << 30, max_model_len=16384, compaction=on)
         runs[on] = simulate(model, profile, work, cfg)
         assert runs[on].finished == 40
-    assert (runs[True].preemptions, runs[True].moved_blocks) == (0, 18)
+    assert (runs[True].preemptions, runs[True].moved_blocks) == (0, 9)
     assert (runs[False].preemptions, runs[False].moved_blocks) == (1, 0)
-    assert runs[True].summary()["moved_blocks"] == 18
+    assert runs[True].summary()["moved_blocks"] == 9
 
 
 def test_interpretation_says_which_pool_held_a_run_back(

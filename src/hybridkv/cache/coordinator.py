@@ -67,7 +67,7 @@ class HybridCoordinator:
         tier_write_through: str | None = None,
         checkpoint_when_full: str | None = None,
         protect_share: float = 1.0,
-        dead_tails: str = "keep",
+        dead_tails: str = "auto",
     ) -> None:
         protect_share = check_protect_share(protect_share)
         check_policies(
@@ -187,15 +187,19 @@ class HybridCoordinator:
             m.window_grid = -(-grid // align) * align
 
     # -- hits -------------------------------------------------------------------------------
-    def find_hit(self, request: Request, standalone: bool = False) -> HitResult:
-        """The longest hit every group can serve (see module doc).  Reads only.
+    def find_hit(
+        self, request: Request, standalone: bool = False, end: int | None = None
+    ) -> HitResult:
+        """The longest hit every group can serve (see module doc).  Reads only.  ``end``:
+        look up to that many tokens instead of leaving the last one to compute (the hit a
+        longer request with this prefix would find).
 
         Groups that are not prefix-closed are looked up below the prefix-closed groups' hit
         (their ``alone`` entry is then their hit below it); with ``standalone`` below the
         request's own bound, so ``alone`` is every group's standalone hit (a diagnostic that
         costs a scan of each windowed group's whole prompt per query)."""
         hashes = request.block_hashes
-        bound = request.num_tokens - 1
+        bound = request.num_tokens - 1 if end is None else end
         if self.max_model_len is not None and bound > self.max_model_len:
             bound = self.max_model_len
         bound -= bound % self.alignment
@@ -520,7 +524,8 @@ class HybridCoordinator:
             m.protect(rs.request.block_hashes, marks)
         if dead is None or tables is None:
             return rs
-        if dead.drop(rs.request, tables, self.find_hit(rs.request).length) and self.bridge:
+        hit = self.find_hit(rs.request, end=end).length  # where a longer request would hit
+        if dead.drop(rs.request, tables, hit) and self.bridge:
             self.sessions.enforce()  # the drops went down a tier, protected ones too
         return rs
 

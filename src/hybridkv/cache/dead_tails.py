@@ -10,21 +10,23 @@ trace at 16 GiB (2,000 requests, ``benchmarks/compare_vllm.py``'s loop) Jamba-v0
 requests left about 1.3 million of them, most of every request's own attention blocks,
 because the checkpoint admission saves few of their checkpoints.
 
-At a request's free (or preemption), :class:`DeadTails` looks the request up again (the
-coordinator's fixed point, with every tier) and uncaches its prefix-closed blocks past that
+At a request's free (or preemption), :class:`DeadTails` looks the request's tokens up
+again, up to its computed end (the hit a longer request with this prefix would find: the
+coordinator's fixed point, with every tier), and uncaches its prefix-closed blocks past that
 hit: they become free uncached blocks, reused before any cached block is evicted, and are
-reported as evicted.  Only blocks no other request has read since this one took them are
-dropped (the pool's :meth:`~hybridkv.cache.pool_base.BlockPool.untouched`): a block another
-request hit may lie on that request's own path to a checkpoint further along.  Blocks still
-referenced are skipped (their other holders decide at their own free).
+reported as evicted (events, the lower tiers).  Only blocks no other request has read since
+this one took them are dropped (the pool's
+:meth:`~hybridkv.cache.pool_base.BlockPool.untouched`): a block another request hit may lie
+on that request's own path to a checkpoint further along.  Blocks still referenced are
+skipped (their other holders decide at their own free).
 
-Policies (``dead_tails`` on :class:`~hybridkv.cache.manager.KVCacheManager`): ``"drop"``,
-``"keep"`` (the plain LRU), ``"auto"`` (the default): drop without lower tiers, keep with
-them.  Measured on that trace at 16 GiB (docs/architecture.md, "Dead tails"): without tiers
-dropping raised Jamba-v0.1's hit rate from 3.72% to 3.97% and cut the steps
-Qwen3-Next-80B-A3B needed from 27,173 to 22,632; with a 128 GiB host tier in the simulator
-it lowered Nemotron-H-8B from 18.5% to 16.3% and Qwen3-Next-80B-A3B from 16.3% to 15.5%,
-so a cache with tiers keeps them.
+What it costs: a later request that shares the dropped prefix no longer shows where it
+branched (its junction, where the checkpoint admission saves its most valuable
+checkpoints).  With a host tier, dropping the prompt's blocks past the last checkpoint cost
+hits in the simulator (dropping only those past the prompt did not; why is not settled), so
+``"auto"``, the default of :class:`~hybridkv.cache.manager.KVCacheManager`'s
+``dead_tails``, drops only without lower tiers.  Measurements: docs/architecture.md, "Dead
+tails".
 """
 
 from __future__ import annotations

@@ -97,8 +97,8 @@ class KVCacheManager(TierCalls):
     :mod:`hybridkv.cache.admission` and :meth:`checkpoint_admission_report`.
     ``dead_tails``: ``"drop"`` a freed request's attention blocks that no hit can read now
     (past the longest hit its tokens have: no state checkpoint or window serves them) and no
-    other request read, ``"keep"`` (default) them under LRU, or ``"auto"``: drop without
-    lower tiers (see :mod:`hybridkv.cache.dead_tails`).
+    other request read, ``"keep"`` them under LRU, or ``"auto"`` (default): drop without
+    lower tiers, keep with them (see :mod:`hybridkv.cache.dead_tails`).
     ``tiers``: lower cache tiers (:class:`~hybridkv.cache.tiers.TierSpec`, ``host`` then
     ``disk``) that blocks the device evicts are written back to; a hit on them allocates
     device blocks and returns :attr:`AllocationResult.loads` (see :mod:`hybridkv.cache.tiers`
@@ -146,7 +146,7 @@ class KVCacheManager(TierCalls):
         tier_write_through: str | None = None,
         checkpoint_when_full: str | None = None,
         protect_share: float = DEFAULT_PROTECT_SHARE,
-        dead_tails: str = "keep",
+        dead_tails: str = "auto",
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")

@@ -29,8 +29,9 @@ PUBLISH_MODES = ("scheduled", "computed")
 WINDOW_RETENTION = ("tails", "all")
 
 #: A freed request's attention blocks no hit can read (:mod:`~hybridkv.cache.dead_tails`):
-#: ``keep`` (default, plain LRU); ``drop``; ``auto`` drops them without lower tiers only.
-DEAD_TAILS: Final = ("keep", "drop", "auto")
+#: ``auto`` (default) drops them without lower tiers and keeps them with tiers; ``drop``;
+#: ``keep`` (plain LRU).
+DEAD_TAILS: Final = ("auto", "drop", "keep")
 
 
 def _one_of(field: str, value: object, valid: tuple[str, ...], extra: str = "") -> None:
