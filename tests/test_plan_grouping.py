@@ -223,3 +223,23 @@ def test_auto_state_split_cuts_under_pressure_or_whole_chunk_slots_in_small_aren
     assert PlanOptions.from_dict({"block_size": 16, "state_split": "auto"}).state_split == "auto"
     with pytest.raises(PlanError, match="state_split: must be a positive integer, got 'x'"):
         PlanOptions(state_split="x")
+
+
+def test_auto_cuts_where_no_request_fits_whole() -> None:
+    from hybridkv.models import resolve_model
+    from hybridkv.plan import Plan, make_plan
+
+    qwen = resolve_model("Qwen3-Next-80B-A3B")
+
+    def at(mib: int, split: int | str = "auto") -> Plan:
+        return make_plan(qwen, memory_bytes=mib << 20, max_model_len=4096, state_split=split)
+
+    with pytest.raises(PlanError, match="holds no request of max_model_len 4096"):
+        at(190, 1)  # whole state groups need 203 MiB here
+    p = at(190)
+    assert p.options.state_split == 4 and p.capacity.max_concurrent_requests == 1
+    assert p.notes[-1] == "state_split auto: 4 (no request of max_model_len fits whole)"
+    assert p.layout == at(190, 4).layout
+    # Where the cut holds none either, the error is the whole plan's, as before.
+    with pytest.raises(PlanError, match=r"memory_bytes: 180 MiB .* holds no request"):
+        at(180)

@@ -227,10 +227,29 @@ def make_plan(
     split = options.state_split
     if split == AUTO_STATE_SPLIT:  # judged on the unsplit plan; the plan names what it used
         options = replace(options, state_split=1)
-        layout, notes = build(groups, options, memory_bytes, max_model_len)
+        try:
+            layout, notes = build(groups, options, memory_bytes, max_model_len)
+        except PlanError:  # no request fits whole: a cut arena may still hold one
+            if kind is not Strategy.ARENA or not any(
+                is_state(g.spec) and len(g.members) > 1 for g in groups
+            ):
+                raise
+            cut = split_state_groups(groups, AUTO_SPLIT)
+            cut_options = replace(options, state_split=AUTO_SPLIT)
+            try:
+                layout, notes = build(cut, cut_options, memory_bytes, max_model_len)
+            except PlanError:
+                pass  # the unsplit plan's error names the budget
+            else:
+                why = f"state_split auto: {AUTO_SPLIT} (no request of max_model_len fits whole)"
+                notes, options = (*notes, why), cut_options
+            if options.state_split == 1:
+                raise
         sized = _sized(layout, max_model_len, memory_bytes)
         fit, waste = sized[0].max_concurrent_requests, sized[1].waste.total
-        split, why = _auto_split(layout, fit)  # 1 for pools and uniform (no arena)
+        split = 1  # the cut above, if any, was the only plan that held a request
+        if options.state_split == 1:
+            split, why = _auto_split(layout, fit)  # 1 for pools and uniform (no arena)
         if split > 1:
             cut = split_state_groups(groups, split)
             try:
