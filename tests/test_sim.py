@@ -516,3 +516,23 @@ def test_pool_bound_needs_a_full_pool_and_an_idle_budget() -> None:
         replace(p, group_blocks=(min(p.group_blocks[0], 3), p.group_blocks[1])) for p in r.timeline
     ]
     assert _pool_bound(replace(r, timeline=low)) == ""
+
+
+def test_dead_tails_reach_the_manager(capsys: pytest.CaptureFixture[str]) -> None:
+    # The README's first command, arena only: dropping what no hit can read (the default
+    # without tiers) against keeping it in the LRU (docs/architecture.md, "Dead tails").
+    rates = {}
+    for tier in ([], ["--host-memory", "1GiB"]):  # with a lower tier "auto" keeps them
+        for policy in ("auto", "drop", "keep"):
+            args = ["simulate", "--strategy", "arena", "--quiet", "--json", *tier]
+            assert main([*args, "--dead-tails", policy]) == 0
+            rate = json.loads(capsys.readouterr().out)[0]["token_hit_rate"]
+            rates[len(tier), policy] = round(rate, 3)
+    assert rates == {
+        (0, "auto"): 0.581,
+        (0, "drop"): 0.581,
+        (0, "keep"): 0.526,
+        (2, "auto"): 0.55,
+        (2, "drop"): 0.619,
+        (2, "keep"): 0.55,
+    }

@@ -223,6 +223,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "eviction join the LRU)",
     )
     parser.add_argument(
+        "--dead-tails",
+        default="auto",
+        choices=["auto", "drop", "keep"],
+        help="a freed request's attention blocks past the longest hit its tokens have (no "
+        "state checkpoint or window serves them): drop them from the cache, keep them in its "
+        "LRU, or auto (default): drop without --host-memory / --disk-memory",
+    )
+    parser.add_argument(
         "--second-chance",
         type=int,
         default=DEFAULT_CHANCES,
@@ -439,6 +447,7 @@ def run(args: argparse.Namespace) -> int:
             tier_admission=args.tier_admission or "yield",
             second_chance=args.second_chance,
             eviction=args.eviction,
+            dead_tails=args.dead_tails,
             window_chances=args.window_chances,
             host_memory_bytes=host,
             disk_memory_bytes=disk,

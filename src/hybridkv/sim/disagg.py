@@ -101,6 +101,7 @@ def _instance(model: ModelSpec, config: SimConfig, publish: str) -> Scheduler:
         second_chance=config.second_chance,
         window_chances=config.window_chances,
         eviction=config.eviction,
+        dead_tails=config.dead_tails,
         checkpoint_when_full=config.checkpoint_when_full,
     )
     return scheduler_for(mgr, config)

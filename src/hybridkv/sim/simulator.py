@@ -83,6 +83,8 @@ class SimConfig:
     second_chance: int = DEFAULT_CHANCES
     #: The free-list pools' eviction order, ``"lru"`` or ``"2q"`` (``KVCacheManager(eviction=)``).
     eviction: str = "lru"
+    #: Freed requests' blocks no hit can read (``KVCacheManager(dead_tails=)``).
+    dead_tails: str = "auto"
     #: The same for windowed groups (``KVCacheManager(window_chances=)``; None: its default).
     window_chances: int | None = None
     #: The scheduler's ``checkpoint_before_end`` (state models; None: by the alignment).
@@ -375,6 +377,7 @@ def simulate(
         second_chance=config.second_chance,
         window_chances=config.window_chances,
         eviction=config.eviction,
+        dead_tails=config.dead_tails,
         group_hit_stats=True,  # the report's per-group hit rates
         tiers=config.tiers(),
         tier_write_through=config.write_through,
