@@ -518,15 +518,14 @@ class HybridCoordinator:
         end = rs.request.num_computed_tokens
         marks = (*rs.marks, end - end % self.alignment)
         dead = self.dead_tails
-        tables = None if dead is None else dead.tables(rs)
+        tables = None if dead is None else dead.tables(rs)  # before the references go
         for m, st in zip(self.managers, rs.groups, strict=True):
             m.release_all(st, rs.request)
             m.protect(rs.request.block_hashes, marks)
-        if dead is None or tables is None:
-            return rs
-        hit = self.find_hit(rs.request, end=end).length  # where a longer request would hit
-        if dead.drop(rs.request, tables, hit) and self.bridge:
-            self.sessions.enforce()  # the drops went down a tier, protected ones too
+        if dead is not None and tables is not None:
+            hit = self.find_hit(rs.request, end=end).length  # where a longer request would hit
+            if dead.drop(tables, hit) and self.bridge is not None:
+                self.sessions.enforce()  # the drops went down a tier, protected ones too
         return rs
 
     def reset_prefix_cache(self) -> bool:

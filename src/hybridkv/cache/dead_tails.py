@@ -35,7 +35,6 @@ from collections.abc import Sequence
 
 from hybridkv.cache.kinds import KindManager
 from hybridkv.cache.pool_base import BlockPool
-from hybridkv.cache.request import Request
 from hybridkv.cache.request_state import RequestState
 
 __all__ = ["DeadTails"]
@@ -44,23 +43,21 @@ __all__ = ["DeadTails"]
 class DeadTails:
     """Drops a freed request's unread attention blocks past its longest hit (see module)."""
 
-    __slots__ = ("closed", "dropped", "pool")
+    __slots__ = ("closed", "pool")
 
     def __init__(self, managers: Sequence[KindManager], pool: BlockPool) -> None:
         self.pool = pool
         #: The prefix-closed groups (full attention, MLA): where dead tails are dropped.
         self.closed = [m for m in managers if m.prefix_closed]
-        #: Blocks dropped so far.
-        self.dropped = 0
 
     def tables(self, rs: RequestState) -> list[list[int]]:
         """The prefix-closed groups' tables of a request about to be freed (taken before its
         references are dropped)."""
         return [list(m.table(rs.groups[m.group_id])) for m in self.closed]
 
-    def drop(self, request: Request, tables: Sequence[Sequence[int]], hit: int) -> int:
+    def drop(self, tables: Sequence[Sequence[int]], hit: int) -> int:
         """Uncache the blocks of ``tables`` (from :meth:`tables`) that lie past ``hit`` tokens
-        (the longest hit ``request``'s tokens have now) and that no other request read;
+        (the longest hit the request's tokens have now) and that no other request read;
         returns how many were dropped."""
         dropped = 0
         for m, table in zip(self.closed, tables, strict=True):
@@ -69,5 +66,4 @@ class DeadTails:
                 continue
             g = m.group_id
             dropped += self.pool.uncache(g, self.pool.untouched(g, table[first:]))
-        self.dropped += dropped
         return dropped

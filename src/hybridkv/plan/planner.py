@@ -132,6 +132,31 @@ def _auto_split(layout: MemoryLayout, capacity: int | None) -> tuple[int, str]:
     return 1, ""
 
 
+def _cut_where_none_fits(
+    kind: Strategy,
+    groups: tuple[SpecGroup, ...],
+    options: PlanOptions,
+    memory_bytes: int,
+    max_model_len: int,
+) -> tuple[MemoryLayout, tuple[str, ...], PlanOptions] | None:
+    """``state_split="auto"`` where no request fits the whole state groups: the arena with
+    each cut in :data:`AUTO_SPLIT` (layout, notes, options), or None where that holds none
+    either or nothing can be cut."""
+    if kind is not Strategy.ARENA or not any(
+        is_state(g.spec) and len(g.members) > 1 for g in groups
+    ):
+        return None
+    options = replace(options, state_split=AUTO_SPLIT)
+    try:
+        layout, notes = STRATEGIES[kind](
+            split_state_groups(groups, AUTO_SPLIT), options, memory_bytes, max_model_len
+        )
+    except PlanError:
+        return None
+    why = f"state_split auto: {AUTO_SPLIT} (no request of max_model_len fits whole)"
+    return layout, (*notes, why), options
+
+
 def _sized(layout: MemoryLayout, max_model_len: int, memory_bytes: int) -> tuple[Capacity, Ledger]:
     """The layout's capacity for requests of ``max_model_len`` tokens, and its byte ledger."""
     need = tuple(blocks_for_request(g, max_model_len) for g in layout.groups)
@@ -230,24 +255,13 @@ def make_plan(
         try:
             layout, notes = build(groups, options, memory_bytes, max_model_len)
         except PlanError:  # no request fits whole: a cut arena may still hold one
-            if kind is not Strategy.ARENA or not any(
-                is_state(g.spec) and len(g.members) > 1 for g in groups
-            ):
-                raise
-            cut = split_state_groups(groups, AUTO_SPLIT)
-            cut_options = replace(options, state_split=AUTO_SPLIT)
-            try:
-                layout, notes = build(cut, cut_options, memory_bytes, max_model_len)
-            except PlanError:
-                pass  # the unsplit plan's error names the budget
-            else:
-                why = f"state_split auto: {AUTO_SPLIT} (no request of max_model_len fits whole)"
-                notes, options = (*notes, why), cut_options
-            if options.state_split == 1:
-                raise
+            found = _cut_where_none_fits(kind, groups, options, memory_bytes, max_model_len)
+            if found is None:
+                raise  # the unsplit plan's error names the budget
+            layout, notes, options = found
         sized = _sized(layout, max_model_len, memory_bytes)
         fit, waste = sized[0].max_concurrent_requests, sized[1].waste.total
-        split = 1  # the cut above, if any, was the only plan that held a request
+        split, why = 1, ""  # a cut made above was the only plan that held a request
         if options.state_split == 1:
             split, why = _auto_split(layout, fit)  # 1 for pools and uniform (no arena)
         if split > 1:
