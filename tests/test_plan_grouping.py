@@ -123,8 +123,13 @@ def test_state_split_shrinks_the_arena_chunk_and_keeps_every_layer() -> None:
     }
     one, four = plans[1].layout, plans[4].layout
     assert one.arena is not None and four.arena is not None
-    assert four.arena.chunk_bytes * 2 == one.arena.chunk_bytes  # two 9-layer slots a chunk
+    # one 36-layer slot a chunk; split in four, 9-layer slots would share a chunk two by two,
+    # so their pages are padded by 3.0% to fill one chunk each (plan.arena: one slot a chunk)
+    assert one.arena.chunk_bytes == 77856768
+    assert four.arena.chunk_bytes == 20054016 == 17 * 3 * 393216  # 17 x lcm(9, 384 KiB)
     state_groups = [g for g in four.groups if g.spec.kind.value == "state"]
+    assert all(g.block_bytes == four.arena.chunk_bytes for g in state_groups)
+    assert all(g.page_bytes == 20054016 // 9 for g in state_groups)
     assert [len(g.members) for g in state_groups] == [9, 9, 9, 9]
     members = sorted(m for g in four.groups for m in g.members)
     assert members == sorted(m for g in one.groups for m in g.members)
@@ -158,16 +163,17 @@ def test_auto_state_split_cuts_under_pressure_or_whole_chunk_slots_in_small_aren
     # and how many max_model_len requests it fits: it cuts where fewer than 16 fit (running
     # requests hold the budget), or where a >= 32 MiB slot takes a whole chunk of an arena
     # under 512 chunks (Qwen3-Next-80B-A3B: 74.2 MiB slots, one a chunk; Nemotron-H-8B: 98
-    # MiB slots, one a chunk at 8 GiB, two from 16 GiB; Jamba-v0.1: 15.8 MiB slots).
+    # MiB slots, one a chunk, padded by 0.4% from 16 GiB, where two would share a chunk
+    # unpadded; Jamba-v0.1: 15.8 MiB slots).
     expected = {
         ("Qwen3-Next-80B-A3B", 8, 131072): (4, 110, 2),
         ("Qwen3-Next-80B-A3B", 32, 131072): (4, 441, 10),
         ("Qwen3-Next-80B-A3B", 64, 131072): (1, 882, 20),
         ("Qwen3-Next-80B-A3B", 8, 4096): (4, 110, 47),  # many fit, but whole-chunk slots
         ("Nemotron-H-8B", 8, 131072): (4, 83, 3),
-        ("Nemotron-H-8B", 16, 131072): (4, 83, 7),
-        ("Nemotron-H-8B", 64, 131072): (1, 334, 30),
-        ("Nemotron-H-8B", 16, 8192): (1, 83, 71),  # two slots a chunk, and many fit
+        ("Nemotron-H-8B", 16, 131072): (4, 166, 7),
+        ("Nemotron-H-8B", 64, 131072): (1, 667, 30),
+        ("Nemotron-H-8B", 16, 8192): (4, 166, 72),  # many fit, but whole-chunk slots
         ("Jamba-v0.1", 8, 131072): (4, 520, 3),
         ("Jamba-v0.1", 16, 131072): (4, 1040, 7),
         ("Jamba-v0.1", 32, 131072): (4, 2080, 15),
@@ -184,17 +190,18 @@ def test_auto_state_split_cuts_under_pressure_or_whole_chunk_slots_in_small_aren
         assert auto.options.state_split == split, key
         assert auto.layout == plan(name, gib, length, state_split=split).layout
     assert auto_state_split(plan("Jamba-v0.1", 16, state_split=1).layout) == 1  # not judged
-    # The rule would cut Qwen3-Next-80B-A3B at 40 GiB (13 fit), but cut in four it plans 12:
-    # a split that plans fewer requests (or wastes more than 1%) is not kept.
-    whole = plan("Qwen3-Next-80B-A3B", 40, state_split=1)
+    # The rule would cut Nemotron-H-8B at 8 GiB and 8,192 tokens (its 98 MiB slot takes a
+    # whole chunk of 83), but cut in four it plans 35, not 36: a split that plans fewer
+    # requests (or wastes more than 1%) is not kept.
+    whole = plan("Nemotron-H-8B", 8, 8192, state_split=1)
     assert auto_state_split(whole.layout, whole.capacity.max_concurrent_requests) == 4
-    assert plan("Qwen3-Next-80B-A3B", 40, state_split=4).capacity.max_concurrent_requests == 12
-    auto = plan("Qwen3-Next-80B-A3B", 40)
-    assert auto.options.state_split == 1 and auto.capacity.max_concurrent_requests == 13
+    assert plan("Nemotron-H-8B", 8, 8192, state_split=4).capacity.max_concurrent_requests == 35
+    auto = plan("Nemotron-H-8B", 8, 8192)
+    assert auto.options.state_split == 1 and auto.capacity.max_concurrent_requests == 36
     # the plan's notes say what "auto" chose and why
     assert auto.notes[-1] == (
-        "state_split auto: 1 (cut in 4 it would plan 12 requests and waste 640 KiB, whole 13 "
-        "and 640 KiB)"
+        "state_split auto: 1 (cut in 4 it would plan 35 requests and waste 39.6 MiB, whole 36 "
+        "and 13.8 MiB)"
     )
     assert plan("Jamba-v0.1", 16).notes[-1] == (
         "state_split auto: 4 (7 requests of max_model_len fit the arena, fewer than 16: "

@@ -88,6 +88,7 @@ def test_qwen3_next_fits_one_request_with_chunk_zero_lent() -> None:
         memory_bytes=parse_bytes("3220MiB"),
         max_model_len=131072,
         strategy=Strategy.ARENA,
+        state_split=1,  # "auto" cuts it in four: one request too, in 168 one-slot chunks
     )
     assert plan.capacity.max_concurrent_requests == 1
     assert plan.layout.null_loan_blocks == [0, 197]
