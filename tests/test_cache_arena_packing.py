@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.cache.arena_packing import FillIndex, NoFill
 from hybridkv.cache.events import EventLog
@@ -135,3 +137,51 @@ def test_among_equally_full_chunks_the_one_filed_first_goes_first() -> None:
     assert fill.snapshot() == before  # check reads only
     fill.add(0, 1, 11)  # filed again: now the newest
     assert fill.take(0) == 20 and fill.take(0) == 11
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    frees=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 7)), min_size=1, max_size=40),
+    wants=st.lists(st.integers(1, 12), min_size=1, max_size=6),
+)
+def test_take_run_gives_what_single_takes_give(
+    frees: list[tuple[int, int]], wants: list[int]
+) -> None:
+    """``take_run`` (the arena's step 1 in one call) against ``take`` block by block, each
+    followed by the count raise the pool makes: the same blocks in the same order, and the
+    same filing after every call."""
+    bpc = 8
+
+    def build() -> tuple[FillIndex, list[int]]:
+        refd = [bpc] * 6  # every chunk full, then some of its slots freed
+        fill = FillIndex(6, [bpc], refd)
+        freed: set[tuple[int, int]] = set()
+        for c, slot in frees:
+            if (c, slot) in freed:
+                continue
+            freed.add((c, slot))
+            refd[c] -= 1
+            fill.moved(0, c)
+            fill.add(0, c, c * bpc + slot)
+        return fill, refd
+
+    one, refd_one = build()
+    run, refd_run = build()
+    for want in wants:
+        singles: list[int] = []
+        while len(singles) < want and one._mask[0]:
+            b = one.take(0)
+            refd_one[b // bpc] += 1
+            singles.append(b)
+        runs: list[int] = []
+        while len(runs) < want and run._mask[0]:
+            got = run.take_run(0, want - len(runs))
+            assert len({b // bpc for b in got}) == 1  # one chunk per run
+            refd_run[got[0] // bpc] += len(got)
+            runs += got
+        assert runs == singles
+        assert refd_run == refd_one and run.at == one.at and run.blocks == one.blocks
+        owner = [0] * 6
+        free = {b for stack in one.blocks for b in stack}
+        one.check(owner, [dict.fromkeys(free)])
+        run.check(owner, [dict.fromkeys(free)])

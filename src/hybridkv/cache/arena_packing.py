@@ -117,6 +117,32 @@ class FillIndex:
             heappop(heap)
         return self._pop(g, c)
 
+    def take_run(self, g: int, most: int) -> list[int]:
+        """Up to ``most`` free uncached blocks of ``g``'s fullest chunk, in the order
+        repeated :meth:`take` calls would return them: a chunk taken from moves one count
+        up, into a bucket above every other, so it stays the fullest until its blocks run
+        out.  The chunk is filed ``len(run)`` counts up; the caller raises its count by as
+        many."""
+        mask = self._mask[g]
+        if not mask:
+            raise InvariantError(f"FillIndex.take_run: group {g} has no free uncached block")
+        r = mask.bit_length() - 1
+        heap, at, seq = self._heaps[g][r], self.at, self.seq
+        while True:
+            s, c = heap[0]
+            if at[c] == r and seq[c] == s:
+                break
+            heappop(heap)
+        stack = self.blocks[c]
+        k = min(most, len(stack))
+        run = stack[-k:]
+        del stack[-k:]
+        run.reverse()  # the last freed first, as pop() gives them
+        self._unfile(g, c)
+        if stack:
+            self._put(g, r + k, c)
+        return run
+
     def take_from(self, g: int, c: int) -> int:
         """:meth:`take` from chunk ``c`` (a chunk just carved)."""
         return self._pop(g, c)

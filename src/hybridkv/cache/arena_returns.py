@@ -43,6 +43,7 @@ class ArenaReturns(ArenaFits):
         hitg, chance = self.hit[g], self.caps[g]
         fill = self.fill
         at = fill.at
+        moved: dict[int, None] = {}  # chunks whose count changed: refiled once, at the end
         for b in blocks:
             if hitg[b] < chance:
                 hitg[b] += 1
@@ -58,9 +59,11 @@ class ArenaReturns(ArenaFits):
                 ccf[c] -= 1
                 crefd[c] += 1
                 if at[c] >= 0:
-                    fill.moved(g, c)
+                    moved[c] = None
                 self.used[g] += 1
             refs[b] = r + 1
+        for c in moved:
+            fill.moved(g, c)
 
     def release(self, group_id: int, blocks: Sequence[int]) -> None:
         g = group_id
@@ -73,6 +76,7 @@ class ArenaReturns(ArenaFits):
         bb, cb = self.block_bytes[g], self.chunk_bytes
         fill = self.fill
         at = fill.at
+        moved: dict[int, None] = {}  # chunks whose count changed: refiled once, at the end
         for b in blocks:
             r = refs[b] - 1
             refs[b] = r
@@ -85,7 +89,7 @@ class ArenaReturns(ArenaFits):
             cached = hashes[b] is not None
             if left:
                 if at[c] >= 0:
-                    fill.moved(g, c)
+                    moved[c] = None
                 if cached:
                     self.clock += 1
                     fc[b] = self.clock
@@ -112,6 +116,8 @@ class ArenaReturns(ArenaFits):
             else:
                 self.owner[c] = -1
                 self.free_chunks.append(c)
+        for c in moved:  # a no-op for a chunk that went idle (no longer filed)
+            fill.moved(g, c)
 
     def _release_whole_chunks(self, g: int, blocks: Sequence[int]) -> None:
         """:meth:`release` for a group with one block per chunk: a block whose last reference

@@ -348,6 +348,18 @@ class ArenaPool(ArenaCompact):
                     hitg[blk] = 0
                     out.append(blk)
                     continue
+            if packs and fu and not carved and not drain and not (spread and self.free_chunks):
+                # Step 1 in a run: the fullest chunk's free blocks (FillIndex.take_run: the
+                # blocks single takes would give), its count raised once.
+                run = fill.take_run(g, n - len(out))
+                c = run[0] * bb // cb
+                crefd[c] += len(run)
+                for b in run:
+                    del fu[b]
+                    refs[b] = 1
+                    hitg[b] = 0
+                out += run
+                continue
             if self.second_chance and not fu and not drain and not self.free_chunks:
                 self._spare_own(g)  # step 3 decides next: spare the marked heads once
                 own = self.idle[g]
