@@ -39,7 +39,7 @@ from hybridkv.cache import (  # noqa: E402
     Request,
     compiled,
 )
-from hybridkv.cache.policies import DEAD_TAILS  # noqa: E402
+from hybridkv.cache.policies import DEAD_TAILS, drops_dead_tails  # noqa: E402
 from hybridkv.cache.pool_base import DEFAULT_CHANCES  # noqa: E402
 from hybridkv.models import resolve_model  # noqa: E402
 from hybridkv.plan import make_plan  # noqa: E402
@@ -348,6 +348,7 @@ def compare(
         state_block_size=state_block_size,
         **({} if chunk_alignment is None else {"chunk_alignment": chunk_alignment}),
         **({} if state_split is None else {"state_split": state_split}),
+        one_slot_chunks=drops_dead_tails(dead_tails, False),  # no tiers here
     )
     vruns: list[dict[str, Any]] = []
     hruns: list[dict[str, Any]] = []

@@ -242,3 +242,52 @@ def test_arena_plan_tail_bytes_are_checked_and_round_trip() -> None:
             match=rf"^ArenaPlan.tail_bytes: must be in \[0, chunk_bytes 1024\), got {bad}",
         ):
             ArenaPlan(chunk_bytes=1024, num_chunks=4, tail_bytes=bad)
+
+
+def test_one_state_slot_per_chunk_where_padding_is_small() -> None:
+    """Nemotron-H-8B at 16 GiB (split 4, 6-layer state groups of 4,276,224-byte pages): the
+    common multiple with the 256 KiB attention block is 196 MiB, 8 slots a chunk; pages
+    padded by 1.15% to 4,325,376 B make a 24.75 MiB chunk of one slot (and 99 attention
+    blocks), at the same capacity.  ``one_slot_chunks=False`` keeps the common multiple; a
+    slot needing more than 5% (Jamba-v0.1: 33%) is never padded for it."""
+    from hybridkv.models import resolve_model
+    from hybridkv.plan import PlanOptions, make_plan
+    from hybridkv.plan.arena import ONE_SLOT_MAX_PADDING
+
+    model = resolve_model("Nemotron-H-8B")
+    kw: dict[str, object] = {"memory_bytes": 16 << 30, "max_model_len": 131072}
+    one = make_plan(model, **kw)  # type: ignore[arg-type]
+    shared = make_plan(model, one_slot_chunks=False, **kw)  # type: ignore[arg-type]
+    assert one.layout.arena is not None and shared.layout.arena is not None
+    assert (one.layout.arena.chunk_bytes, one.layout.arena.num_chunks) == (25952256, 661)
+    assert (shared.layout.arena.chunk_bytes, shared.layout.arena.num_chunks) == (205258752, 83)
+    bpc = [one.layout.blocks_per_chunk(g.group_id) for g in one.layout.groups]
+    assert bpc == [1, 1, 1, 1, 99]
+    assert [shared.layout.blocks_per_chunk(g.group_id) for g in shared.layout.groups] == [
+        8,
+        8,
+        8,
+        8,
+        783,
+    ]
+    states = [g for g in one.layout.groups if g.spec.kind.value == "state"]
+    assert {g.page_bytes for g in states} == {4325376}
+    assert one.capacity.max_concurrent_requests == shared.capacity.max_concurrent_requests == 7
+    assert one.options.one_slot_chunks and not shared.options.one_slot_chunks
+    assert one.notes[0] == (
+        "arena: state pages of groups 0, 1, 2, 3 padded from 4276224 B to 4325376 B (+1.15%; "
+        "chunks of 25952256 B instead of 205258752 B) (one state slot per chunk)"
+    )
+    assert PlanOptions.from_dict(shared.options.to_dict()) == shared.options
+    with pytest.raises(PlanError, match="one_slot_chunks: must be True or False, got 1"):
+        PlanOptions(one_slot_chunks=1)  # type: ignore[arg-type]
+    jamba = make_plan(resolve_model("Jamba-v0.1"), **kw)  # type: ignore[arg-type]
+    assert jamba.layout.arena is not None and jamba.layout.arena.chunk_bytes == 16515072
+    assert [jamba.layout.blocks_per_chunk(g.group_id) for g in jamba.layout.groups] == [
+        4,
+        4,
+        4,
+        4,
+        63,
+    ]
+    assert ONE_SLOT_MAX_PADDING == 0.05

@@ -528,12 +528,44 @@ def test_dead_tails_reach_the_manager(capsys: pytest.CaptureFixture[str]) -> Non
             assert main([*args, "--dead-tails", policy]) == 0
             rate = json.loads(capsys.readouterr().out)[0]["token_hit_rate"]
             rates[len(tier), policy] = round(rate, 3)
-    # one state slot per arena chunk (two per chunk gave .581 .581 .526 .55 .619 .55)
+    # where dead tails are dropped the arena has one state slot per chunk (two per chunk
+    # gave .581 without tiers and .619 with them); where they are kept, two (as before)
     assert rates == {
         (0, "auto"): 0.638,
         (0, "drop"): 0.638,
-        (0, "keep"): 0.555,
-        (2, "auto"): 0.588,
+        (0, "keep"): 0.526,
+        (2, "auto"): 0.55,
         (2, "drop"): 0.673,
-        (2, "keep"): 0.588,
+        (2, "keep"): 0.55,
     }
+
+
+def test_a_cache_that_keeps_dead_tails_plans_state_slots_sharing_a_chunk() -> None:
+    # One state slot per arena chunk needs chunks to drain; kept dead tails leave cached
+    # blocks in every attention chunk (docs/vllm.md, "One state slot per chunk"), so the
+    # simulator and the engine plan with one_slot_chunks only where the manager drops them.
+    from hybridkv.engine.cache_config import CacheConfig, plan_cache
+    from hybridkv.sim.simulator import plan_for
+
+    model = resolve_model("Nemotron-H-8B")
+    one, shared = 25952256, 205258752  # 1 and 8 slots a chunk (tests/test_plan_arena.py)
+
+    def chunk(**kw: object) -> int:
+        cfg = SimConfig(memory_bytes=16 << 30, max_model_len=131072, **kw)  # type: ignore[arg-type]
+        arena = plan_for(model, cfg).layout.arena
+        assert arena is not None
+        return arena.chunk_bytes
+
+    assert chunk() == one  # no tiers: "auto" drops them
+    assert chunk(host_memory_bytes=1 << 30) == shared  # tiers: "auto" keeps them
+    assert chunk(host_memory_bytes=1 << 30, dead_tails="drop") == one
+    assert chunk(dead_tails="keep") == shared
+
+    def engine_chunk(**kw: object) -> int:
+        cache = CacheConfig(memory_bytes=16 << 30, **kw)  # type: ignore[arg-type]
+        arena = plan_cache(model, 131072, cache).layout.arena
+        assert arena is not None
+        return arena.chunk_bytes
+
+    assert engine_chunk() == one
+    assert engine_chunk(host_memory_bytes=1 << 30) == shared

@@ -29,7 +29,12 @@ from hybridkv.cache.dead_tails import DeadTails
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.hit_grid import HitGrid
 from hybridkv.cache.kinds import KindManager, StepOutputs, StepPlan, manager_class
-from hybridkv.cache.policies import PUBLISH_MODES, WINDOW_RETENTION, check_policies
+from hybridkv.cache.policies import (
+    PUBLISH_MODES,
+    WINDOW_RETENTION,
+    check_policies,
+    drops_dead_tails,
+)
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.pools import make_block_pool
 from hybridkv.cache.request import Request
@@ -159,7 +164,7 @@ class HybridCoordinator:
                 m.hit_map = self.tiers.view(m.group_id, m.map)
         #: Drops freed requests' unread blocks past their hit (:mod:`~hybridkv.cache.dead_tails`;
         #: only where a group that is not prefix-closed bounds hits), or None.
-        drop = dead_tails == "drop" or (dead_tails == "auto" and self.tiers is None)
+        drop = drops_dead_tails(dead_tails, self.tiers is not None)
         self.dead_tails = DeadTails(self.managers, self.pool) if drop and self._open else None
         #: Prefixes clients protect in the lower tiers (:mod:`hybridkv.cache.tier_sessions`).
         per_hash = sum(m.block_bytes // m.stride for m in self._closed)

@@ -11,7 +11,13 @@ from typing import Final
 from hybridkv.cache.admission import CHECKPOINT_ADMISSION, CHECKPOINT_WHEN_FULL, TIER_ADMISSION
 from hybridkv.errors import PlanError
 
-__all__ = ["DEAD_TAILS", "PUBLISH_MODES", "WINDOW_RETENTION", "check_policies"]
+__all__ = [
+    "DEAD_TAILS",
+    "PUBLISH_MODES",
+    "WINDOW_RETENTION",
+    "check_policies",
+    "drops_dead_tails",
+]
 
 #: When attention blocks join the prefix cache: ``scheduled`` (default) at the allocation of
 #: the step that fills them, as vLLM does, so requests admitted later in the same step hit
@@ -32,6 +38,14 @@ WINDOW_RETENTION = ("tails", "all")
 #: ``auto`` (default) drops them without lower tiers and keeps them with tiers; ``drop``;
 #: ``keep`` (plain LRU).
 DEAD_TAILS: Final = ("auto", "drop", "keep")
+
+
+def drops_dead_tails(policy: str, has_tiers: bool) -> bool:
+    """Whether the ``dead_tails`` ``policy`` drops them, in a cache with or without lower
+    tiers.  A plan for a cache that keeps them should share chunks between state slots
+    (``make_plan(one_slot_chunks=False)``): kept tails hold cached blocks in every attention
+    chunk, so few chunks drain whole for a slot of its own."""
+    return policy == "drop" or (policy == "auto" and not has_tiers)
 
 
 def _one_of(field: str, value: object, valid: tuple[str, ...], extra: str = "") -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hybridkv.cache import PUBLISH_MODES
+from hybridkv.cache.policies import drops_dead_tails
 from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cache.tiers import check_protect_share
 from hybridkv.errors import BudgetTooSmallError, HybridKVError, PlanError
@@ -148,6 +149,10 @@ def plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan:
         "state_block_size": cache.state_block_size,
         "chunk_alignment": cache.chunk_alignment,
         "state_split": cache.state_split,
+        # the engine's manager keeps dead tails exactly when it has lower tiers
+        "one_slot_chunks": drops_dead_tails(
+            "auto", cache.host_memory_bytes is not None or cache.disk_memory_bytes is not None
+        ),
     }
     if cache.num_blocks is None:
         memory = cache.memory_bytes or DEFAULT_MEMORY_BYTES

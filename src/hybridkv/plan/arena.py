@@ -108,12 +108,15 @@ class _Candidate(NamedTuple):
     min_bytes: int  # smallest budget holding one request with this chunk size
     tail_bytes: int  # past the last whole chunk, lent to the tail host (plan.layout.tail_host)
 
-    def score(self, memory_bytes: int) -> tuple[int, bool, bool, float, int, int]:
-        """Larger is better: capacity, then meeting the aim, then (when it is met) one slot of
-        every state group per chunk within :data:`ONE_SLOT_MAX_PADDING`, then the least
-        relative page padding, then the least waste, then the smaller chunk."""
+    def score(
+        self, memory_bytes: int, one_slot: bool = True
+    ) -> tuple[int, bool, bool, float, int, int]:
+        """Larger is better: capacity, then meeting the aim, then (when it is met, and
+        ``one_slot``) one slot of every state group per chunk within
+        :data:`ONE_SLOT_MAX_PADDING`, then the least relative page padding, then the least
+        waste, then the smaller chunk."""
         aim = self.meets_aim(memory_bytes)
-        one = aim and self.one_slot
+        one = aim and one_slot and self.one_slot
         return (
             self.capacity,
             aim,
@@ -259,7 +262,11 @@ _BOUNDED_MULTIPLES = 64
 
 
 def _bounded(
-    base: tuple[GroupPlan, ...], need: Sequence[int], memory_bytes: int, alignment: int
+    base: tuple[GroupPlan, ...],
+    need: Sequence[int],
+    memory_bytes: int,
+    alignment: int,
+    one_slot: bool = True,
 ) -> tuple[_Candidate | None, int]:
     """The best bounded chunk, whatever the page-size mix: ``k`` largest blocks rounded up to
     the alignment, or ``k`` times the least aligned multiple of the largest block (which then
@@ -282,7 +289,7 @@ def _bounded(
             continue
         cand = _evaluate_chunk(base, need, memory_bytes, chunk)
         least = cand.min_bytes if not least else min(least, cand.min_bytes)
-        if best is None or cand.score(memory_bytes) > best.score(memory_bytes):
+        if best is None or cand.score(memory_bytes, one_slot) > best.score(memory_bytes, one_slot):
             best = cand
     return best, least
 
@@ -293,6 +300,7 @@ def _search(
     memory_bytes: int,
     alignment: int,
     best: _Candidate,
+    one_slot: bool = True,
 ) -> tuple[_Candidate, int]:
     """Coordinate descent over state-page paddings; returns the best and the least min_bytes."""
     least = best.min_bytes
@@ -307,7 +315,7 @@ def _search(
                 groups[i] = replace(groups[i], page_bytes=page)
                 cand = _evaluate(tuple(groups), need, memory_bytes, alignment)
                 least = min(least, cand.min_bytes)
-                if cand.score(memory_bytes) > current.score(memory_bytes):
+                if cand.score(memory_bytes, one_slot) > current.score(memory_bytes, one_slot):
                     current, improved = cand, True
         if not improved:
             break
@@ -350,7 +358,9 @@ def _least_holding_one(
     ``none_at`` (to 1/4096 of the budget): a lower budget may pick yet another chunk."""
 
     def holds_one(budget: int) -> tuple[bool, int]:
-        best, low, _ = _best_candidate(base, need, budget, options.chunk_alignment)
+        best, low, _ = _best_candidate(
+            base, need, budget, options.chunk_alignment, options.one_slot_chunks
+        )
         return best.capacity >= 1, low
 
     budget, below = least, none_at  # ``below``: a budget that holds none
@@ -367,7 +377,11 @@ def _least_holding_one(
 
 
 def _best_candidate(
-    base: tuple[GroupPlan, ...], need: Sequence[int], memory_bytes: int, chunk_alignment: int
+    base: tuple[GroupPlan, ...],
+    need: Sequence[int],
+    memory_bytes: int,
+    chunk_alignment: int,
+    one_slot: bool = True,
 ) -> tuple[_Candidate, int, _Candidate]:
     """The best-scoring candidate for ``memory_bytes``, the least ``min_bytes`` seen, and the
     best candidate whose chunks are a common multiple of every group's block."""
@@ -377,14 +391,14 @@ def _best_candidate(
         exact = _evaluate(base, need, memory_bytes, alignment)
         found, low = exact, exact.min_bytes
         if not exact.meets_aim(memory_bytes):
-            found, low = _search(base, need, memory_bytes, alignment, exact)
-        one = _one_slot(base, need, memory_bytes, alignment)
+            found, low = _search(base, need, memory_bytes, alignment, exact, one_slot)
+        one = _one_slot(base, need, memory_bytes, alignment) if one_slot else None
         if one is not None:
             low = min(low, one.min_bytes)
             if one.score(memory_bytes) > found.score(memory_bytes):
                 found = one
         least = low if best is None else min(least, low)
-        if best is None or found.score(memory_bytes) > best.score(memory_bytes):
+        if best is None or found.score(memory_bytes, one_slot) > best.score(memory_bytes, one_slot):
             best = found
         if best.meets_aim(memory_bytes):
             break
@@ -393,10 +407,12 @@ def _best_candidate(
     for alignment in _alignments(chunk_alignment):
         if best.meets_aim(memory_bytes):
             break
-        bounded, low = _bounded(base, need, memory_bytes, alignment)
+        bounded, low = _bounded(base, need, memory_bytes, alignment, one_slot)
         if low:
             least = min(least, low)
-        if bounded is not None and bounded.score(memory_bytes) > best.score(memory_bytes):
+        if bounded is not None and bounded.score(memory_bytes, one_slot) > best.score(
+            memory_bytes, one_slot
+        ):
             best = bounded
     return best, least, lcm_best
 
@@ -411,7 +427,9 @@ def plan_arena(
     """
     base = base_group_plans(groups, options)
     need = [blocks_for_request(g, max_model_len) for g in base]
-    best, least, lcm_best = _best_candidate(base, need, memory_bytes, options.chunk_alignment)
+    best, least, lcm_best = _best_candidate(
+        base, need, memory_bytes, options.chunk_alignment, options.one_slot_chunks
+    )
     exact_chunk = lcm(options.chunk_alignment, *(g.block_bytes for g in base))
     alignment = options.chunk_alignment
     if best.capacity < 1:

@@ -26,6 +26,11 @@ Defaults and why:
   (:mod:`hybridkv.cache.coupling`).  But a chunk of several slots is evicted whole, so it
   takes several checkpoints with it: splitting pays only where whole-chunk slots strand
   much of the budget.  Measured in ``docs/architecture.md`` (section 5).
+* ``one_slot_chunks`` True: among arena plans of equal capacity, prefer a chunk of exactly
+  one slot of every state group, padding state pages by at most 5%
+  (:mod:`hybridkv.plan.arena`).  Chunks then drain for state slots only where the cache
+  drops what no hit can read (dead tails): callers whose cache keeps them (lower tiers, or
+  ``dead_tails="keep"``) pass False, and the slots share a chunk as the common multiple gives.
 * ``chunk_alignment`` 64 KiB: arena chunks are the smallest common multiple of every group's
   block bytes and this.  Small chunks keep eviction close to one global LRU (a reclaimed chunk
   loses all its cached blocks at once): on the simulator's chat workload, gpt-oss-20b at 1 GiB,
@@ -99,8 +104,11 @@ class PlanOptions:
     pool_ratios: tuple[float, ...] | None = None
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT
     state_split: int | str = AUTO_STATE_SPLIT
+    one_slot_chunks: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.one_slot_chunks, bool):
+            raise PlanError(f"one_slot_chunks: must be True or False, got {self.one_slot_chunks!r}")
         check_positive("block_size", self.block_size, upper=MAX_TOKENS)
         if self.kernel_block_size is not None:
             check_positive("kernel_block_size", self.kernel_block_size, upper=MAX_TOKENS)
@@ -130,6 +138,7 @@ class PlanOptions:
             "pool_ratios": None if self.pool_ratios is None else list(self.pool_ratios),
             "chunk_alignment": self.chunk_alignment,
             "state_split": self.state_split,
+            "one_slot_chunks": self.one_slot_chunks,
         }
 
     @classmethod
@@ -142,6 +151,7 @@ class PlanOptions:
             pool_ratios=None if ratios is None else tuple(float(r) for r in ratios),
             chunk_alignment=int(data.get("chunk_alignment", DEFAULT_CHUNK_ALIGNMENT)),
             state_split=_split_value(data.get("state_split", 1)),
+            one_slot_chunks=bool(data.get("one_slot_chunks", True)),
         )
 
 

@@ -213,6 +213,7 @@ def make_plan(
     pool_ratios: Sequence[float] | None = None,
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT,
     state_split: int | str = AUTO_STATE_SPLIT,
+    one_slot_chunks: bool = True,
 ) -> Plan:
     """Plan ``model``'s cache in ``memory_bytes`` bytes for requests of ``max_model_len`` tokens.
 
@@ -222,7 +223,9 @@ def make_plan(
     ``chunk_alignment`` (bytes) is the arena chunk granularity; ``state_split`` cuts each
     state group into that many groups of layers (``arena`` and ``pools``), or with
     ``"auto"`` lets :func:`auto_state_split` choose (``plan.options.state_split`` says what
-    was used).  See :mod:`hybridkv.plan.options` for the defaults.
+    was used); ``one_slot_chunks`` lets the arena pad state pages for one slot per chunk
+    (False where the cache keeps dead tails).  See :mod:`hybridkv.plan.options` for the
+    defaults.
 
     Raises :class:`PlanError` naming the field for a non-positive budget, length or block size,
     a kernel block size that does not divide the block size, bad ratios, a model with no
@@ -246,6 +249,7 @@ def make_plan(
         pool_ratios=None if pool_ratios is None else tuple(pool_ratios),
         chunk_alignment=chunk_alignment,
         state_split=state_split,
+        one_slot_chunks=one_slot_chunks,
     )
     groups = group_entries(model)
     build = STRATEGIES[kind]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.cache import KVCacheManager, TierSpec
+from hybridkv.cache.policies import drops_dead_tails
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cache.tiers import check_protect_share, tier_hit_tokens
@@ -332,6 +333,7 @@ def plan_for(model: ModelSpec, config: SimConfig) -> Plan:
         pool_ratios=config.pool_ratios,
         chunk_alignment=config.chunk_alignment,
         state_split=config.state_split,
+        one_slot_chunks=drops_dead_tails(config.dead_tails, bool(config.tiers())),
     )
 
 
