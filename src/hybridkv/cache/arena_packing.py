@@ -102,20 +102,24 @@ class FillIndex:
             self._heaps[g][r].clear()
         self.at[c] = -1
 
-    def take(self, g: int) -> int:
-        """Remove and return a free uncached block of ``g``'s fullest chunk, filing the chunk
-        one count up: the caller raises that chunk's count by one (no :meth:`moved`)."""
+    def _fullest(self, g: int, caller: str) -> tuple[int, int]:
+        """``(count, chunk)`` of ``g``'s fullest filed chunk (ties: the one filed first),
+        dropping stale heap entries on the way."""
         mask = self._mask[g]
         if not mask:
-            raise InvariantError(f"FillIndex.take: group {g} has no free uncached block")
+            raise InvariantError(f"FillIndex.{caller}: group {g} has no free uncached block")
         r = mask.bit_length() - 1
         heap, at, seq = self._heaps[g][r], self.at, self.seq
         while True:
             s, c = heap[0]
             if at[c] == r and seq[c] == s:
-                break
+                return r, c
             heappop(heap)
-        return self._pop(g, c)
+
+    def take(self, g: int) -> int:
+        """Remove and return a free uncached block of ``g``'s fullest chunk, filing the chunk
+        one count up: the caller raises that chunk's count by one (no :meth:`moved`)."""
+        return self._pop(g, self._fullest(g, "take")[1])
 
     def take_run(self, g: int, most: int) -> list[int]:
         """Up to ``most`` free uncached blocks of ``g``'s fullest chunk, in the order
@@ -123,16 +127,7 @@ class FillIndex:
         up, into a bucket above every other, so it stays the fullest until its blocks run
         out.  The chunk is filed ``len(run)`` counts up; the caller raises its count by as
         many."""
-        mask = self._mask[g]
-        if not mask:
-            raise InvariantError(f"FillIndex.take_run: group {g} has no free uncached block")
-        r = mask.bit_length() - 1
-        heap, at, seq = self._heaps[g][r], self.at, self.seq
-        while True:
-            s, c = heap[0]
-            if at[c] == r and seq[c] == s:
-                break
-            heappop(heap)
+        r, c = self._fullest(g, "take_run")
         stack = self.blocks[c]
         k = min(most, len(stack))
         run = stack[-k:]
