@@ -322,3 +322,22 @@ def test_what_the_config_leaves_out_is_said(
 def test_durations_read_in_their_unit(seconds: float, text: str) -> None:
     """A simulated link of 1 B/s printed 61603840000.02 ms per request (found by a review)."""
     assert duration(seconds) == text
+
+
+def test_shared_state_chunks_plans_what_a_tiered_cache_runs_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Nemotron-H-8B at 16 GiB: one state slot per chunk by default (pages padded 1.15%),
+    # 8 slots a chunk with --shared-state-chunks (tests/test_plan_arena.py), in both outputs.
+    base = ["plan", "Nemotron-H-8B", "--memory", "16GiB", "--max-model-len", "131072", "--json"]
+    chunks = {}
+    for flag in ([], ["--shared-state-chunks"]):
+        assert main([*base, *flag]) == 0
+        data = json.loads(capsys.readouterr().out)
+        chunks[bool(flag)] = data["layout"]["arena"]["chunk_bytes"]
+        assert data["options"]["one_slot_chunks"] is not bool(flag)
+        assert main([*base, *flag, "--strategy", "all"]) == 0
+        every = json.loads(capsys.readouterr().out)
+        arena = every["plans"]["arena"]["layout"]["arena"]
+        assert arena["chunk_bytes"] == chunks[bool(flag)]
+    assert chunks == {False: 25952256, True: 205258752}

@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory layout, or all of them side by side with the naive estimate",
     )
     add_pool_options(parser)
+    parser.add_argument(
+        "--shared-state-chunks",
+        action="store_true",
+        help="arena: let state slots share a chunk as the common multiple gives, instead of "
+        "padding state pages by up to 5%% for one slot per chunk (what simulate and run plan "
+        "for a cache with lower tiers, which keeps dead tails)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
 
 
@@ -124,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             pool_ratios=ratios,
             chunk_alignment=alignment,
             state_split=args.state_split,
+            one_slot_chunks=not args.shared_state_chunks,
         )
         data: dict[str, Any] = comparison.to_dict()
         text = comparison_report(comparison)
@@ -139,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             pool_ratios=ratios,
             chunk_alignment=alignment,
             state_split=args.state_split,
+            one_slot_chunks=not args.shared_state_chunks,
         )
         data = plan.to_dict()
         text = plan_report(plan)

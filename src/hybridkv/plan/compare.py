@@ -129,6 +129,7 @@ def compare_strategies(
     pool_ratios: Sequence[float] | None = None,
     chunk_alignment: int = DEFAULT_CHUNK_ALIGNMENT,
     state_split: int | str = AUTO_STATE_SPLIT,
+    one_slot_chunks: bool = True,
 ) -> StrategyComparison:
     """Plan ``model`` with every :class:`Strategy` (in enum order) and the naive estimate.
 
@@ -148,6 +149,7 @@ def compare_strategies(
         pool_ratios=None if pool_ratios is None else tuple(pool_ratios),
         chunk_alignment=chunk_alignment,
         state_split=state_split,
+        one_slot_chunks=one_slot_chunks,
     )
     group_entries(model)
     plans: list[Plan] = []
@@ -167,6 +169,7 @@ def compare_strategies(
                     pool_ratios=pool_ratios if strategy is Strategy.POOLS else None,
                     chunk_alignment=chunk_alignment,
                     state_split=state_split,
+                    one_slot_chunks=one_slot_chunks,
                 )
             )
         except PoolRatiosError:
