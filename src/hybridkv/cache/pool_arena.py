@@ -348,7 +348,7 @@ class ArenaPool(ArenaCompact):
                     hitg[blk] = 0
                     out.append(blk)
                     continue
-            if packs and fu and not carved and not drain and not (spread and self.free_chunks):
+            if packs and fu and not carved and not (spread and self.free_chunks):
                 # Step 1 in a run: the fullest chunk's free blocks (FillIndex.take_run: the
                 # blocks single takes would give), its count raised once.
                 run = fill.take_run(g, n - len(out))
@@ -368,7 +368,7 @@ class ArenaPool(ArenaCompact):
                 if not packs:
                     b = fu.popitem()[0]  # the carved chunk's blocks are the last added
                 else:
-                    b = fill.take_from(g, carved_c) if carved else fill.take(g)
+                    b = fill.take_from(g, carved_c)  # a packing group's other takes run above
                     del fu[b]
                 if carved:
                     carved -= 1
