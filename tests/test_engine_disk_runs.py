@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant, rule
 
 from hybridkv.cache.tiers import TierOp
-from hybridkv.engine import disk_tier, tier_store
+from hybridkv.engine import tier_store
 from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.errors import EngineError
 from hybridkv.engine.tier_store import TierStore
@@ -147,31 +147,29 @@ def test_disk_stores_go_in_runs_that_double(
     store.close()
 
 
-def test_a_run_is_one_checksum_job_and_a_failed_entry_is_only_that_miss(
+def test_a_run_is_one_writer_job_and_a_failed_entry_is_only_that_miss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     storage, store, _ = _one_group_store(tmp_path)
     disk = store.disk
     assert disk is not None
     jobs = []
-    real_sums = disk_tier._checksums_into
+    real_many = DiskSlots.write_many
 
-    def counted(parts: list[torch.Tensor], ready: Any, sums: Any) -> None:
-        jobs.append(len(parts))
-        real_sums(parts, ready, sums)
+    def counted(self: DiskSlots, items: Any, helper: Any = None) -> list[bool]:
+        jobs.append(len(items))
+        return real_many(self, items, helper)
 
-    monkeypatch.setattr(disk_tier, "_checksums_into", counted)
-    real_pwrite = os.pwrite
-    payloads = [0]
+    monkeypatch.setattr(DiskSlots, "write_many", counted)
+    real_pwritev = os.pwritev
+    bad = bytes(_bytes(storage, 0, 6).numpy())
 
-    def flaky(fd: int, data: Any, offset: int) -> int:
-        if len(data) > HEADER_BYTES:
-            payloads[0] += 1
-            if payloads[0] == 2:  # the second entry's payload fails
-                raise OSError(5, "Input/output error")
-        return real_pwrite(fd, data, offset)
+    def flaky(fd: int, views: Any, offset: int) -> int:
+        if b"".join(bytes(v) for v in views)[HEADER_BYTES:] == bad:  # block 6's payload
+            raise OSError(5, "Input/output error")
+        return real_pwritev(fd, views, offset)
 
-    monkeypatch.setattr(os, "pwrite", flaky)
+    monkeypatch.setattr(os, "pwritev", flaky)
     store.apply([TierOp("store", "disk", 0, 200 + b, b) for b in (5, 6, 7)])
     disk.flush()
     assert jobs == [3]

@@ -193,23 +193,28 @@ def test_a_truncated_file_loses_what_was_cut(tmp_path: Path) -> None:
     assert read(again, (1, 1), 256) is None
 
 
-def test_a_write_killed_before_its_header_leaves_no_entry(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def written_payload(views: Any) -> bytes:
+    """The payload bytes of one ``pwritev`` of a slot (its header, then the payload)."""
+    return b"".join(bytes(v) for v in views)[HEADER_BYTES:]
+
+
+@pytest.mark.parametrize("cut", [40, 0], ids=["payload-cut-short", "header-only"])
+def test_a_write_killed_part_way_leaves_no_usable_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: int
 ) -> None:
     s = slots(tmp_path)
     assert s.write((0, 1), 0, memoryview(payload(1, 96)))
     assert s.write((0, 2), 0, memoryview(payload(2, 96)))
     s.drop((0, 1))  # its slot is marked empty, to be reused
-    calls: list[int] = []
-    real = DiskSlots._pwrite
+    offsets: list[int] = []
 
-    def dies_before_the_header(self: DiskSlots, data: Any, offset: int) -> None:
-        calls.append(offset)
-        if len(calls) % 2 == 0:  # the payload is out, its header never is
-            raise KeyboardInterrupt
-        real(self, data, offset)
+    def dies_part_way(fd: int, views: Any, offset: int) -> int:
+        # the header and the first ``cut`` payload bytes reach the file, then the process dies
+        offsets.append(offset)
+        os.pwrite(fd, b"".join(bytes(v) for v in views)[: HEADER_BYTES + cut], offset)
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(DiskSlots, "_pwrite", dies_before_the_header)
+    monkeypatch.setattr(os, "pwritev", dies_part_way)
     with pytest.raises(KeyboardInterrupt):
         s.write((0, 3), 0, memoryview(payload(3, 96)))  # into the reused slot
     with pytest.raises(KeyboardInterrupt):
@@ -217,27 +222,62 @@ def test_a_write_killed_before_its_header_leaves_no_entry(
     monkeypatch.undo()
     s.close()
     again = slots(tmp_path)
-    assert [e.block_hash for e in again.recovered] == [2]
+    # whole headers name the torn entries, whose payload checksums then fail: missing
+    assert [e.block_hash for e in again.recovered] == [2, 3, 4]
     assert read(again, (0, 2), 96) == payload(2, 96)
-    # both slots are free again: the reused one (marked empty) and the fresh one (the end)
+    assert read(again, (0, 3), 96) is None and read(again, (0, 4), 96) is None
+    # dropped, as the engine discards a bad copy, their slots are written again
+    assert again.drop((0, 3)) and again.drop((0, 4))
     assert again.write((0, 5), 0, memoryview(payload(5, 96)))
     assert again.write((0, 6), 0, memoryview(payload(6, 96)))
-    assert {again.entries[0, 5].offset, again.entries[0, 6].offset} == {
-        calls[0] - HEADER_BYTES,
-        calls[2] - HEADER_BYTES,
-    }
+    assert {again.entries[0, 5].offset, again.entries[0, 6].offset} == set(offsets)
+    assert read(again, (0, 5), 96) == payload(5, 96) and read(again, (0, 6), 96) == payload(6, 96)
+
+
+def test_a_kill_that_leaves_a_hole_loses_the_entries_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # two threads share a run, so a kill can leave an earlier slot of it unwritten while a
+    # later one is whole: the walk ends at the hole and the whole entry after it is lost
+    s = slots(tmp_path)
+    assert s.write((0, 1), 0, memoryview(payload(1, 96)))
+    real = os.pwritev
+    calls = [0]
+
+    def out_of_order(fd: int, views: Any, offset: int) -> int:
+        calls[0] += 1
+        if calls[0] == 1:  # entry 2's slot: not written yet when the process dies
+            return sum(memoryview(v).nbytes for v in views)
+        if calls[0] == 3:
+            raise KeyboardInterrupt  # killed before entry 4 goes out
+        return real(fd, views, offset)  # entry 3, whole
+
+    monkeypatch.setattr(os, "pwritev", out_of_order)
+    items: list[tuple[tuple[int, int], int, Any]] = [
+        ((0, k), 0, memoryview(payload(k, 96))) for k in (2, 3, 4)
+    ]
+    with pytest.raises(KeyboardInterrupt):
+        s.write_many(items)
+    monkeypatch.undo()
+    hole = s.entries[0, 1].offset + 256  # the slot after entry 1's, carved for entry 2
+    s.close()
+    again = slots(tmp_path)
+    assert [e.block_hash for e in again.recovered] == [1]
+    assert read(again, (0, 3), 96) is None  # whole on disk, but past the end of the walk
+    assert again.write((0, 5), 0, memoryview(payload(5, 96)))  # space from the hole on
+    assert again.entries[0, 5].offset == hole and read(again, (0, 5), 96) == payload(5, 96)
 
 
 def test_a_failed_write_stores_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     s = slots(tmp_path)
-    real = os.pwrite
+    real = os.pwritev
 
-    def full(fd: int, data: Any, offset: int) -> int:
-        if len(data) == 96:
+    def full(fd: int, views: Any, offset: int) -> int:
+        if len(written_payload(views)) == 96:
             raise OSError(28, "No space left on device")
-        return real(fd, data, offset)
+        return real(fd, views, offset)
 
-    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(os, "pwritev", full)
     assert not s.write((0, 1), 0, memoryview(payload(1, 96)))
     monkeypatch.undo()
     assert (0, 1) not in s and s.write_errors == 1
@@ -283,19 +323,13 @@ def test_write_many_fails_only_the_entry_whose_payload_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helper: ThreadPoolExecutor | None, pieces: int
 ) -> None:
     s = slots(tmp_path)
-    real, real_v = os.pwrite, os.pwritev
-
-    def flaky(fd: int, data: Any, offset: int) -> int:
-        if bytes(data) == payload(2, 96):
-            raise OSError(5, "Input/output error")
-        return real(fd, data, offset)
+    real_v = os.pwritev
 
     def flaky_v(fd: int, views: Any, offset: int) -> int:
-        if b"".join(bytes(v) for v in views) == payload(2, 96):
+        if written_payload(views) == payload(2, 96):
             raise OSError(5, "Input/output error")
         return real_v(fd, views, offset)
 
-    monkeypatch.setattr(os, "pwrite", flaky)
     monkeypatch.setattr(os, "pwritev", flaky_v)
     items: list[tuple[tuple[int, int], int, Any]] = []
     for k in (1, 2, 3):

@@ -435,23 +435,16 @@ class TierStore:
     def _disk_store_borrowed(self, disk: DiskTier, run: list[TierOp]) -> None:
         """Disk stores of a cache in host memory: the writer reads each block's byte ranges
         from the storage itself (:meth:`DiskTier.write_borrowed`, one ``pwritev`` a block),
-        in runs that grow as in :meth:`_disk_store_run`; :meth:`apply` waits for them
-        before anything writes the storage (a load) and before it returns.  A staging copy
-        would cost as much memory traffic as the write itself."""
-        cap = min(FIRST_RUN_BYTES, disk.batch_bytes)
+        all of the run in one job; :meth:`apply` waits for them before anything writes the
+        storage (a load) and before it returns.  A staging copy would cost as much memory
+        traffic as the write itself."""
         entries: list[tuple[tuple[int, int], int]] = []
         payloads: list[tuple[memoryview, ...]] = []
-        nbytes = 0
-        for n, op in enumerate(run, 1):
-            views, size = self._blocks.views(op.group_id, op.block)
+        for op in run:
             entries.append(((op.group_id, op.block_hash), op.tag))
-            payloads.append(views)
-            nbytes += size
-            if nbytes >= cap or n == len(run):
-                disk.write_borrowed(entries, payloads)
-                self.stored += len(entries)
-                entries, payloads, nbytes = [], [], 0
-                cap = min(2 * cap, disk.batch_bytes)
+            payloads.append(self._blocks.views(op.group_id, op.block)[0])
+        disk.write_borrowed(entries, payloads)
+        self.stored += len(entries)
 
     def _disk_load_run(self, run: list[TierOp], loaded: list[torch.Tensor]) -> None:
         """Disk loads on CUDA: the checked bytes of blocks whose ranges are rows of one table
