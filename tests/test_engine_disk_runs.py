@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant, rule
 
 from hybridkv.cache.tiers import TierOp
-from hybridkv.engine import tier_store
+from hybridkv.engine import disk_runs
 from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.errors import EngineError
 from hybridkv.engine.tier_store import TierStore
@@ -86,7 +86,7 @@ class DiskStores(HostTier):
 def test_disk_store_state_machine(
     kind: LayoutKind, strategy: str, borrow: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tier_store, "FIRST_RUN_BYTES", 1)  # a first run of one block
+    monkeypatch.setattr(disk_runs, "FIRST_RUN_BYTES", 1)  # a first run of one block
     attrs = {"kind": kind, "strategy": strategy, "borrow": borrow}
     machine = type("Machine", (DiskStores,), attrs)
     machine.TestCase.settings = settings(
@@ -123,7 +123,7 @@ def test_disk_stores_go_in_runs_that_double(
     storage, store, size = _one_group_store(tmp_path)
     disk = store.disk
     assert disk is not None
-    monkeypatch.setattr(tier_store, "FIRST_RUN_BYTES", 2 * size)
+    monkeypatch.setattr(disk_runs, "FIRST_RUN_BYTES", 2 * size)
     disk.batch_bytes = 8 * size
     runs: list[list[int]] = []
     real = DiskTier.write_run
@@ -218,11 +218,12 @@ def test_spare_buffers_stay_within_their_bound(tmp_path: Path) -> None:
     tier.close()
 
 
-def test_a_disk_load_run_without_a_disk_tier_is_an_engine_error() -> None:
+@pytest.mark.parametrize("staged", [True, False], ids=["cuda-path", "cpu-path"])
+def test_a_disk_load_run_without_a_disk_tier_is_an_engine_error(staged: bool) -> None:
     full = group(0, SPECS["full"], (0, 1))
     storage = KVCacheStorage(uniform_layout((full,), num_blocks=8), kind=LayoutKind.CROSS_LAYER)
     store = TierStore(storage, 1 << 16)
-    store._async = True  # the CUDA path, which sends disk loads in runs
+    store._async = staged  # both paths send disk loads in runs
     with pytest.raises(EngineError, match="stores no disk tier"):
         store.apply([TierOp("load", "disk", 0, 5, 1)])
     store.close()

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from hybridkv.engine import host_runs
-from hybridkv.engine.host_runs import BlockRows, load_rows, merge_runs, spans, store_rows
+from hybridkv.engine.host_runs import (
+    BlockRows,
+    load_parts,
+    load_rows,
+    merge_runs,
+    spans,
+    store_rows,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -132,3 +139,39 @@ def test_cpu_loads_by_row_stretch_or_index_write_exactly_the_rows(
     out = torch.empty_like(host)
     store_rows(rows, table, picked, out, non_blocking=False)
     assert torch.equal(out, host)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["stretches", "a-row-each"])
+@pytest.mark.parametrize("length", [64, 30])
+def test_load_parts_writes_each_part_into_its_rows_in_one_copy(
+    monkeypatch: pytest.MonkeyPatch, wide: bool, length: int
+) -> None:
+    """Blocks checked in tensors of their own (a disk load run): per-layer-like blocks,
+    a single row and rows going down, all by one multi-tensor copy, write exactly their rows
+    (as a load_rows each would) and nothing else; on 8-byte words and on bytes."""
+    monkeypatch.setattr(host_runs, "CPU_WIDE_ROW", 0 if wide else 1 << 40)
+    calls: list[int] = []
+    real = torch._foreach_copy_
+
+    def counted(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        calls.append(len(dsts))
+        real(dsts, srcs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    gen = torch.Generator().manual_seed(11)
+    buf = torch.randint(0, 256, (200 * length,), dtype=torch.uint8, generator=gen)
+    before = buf.clone()
+    rows = BlockRows((buf,))
+    table, _ = rows.place(0, 0, length)
+    blocks = [[b + 50 * k for k in range(4)] for b in (7, 2, 11)] + [[199], [122, 121, 120]]
+    parts = [
+        (picked, torch.randint(0, 256, (len(picked) * length,), dtype=torch.uint8, generator=gen))
+        for picked in blocks
+    ]
+    load_parts(rows, table, parts)
+    assert len(calls) == 1
+    want = before.view(200, length).clone()
+    for picked, host in parts:
+        for k, r in enumerate(picked):
+            want[r] = host[k * length : (k + 1) * length]
+    assert torch.equal(buf.view(200, length), want)

@@ -21,7 +21,9 @@ merged into runs: blocks whose host slots are adjacent, of one such table, up to
   run's stretches of rows in arithmetic progression (a per-layer block's ranges are one
   such stretch: one strided copy, on all threads), or, where the stretches average under
   :data:`CPU_WIDE_SPAN` bytes, one indexed scatter over 8-byte words (single-threaded, but
-  without a copy call per stretch).
+  without a copy call per stretch).  A disk load run of blocks each checked in a staging
+  tensor of its own goes to the rows by one multi-tensor copy for the whole run
+  (:func:`load_parts`).
 
 The tier store walks a stream of stores (loads) in batches that start small and grow
 (:data:`FIRST_RUN_BYTES` doubling to :data:`RUN_BYTES`) and issues each batch's runs before
@@ -43,6 +45,7 @@ __all__ = [
     "FIRST_RUN_BYTES",
     "RUN_BYTES",
     "BlockRows",
+    "load_parts",
     "load_rows",
     "merge_runs",
     "spans",
@@ -237,3 +240,32 @@ def load_rows(
         return
     index = _index(picked, table.device)
     dst.index_copy_(0, index, src.to(table.device, non_blocking=non_blocking))
+
+
+def load_parts(
+    rows: BlockRows, table_id: int, parts: Sequence[tuple[Sequence[int], torch.Tensor]]
+) -> None:
+    """On the CPU, copy each ``(picked, host)`` of ``parts`` (``host``: flat bytes, its rows
+    in order) into rows ``picked`` of table ``table_id``, all of them by one multi-tensor
+    copy: a row each for rows of :data:`CPU_WIDE_ROW` or more, else one strided view per
+    stretch of rows in arithmetic progression (:func:`spans`; a per-layer block's ranges are
+    one).  For many blocks whose bytes sit in tensors of their own (a disk load run, each
+    block checked in its own staging tensor): no index tensor and no copy call per block."""
+    table = rows.tables[table_id]
+    width = table.shape[1]
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for picked, host in parts:
+        n = len(picked)
+        if n == 1 or width >= CPU_WIDE_ROW:
+            dsts.extend(rows.view(table_id, r) for r in picked)
+            srcs.extend(host.view(n, width).unbind(0))
+            continue
+        dst, src = _views(rows, table_id, n, host)
+        words = dst.shape[1]  # a row in dst's elements (8-byte words or bytes)
+        base = dst.storage_offset()
+        for at, count, first, step in spans(picked):
+            dsts.append(dst.as_strided((count, words), (step * words, 1), base + first * words))
+            srcs.append(src[at : at + count])
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)

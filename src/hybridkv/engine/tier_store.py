@@ -24,26 +24,23 @@ A disk tier's entries live in a :class:`~hybridkv.storage.disk_slots.DiskSlots` 
 (checksummed slots in a preallocated file, kept across processes).  A disk copy is checked
 before it is used: :meth:`TierStore.check_hit` runs before a waiting request is admitted
 (the scheduler's ``hit_check``), reads the request's disk blocks into host staging tensors on
-reader threads and checks their CRCs (:mod:`hybridkv.engine.disk_tier`, which also writes on
-a thread of its own); a copy that fails (a write that failed, a truncated
-file, a flipped byte, a slot a killed process left half written) is discarded from the
+reader threads and checks them (:mod:`hybridkv.engine.disk_tier`, which also writes on a
+thread of its own); a copy that fails (a write that failed, a truncated file, a flipped
+byte, a slot a killed process left half written) is discarded from the
 manager, whose next lookup misses it, and a request whose reads are in flight waits while
 the others run.  The ``load`` later copies the checked staging bytes to the device.
 
-Consecutive disk stores of blocks whose ranges are rows of one table (every page-size group)
-are gathered in runs, one staging buffer, copy, ready event and checksum job a run
-(:meth:`~hybridkv.engine.disk_tier.DiskTier.write_run`), and on CUDA consecutive disk loads
-go to their rows by one indexed scatter a run, as host runs do
-(:mod:`~hybridkv.engine.host_runs`): per block the step then pays a few microseconds of
-Python, not a copy call, an event and a thread hand-off.  A cache in host memory stages
-nothing: its disk stores hand the writer the blocks' own byte ranges
-(:meth:`~hybridkv.engine.disk_tier.DiskTier.write_borrowed`), and :meth:`TierStore.apply`
-waits for those writes before a load writes the storage and before it returns (the staging
-copy would cost as much memory traffic as the write to the page cache).
+Consecutive disk stores and loads of blocks whose ranges are rows of one table (every
+page-size group) move in runs (:mod:`~hybridkv.engine.disk_runs`): per block the step pays a
+few microseconds of Python, not a copy call, an event and a thread hand-off.  A cache in host
+memory stages nothing on the way out: its disk stores hand the writer the blocks' own byte
+ranges, and :meth:`TierStore.apply` waits for those writes before a load writes the storage
+and before it returns.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -52,16 +49,10 @@ from hybridkv.cache import ComputedBlocks, KVCacheManager, Request
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine import host_runs
 from hybridkv.engine.block_places import BlockPlaces, Place
+from hybridkv.engine.disk_runs import load_in_place, load_staged, store_borrowed, store_staged
 from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.errors import EngineError
-from hybridkv.engine.host_runs import (
-    FIRST_RUN_BYTES,
-    RUN_BYTES,
-    BlockRows,
-    load_rows,
-    merge_runs,
-    store_rows,
-)
+from hybridkv.engine.host_runs import BlockRows, load_rows, merge_runs, store_rows
 from hybridkv.engine.host_slots import HostSlots
 from hybridkv.errors import InvariantError, StorageError
 from hybridkv.storage import KVCacheStorage
@@ -121,7 +112,8 @@ class TierStore:
         self._blocks = BlockPlaces(storage, self._async)
         self._rows = self._blocks.rows
         #: Disk stores of a cache in host memory are written from the storage itself
-        #: (:meth:`_disk_store_borrowed`); False: through staging copies, as on CUDA.
+        #: (:func:`~hybridkv.engine.disk_runs.store_borrowed`); False: through staging
+        #: copies, as on CUDA.
         self._borrow = storage.device.type == "cpu"
         #: Blocks copied device -> tier and tier -> device so far, and device blocks
         #: compaction moved (``relocate``).
@@ -202,7 +194,7 @@ class TierStore:
                 j = _run_end(todo, i, "store", "disk")
                 run, i = todo[i - 1 : j], j
                 self._disk_store_run(run)
-            elif op.op == "load" and op.tier == "disk" and self._async:
+            elif op.op == "load" and op.tier == "disk":
                 j = _run_end(todo, i, "load", "disk")
                 run, i = todo[i - 1 : j], j
                 self._disk_load_run(run, loaded_from_disk)
@@ -231,7 +223,7 @@ class TierStore:
 
     def _settle(self) -> None:
         """Wait for the disk writes that read the storage itself (a cache in host memory:
-        :meth:`_disk_store_borrowed`) before anything changes it."""
+        :func:`~hybridkv.engine.disk_runs.store_borrowed`) before anything changes it."""
         if self.disk is not None:
             self.disk.settle()
 
@@ -388,101 +380,30 @@ class TierStore:
             raise EngineError(f"tier store: unknown operation {op.op!r} on the disk tier")
 
     def _disk_store_run(self, run: list[TierOp]) -> None:
-        """Disk stores: blocks whose byte ranges are rows of one table
-        (:meth:`~hybridkv.engine.block_places.BlockPlaces.place`) go in runs, each gathered
-        into one staging buffer by one copy and queued with :meth:`DiskTier.write_run` (one
-        ready event, one checksum job); the others one by one.  Runs start at
-        :data:`FIRST_RUN_BYTES` and double up to the tier's batch size, so the writer starts
-        early."""
+        """Disk stores, in runs (:mod:`hybridkv.engine.disk_runs`)."""
         disk = self.disk
         if disk is None:
             raise EngineError("tier store: the engine stores no disk tier (store asked)")
         if self._borrow:
-            self._disk_store_borrowed(disk, run)
+            self.stored += store_borrowed(self._blocks, disk, run)
             return
-        place = self._blocks.place
-        cap = min(FIRST_RUN_BYTES, disk.batch_bytes)
-        ops: list[TierOp] = []
-        sizes: list[int] = []
-        rows: list[int] = []
-        table = nbytes = 0
-
-        def flush() -> None:
-            data = disk.buffer(1 << (nbytes - 1).bit_length())  # few sizes: spares reused
-            store_rows(self._rows, table, rows, data[:nbytes], self._async)
-            entries = [((o.group_id, o.block_hash), o.tag) for o in ops]
-            disk.write_run(entries, sizes, data, self._ready_event())
-            self.stored += len(ops)
+        alone = functools.partial(self._disk_op, loaded=[])
+        queued = store_staged(self._blocks, disk, run, self._ready_event, alone, self._async)
+        self.stored += queued
+        if queued:
             self._unsynced = self._async
 
-        for op in run:
-            size, t, block_rows = place(op.group_id, op.block)
-            if ops and (t != table or nbytes + size > cap):
-                flush()
-                ops, sizes, rows, nbytes = [], [], [], 0
-                cap = min(2 * cap, disk.batch_bytes)
-            if t < 0:  # ranges that are not rows of one table: alone
-                self._disk_op(op, [])
-                continue
-            ops.append(op)
-            sizes.append(size)
-            rows.extend(block_rows)
-            table = t
-            nbytes += size
-        if ops:
-            flush()
-
-    def _disk_store_borrowed(self, disk: DiskTier, run: list[TierOp]) -> None:
-        """Disk stores of a cache in host memory: the writer reads each block's byte ranges
-        from the storage itself (:meth:`DiskTier.write_borrowed`, one ``pwritev`` a block),
-        all of the run in one job; :meth:`apply` waits for them before anything writes the
-        storage (a load) and before it returns.  A staging copy would cost as much memory
-        traffic as the write itself."""
-        entries: list[tuple[tuple[int, int], int]] = []
-        payloads: list[tuple[memoryview, ...]] = []
-        for op in run:
-            entries.append(((op.group_id, op.block_hash), op.tag))
-            payloads.append(self._blocks.views(op.group_id, op.block)[0])
-        disk.write_borrowed(entries, payloads)
-        self.stored += len(entries)
-
     def _disk_load_run(self, run: list[TierOp], loaded: list[torch.Tensor]) -> None:
-        """Disk loads on CUDA: the checked bytes of blocks whose ranges are rows of one table
-        go to one device staging tensor (a host-to-device copy each) and from there to their
-        rows by one indexed scatter a run, instead of an index upload and a scatter a block;
-        the others one by one.  Runs are capped at :data:`RUN_BYTES`."""
+        """Disk loads, in runs (:mod:`hybridkv.engine.disk_runs`)."""
         if self.disk is None:
             raise EngineError("tier store: the engine stores no disk tier (load asked)")
-        place = self._blocks.place
-        staged: list[tuple[torch.Tensor, int]] = []
-        rows: list[int] = []
-        table = nbytes = 0
-
-        def flush() -> None:
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.storage.device)
-            at = 0
-            for data, size in staged:
-                dev[at : at + size].copy_(data, non_blocking=True)
-                at += size
-            load_rows(self._rows, table, rows, dev, True)
-
-        for op in run:
-            size, t, block_rows = place(op.group_id, op.block)
-            if staged and (t != table or nbytes + size > RUN_BYTES):
-                flush()
-                staged, rows, nbytes = [], [], 0
-            if t < 0:  # ranges that are not rows of one table: alone
-                self._disk_op(op, loaded)
-                continue
-            data = self._take_checked(op)
-            loaded.append(data)  # given back once the copies ran
-            staged.append((data, size))
-            rows.extend(block_rows)
-            table = t
-            nbytes += size
-            self.loaded += 1
-        if staged:
-            flush()
+        take = self._take_checked
+        if self._async:
+            alone = functools.partial(self._disk_op, loaded=loaded)
+            self.loaded += load_staged(self._blocks, self.storage.device, run, take, alone, loaded)
+        else:
+            self._settle()
+            self.loaded += load_in_place(self._blocks, run, take, self._scatter, loaded)
 
     def _take_checked(self, op: TierOp) -> torch.Tensor:
         """The disk tier's checked bytes for ``op``'s load (raises when its check failed)."""
