@@ -199,7 +199,7 @@ class DiskTier:
         (or :meth:`settle`) as one job, not in jobs of ``batch_bytes``: they hold no staging
         memory, the caller waits for them anyway, and each job ends with one of its two
         threads idle while the other finishes its last entry (measured: 128 blocks of 1 MiB
-        in jobs of 8 took 10% longer than as one)."""
+        in jobs of 8 took 8-14% longer than as one)."""
         bad = _malformed(entries)
         if bad or len(entries) != len(payloads):
             raise ValueError(
