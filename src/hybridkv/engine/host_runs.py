@@ -222,24 +222,45 @@ def load_rows(
         return
     dst, src = _views(rows, table_id, n, host)
     if table.device.type != "cuda":
-        if width >= CPU_WIDE_ROW:  # one multi-tensor copy, a row each
-            dsts = [rows.view(table_id, r) for r in picked]
-            torch._foreach_copy_(dsts, list(host.view(n, width).unbind(0)))
-            return
-        found = spans(picked)
-        if dst.dtype == torch.int64 and n * width < CPU_WIDE_SPAN * len(found):
-            dst.index_put_((_index(picked, table.device),), src)
-            return
-        words = dst.shape[1]  # a row in dst's elements (8-byte words or bytes)
-        base = dst.storage_offset()
-        views = [
-            dst.as_strided((count, words), (step * words, 1), base + first * words)
-            for _, count, first, step in found
-        ]  # one multi-tensor copy, a strided copy a stretch
-        torch._foreach_copy_(views, [src[at : at + count] for at, count, _, _ in found])
+        found = None
+        if width < CPU_WIDE_ROW:
+            found = spans(picked)
+            if dst.dtype == torch.int64 and n * width < CPU_WIDE_SPAN * len(found):
+                dst.index_put_((_index(picked, table.device),), src)
+                return
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        _row_copies(rows, table_id, picked, host, dsts, srcs, found)
+        torch._foreach_copy_(dsts, srcs)  # one multi-tensor copy
         return
     index = _index(picked, table.device)
     dst.index_copy_(0, index, src.to(table.device, non_blocking=non_blocking))
+
+
+def _row_copies(
+    rows: BlockRows,
+    table_id: int,
+    picked: Sequence[int],
+    host: torch.Tensor,
+    dsts: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    found: list[tuple[int, int, int, int]] | None = None,
+) -> None:
+    """Append to ``dsts`` / ``srcs`` the CPU copies that put ``host`` (flat bytes, rows in
+    order) into rows ``picked`` of table ``table_id``: a row each for one row or rows of
+    :data:`CPU_WIDE_ROW` or more, else one strided view per stretch of rows in arithmetic
+    progression (``found``: :func:`spans` of ``picked``, when known)."""
+    n, width = len(picked), rows.tables[table_id].shape[1]
+    if n == 1 or width >= CPU_WIDE_ROW:
+        dsts.extend(rows.view(table_id, r) for r in picked)
+        srcs.extend(host.view(n, width).unbind(0))
+        return
+    dst, src = _views(rows, table_id, n, host)
+    words = dst.shape[1]  # a row in dst's elements (8-byte words or bytes)
+    base = dst.storage_offset()
+    for at, count, first, step in spans(picked) if found is None else found:
+        dsts.append(dst.as_strided((count, words), (step * words, 1), base + first * words))
+        srcs.append(src[at : at + count])
 
 
 def load_parts(
@@ -251,21 +272,9 @@ def load_parts(
     stretch of rows in arithmetic progression (:func:`spans`; a per-layer block's ranges are
     one).  For many blocks whose bytes sit in tensors of their own (a disk load run, each
     block checked in its own staging tensor): no index tensor and no copy call per block."""
-    table = rows.tables[table_id]
-    width = table.shape[1]
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     for picked, host in parts:
-        n = len(picked)
-        if n == 1 or width >= CPU_WIDE_ROW:
-            dsts.extend(rows.view(table_id, r) for r in picked)
-            srcs.extend(host.view(n, width).unbind(0))
-            continue
-        dst, src = _views(rows, table_id, n, host)
-        words = dst.shape[1]  # a row in dst's elements (8-byte words or bytes)
-        base = dst.storage_offset()
-        for at, count, first, step in spans(picked):
-            dsts.append(dst.as_strided((count, words), (step * words, 1), base + first * words))
-            srcs.append(src[at : at + count])
+        _row_copies(rows, table_id, picked, host, dsts, srcs)
     if dsts:
         torch._foreach_copy_(dsts, srcs)

@@ -291,23 +291,10 @@ class DiskSlots:
     ) -> bool:
         """Store ``data`` (contiguous bytes, or pieces whose concatenation is the payload) as
         entry ``key`` with admission ``tag``: its checksum, then header and payload by one
-        ``pwritev``.  Returns False, storing nothing, when no slot is left for its size or the
-        write fails (the entry then reads as missing)."""
-        size = _nbytes(data)
-        if key in self.entries:
-            self.drop(key)
-        offset = self._take(size)
-        if offset is None:
-            self.no_room += 1
-            return False
-        stamp = self._stamp
-        error = self._put(key, tag, data, offset, stamp)
-        if error is not None:
-            self._failed(key, tag, size, offset, error)
-            return False
-        self._stamp += 1
-        self.entries[key] = SlotEntry(key[0], key[1], tag, size, offset, stamp)
-        return True
+        ``pwritev`` (:meth:`write_many` of the one item).  Returns False, storing nothing,
+        when no slot is left for its size or the write fails (the entry then reads as
+        missing)."""
+        return self.write_many([(key, tag, data)])[0]
 
     def write_many(
         self,
@@ -315,11 +302,11 @@ class DiskSlots:
         helper: Executor | None = None,
     ) -> list[bool]:
         """Store ``items`` (``(key, tag, data)``, as :meth:`write` takes them) as writing them
-        one by one in order would (entries, offsets, failures; the stamps keep item order),
-        with ``helper`` (a one-thread executor; None: this thread alone) sharing the work:
-        slots and stamps are taken in order, then this thread and the helper each take the
-        next entry when done with their last, checksum it and write it (its bytes are in
-        cache for the write).  Keys repeated in ``items`` are written one by one.
+        one by one in order would (entries, offsets, stamps, failures; a failed write uses up
+        its stamp), with ``helper`` (a one-thread executor; None: this thread alone) sharing
+        the work: slots and stamps are taken in order, then this thread and the helper each
+        take the next entry when done with their last, checksum it and write it (its bytes
+        are in cache for the write).  Keys repeated in ``items`` are written one by one.
 
         Measured on a 2-core machine against one plain write of the same 128 MiB (a loop of
         the same calls, 128 blocks of 1 MiB): 0.93 for this with blocks in 32 pieces, against
