@@ -4,6 +4,7 @@ block sits as a row, and that runs copy exactly the blocks' bytes both ways."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from hybridkv.engine import host_runs
 from hybridkv.engine.host_runs import (
     BlockRows,
+    copy_all,
     load_parts,
     load_rows,
     merge_runs,
@@ -163,7 +165,7 @@ def test_load_parts_writes_each_part_into_its_rows_in_one_copy(
     before = buf.clone()
     rows = BlockRows((buf,))
     table, _ = rows.place(0, 0, length)
-    blocks = [[b + 50 * k for k in range(4)] for b in (7, 2, 11)] + [[199], [122, 121, 120]]
+    blocks = [tuple(b + 50 * k for k in range(4)) for b in (7, 2, 11)] + [(199,), (122, 121, 120)]
     parts = [
         (picked, torch.randint(0, 256, (len(picked) * length,), dtype=torch.uint8, generator=gen))
         for picked in blocks
@@ -175,3 +177,57 @@ def test_load_parts_writes_each_part_into_its_rows_in_one_copy(
         for k, r in enumerate(picked):
             want[r] = host[k * length : (k + 1) * length]
     assert torch.equal(buf.view(200, length), want)
+
+
+def test_stretches_are_made_once_per_block_and_view_exactly_its_rows() -> None:
+    """A block's strided views are built on its first load and reused (the same tensors);
+    on words and on bytes they cover exactly the picked rows, stretch by stretch."""
+    buf = torch.arange(64 * 40, dtype=torch.int64).view(torch.uint8)  # 64 rows of 320 bytes
+    rows = BlockRows((buf,))
+    table, _ = rows.place(0, 0, 320)
+    picked = (3, 13, 23, 40, 41)  # a stretch of step 10, then one of step 1
+    for wide in (True, False):
+        got = rows.stretches(table, picked, wide)
+        assert rows.stretches(table, picked, wide) is got
+        assert [(at, count) for at, count, _ in got] == [(0, 3), (3, 2)]
+        table_view = rows.tables[table]
+        for at, count, view in got:
+            for k in range(count):
+                want = table_view[picked[at + k]]
+                assert torch.equal(view[k].view(torch.uint8).reshape(-1), want)
+                assert view[k].data_ptr() == want.data_ptr()
+
+
+@pytest.mark.parametrize(("pieces", "size", "shared"), [(64, 4096, True), (4, 64 << 10, False)])
+def test_copy_all_splits_small_copies_over_threads_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch, pieces: int, size: int, shared: bool
+) -> None:
+    """Many small copies (CPU_SERIAL_ELEMENTS or fewer each, CPU_SHARED_MIN bytes in all) go
+    out in one share per torch thread, the first on the caller; ones torch spreads over its
+    threads itself as one multi-tensor copy.
+    Either way every destination holds its source and nothing else changed."""
+    monkeypatch.setattr(host_runs, "CPU_SHARED_MIN", 64 << 10)
+    monkeypatch.setattr(host_runs, "_pool", None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    calls: list[tuple[int, str]] = []
+    real = torch._foreach_copy_
+
+    def counted(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        calls.append((len(dsts), threading.current_thread().name))
+        real(dsts, srcs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    gen = torch.Generator().manual_seed(5)
+    out = torch.zeros(pieces * size + 7, dtype=torch.uint8)
+    srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen) for _ in range(pieces)]
+    dsts = [out[i * size : (i + 1) * size] for i in range(pieces)]
+    copy_all(dsts, srcs)
+    assert torch.equal(out[: pieces * size], torch.cat(srcs))
+    assert not out[pieces * size :].any()
+    if shared:
+        assert sorted(n for n, _ in calls) == [pieces // 2, pieces // 2]
+        assert sorted(name.startswith("hybridkv-copy") for _, name in calls) == [False, True]
+    else:
+        assert calls == [(pieces, threading.current_thread().name)]
+    copy_all([], [])  # nothing to copy: no call
+    assert len(calls) == (2 if shared else 1)

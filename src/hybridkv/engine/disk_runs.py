@@ -144,7 +144,7 @@ def load_in_place(
     call (an indexed scatter for short rows) per block; ``scatter`` for the others.  The
     staging tensors join ``loaded``.  Returns the blocks loaded."""
     place = blocks.place
-    parts: dict[int, list[tuple[Sequence[int], torch.Tensor]]] = {}
+    parts: dict[int, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
     for op in run:
         _, table, block_rows = place(op.group_id, op.block)
         data = take(op)

@@ -34,17 +34,23 @@ free list hands back in any order still go as one copy per adjacent stretch.
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 __all__ = [
     "CPU_BYTE_GATHER",
+    "CPU_SERIAL_ELEMENTS",
+    "CPU_SHARED_MIN",
     "CPU_WIDE_ROW",
     "CPU_WIDE_SPAN",
     "FIRST_RUN_BYTES",
     "RUN_BYTES",
     "BlockRows",
+    "copy_all",
     "load_parts",
     "load_rows",
     "merge_runs",
@@ -79,6 +85,20 @@ CPU_WIDE_SPAN = 512 << 10
 #: over bytes (2-core VM, 128 MiB of rows: 32 KiB 11.5 vs 6.6 GB/s, 128 KiB 13.9 vs 9.4,
 #: 256 KiB 7.9 vs 10.0, 2 MiB 13.2 vs 12.3; a plain copy 11-16).
 CPU_BYTE_GATHER = 256 << 10
+#: On the CPU, torch copies a tensor of at most this many elements on one thread (its
+#: ``GRAIN_SIZE``), so one multi-tensor copy of such tensors runs on one core; :func:`copy_all`
+#: splits it into a share per torch thread, copied at once.  Larger tensors torch already
+#: spreads over its threads, and shares of them would compete for the cores.  2-core VM,
+#: 128 MiB of copies, one ``_foreach_copy_`` -> two shares (ms): rows of 32 KiB as 8-byte words
+#: (4,096 elements) 32.5 -> 19.9, of 128 KiB 27.0-29.9 -> 17.9-18.3, of 256 KiB 25.1 -> 16.6
+#: (32,768), of 512 KiB 17.8-21.1 -> 18.8-20.9 (65,536); rows of 64 KiB as bytes (65,536
+#: elements) 27.4 -> 37.4; a contiguous copy of the 128 MiB 16-22.  So copies go over
+#: 8-byte words where the bytes allow it (fewer elements, a row of up to 256 KiB on one
+#: thread) and are shared.
+CPU_SERIAL_ELEMENTS = 32768
+#: ... and carries at least this many bytes in all (below it a thread hand-off costs more
+#: than it saves).
+CPU_SHARED_MIN = 4 << 20
 
 
 class BlockRows:
@@ -95,13 +115,44 @@ class BlockRows:
         self.tables: list[torch.Tensor] = []
         self.wide: list[torch.Tensor | None] = []
         self._ids: dict[tuple[int, int, int], int] = {}
-        self._views: dict[tuple[int, int], torch.Tensor] = {}
+        self._views: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self._stretches: dict[
+            tuple[int, tuple[int, ...], bool], tuple[tuple[int, int, torch.Tensor], ...]
+        ] = {}
 
-    def view(self, table: int, row: int) -> torch.Tensor:
-        """Row ``row`` of table ``table`` (a view made once: making one costs microseconds)."""
-        found = self._views.get((table, row))
+    def view(self, table: int, row: int, wide: bool = False) -> torch.Tensor:
+        """Row ``row`` of table ``table``, over 8-byte words when ``wide`` (the table must
+        allow it), else over bytes (a view made once: making one costs microseconds)."""
+        key = (table, row, wide)
+        found = self._views.get(key)
         if found is None:
-            found = self._views[table, row] = self.tables[table][row]
+            whole = self.wide[table] if wide else self.tables[table]
+            assert whole is not None
+            found = self._views[key] = whole[row]
+        return found
+
+    def stretches(
+        self, table: int, picked: tuple[int, ...], wide: bool
+    ) -> tuple[tuple[int, int, torch.Tensor], ...]:
+        """Rows ``picked`` of table ``table`` as ``(index of the first, rows, view)`` per
+        stretch of rows in arithmetic progression (:func:`spans`), each one strided 2-D view
+        of the table (over 8-byte words when ``wide``, else over bytes), made once per
+        block's rows: building them costs a block tens of microseconds of Python."""
+        key = (table, picked, wide)
+        found = self._stretches.get(key)
+        if found is None:
+            whole = self.wide[table] if wide else self.tables[table]
+            assert whole is not None
+            words = whole.shape[1]
+            base = whole.storage_offset()
+            found = self._stretches[key] = tuple(
+                (
+                    at,
+                    count,
+                    whole.as_strided((count, words), (step * words, 1), base + first * words),
+                )
+                for at, count, first, step in spans(picked)
+            )
         return found
 
     def place(self, buffer_id: int, offset: int, length: int) -> tuple[int, int]:
@@ -222,59 +273,94 @@ def load_rows(
         return
     dst, src = _views(rows, table_id, n, host)
     if table.device.type != "cuda":
-        found = None
-        if width < CPU_WIDE_ROW:
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        if width >= CPU_WIDE_ROW:  # a row each
+            dsts.extend(rows.view(table_id, r) for r in picked)
+            srcs.extend(host.view(n, width).unbind(0))
+        else:  # a strided view per stretch, or one indexed scatter for short stretches
             found = spans(picked)
             if dst.dtype == torch.int64 and n * width < CPU_WIDE_SPAN * len(found):
                 dst.index_put_((_index(picked, table.device),), src)
                 return
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        _row_copies(rows, table_id, picked, host, dsts, srcs, found)
-        torch._foreach_copy_(dsts, srcs)  # one multi-tensor copy
+            words = dst.shape[1]  # a row in dst's elements (8-byte words or bytes)
+            base = dst.storage_offset()
+            for at, count, first, step in found:
+                dsts.append(dst.as_strided((count, words), (step * words, 1), base + first * words))
+                srcs.append(src[at : at + count])
+        torch._foreach_copy_(dsts, srcs)  # one multi-tensor copy (runs: up to 16 MiB)
         return
     index = _index(picked, table.device)
     dst.index_copy_(0, index, src.to(table.device, non_blocking=non_blocking))
 
 
-def _row_copies(
-    rows: BlockRows,
-    table_id: int,
-    picked: Sequence[int],
-    host: torch.Tensor,
-    dsts: list[torch.Tensor],
-    srcs: list[torch.Tensor],
-    found: list[tuple[int, int, int, int]] | None = None,
-) -> None:
-    """Append to ``dsts`` / ``srcs`` the CPU copies that put ``host`` (flat bytes, rows in
-    order) into rows ``picked`` of table ``table_id``: a row each for one row or rows of
-    :data:`CPU_WIDE_ROW` or more, else one strided view per stretch of rows in arithmetic
-    progression (``found``: :func:`spans` of ``picked``, when known)."""
-    n, width = len(picked), rows.tables[table_id].shape[1]
-    if n == 1 or width >= CPU_WIDE_ROW:
-        dsts.extend(rows.view(table_id, r) for r in picked)
-        srcs.extend(host.view(n, width).unbind(0))
-        return
-    dst, src = _views(rows, table_id, n, host)
-    words = dst.shape[1]  # a row in dst's elements (8-byte words or bytes)
-    base = dst.storage_offset()
-    for at, count, first, step in spans(picked) if found is None else found:
-        dsts.append(dst.as_strided((count, words), (step * words, 1), base + first * words))
-        srcs.append(src[at : at + count])
-
-
 def load_parts(
-    rows: BlockRows, table_id: int, parts: Sequence[tuple[Sequence[int], torch.Tensor]]
+    rows: BlockRows, table_id: int, parts: Sequence[tuple[tuple[int, ...], torch.Tensor]]
 ) -> None:
     """On the CPU, copy each ``(picked, host)`` of ``parts`` (``host``: flat bytes, its rows
     in order) into rows ``picked`` of table ``table_id``, all of them by one multi-tensor
-    copy: a row each for rows of :data:`CPU_WIDE_ROW` or more, else one strided view per
-    stretch of rows in arithmetic progression (:func:`spans`; a per-layer block's ranges are
-    one).  For many blocks whose bytes sit in tensors of their own (a disk load run, each
-    block checked in its own staging tensor): no index tensor and no copy call per block."""
+    copy (:func:`copy_all`): a row each for rows of :data:`CPU_WIDE_ROW` or more, else one
+    strided view per stretch of rows in arithmetic progression (:meth:`BlockRows.stretches`,
+    made once per block; a per-layer block's ranges are one).  For many blocks whose bytes
+    sit in tensors of their own (a disk load run, each block checked in its own staging
+    tensor): no index tensor and no copy call per block."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
+    width = rows.tables[table_id].shape[1]
+    can_widen = rows.wide[table_id] is not None
     for picked, host in parts:
-        _row_copies(rows, table_id, picked, host, dsts, srcs)
-    if dsts:
+        n = len(picked)
+        wide = can_widen and host.data_ptr() % 8 == 0
+        flat = host.view(torch.int64) if wide else host
+        words = flat.numel() // n
+        if n == 1 or width >= CPU_WIDE_ROW:
+            dsts.extend(rows.view(table_id, r, wide) for r in picked)
+            srcs.extend(flat.view(n, words).unbind(0))
+            continue
+        for at, count, view in rows.stretches(table_id, picked, wide):
+            dsts.append(view)
+            srcs.append(flat.view(n, words) if count == n else flat.view(n, words)[at : at + count])
+    copy_all(dsts, srcs)
+
+
+_pool: tuple[ThreadPoolExecutor, int] | None = None
+_pool_lock = threading.Lock()
+
+
+def _shares() -> tuple[ThreadPoolExecutor, int] | None:
+    """The threads :func:`copy_all` hands shares to and their number (torch's thread count
+    less one, made on first use), or None on one thread."""
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            helpers = torch.get_num_threads() - 1
+            if _pool is None and helpers > 0:
+                _pool = (ThreadPoolExecutor(helpers, thread_name_prefix="hybridkv-copy"), helpers)
+    return _pool
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every ``i`` on the CPU, as one multi-tensor copy, or,
+    where the tensors average at most :data:`CPU_SERIAL_ELEMENTS` elements and carry
+    :data:`CPU_SHARED_MIN` bytes or more in all, as one per torch thread over equal shares of
+    the list, at once (the copies release the GIL)."""
+    n = len(dsts)
+    if not n:
+        return
+    elements = sum(d.numel() for d in dsts)
+    small = elements <= CPU_SERIAL_ELEMENTS * n
+    big = sum(d.nbytes for d in dsts) >= CPU_SHARED_MIN
+    shared = _shares() if small and big else None
+    if shared is None:
         torch._foreach_copy_(dsts, srcs)
+        return
+    pool, helpers = shared
+    k = min(helpers + 1, n)
+    cuts = [n * i // k for i in range(k + 1)]
+    jobs = [
+        pool.submit(torch._foreach_copy_, dsts[a:b], srcs[a:b])
+        for a, b in itertools.pairwise(cuts[1:])
+    ]
+    torch._foreach_copy_(dsts[: cuts[1]], srcs[: cuts[1]])
+    for job in jobs:
+        job.result()
