@@ -3,8 +3,10 @@ block sits as a row, and that runs copy exactly the blocks' bytes both ways."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -231,3 +233,21 @@ def test_copy_all_splits_small_copies_over_threads_with_the_same_result(
         assert calls == [(pieces, threading.current_thread().name)]
     copy_all([], [])  # nothing to copy: no call
     assert len(calls) == (2 if shared else 1)
+
+
+def test_copy_all_makes_its_threads_again_in_a_forked_child(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool made by another process (a forked child inherits the object, not its threads)
+    is never handed work: the child makes its own."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    stale = ThreadPoolExecutor(1)
+    stale.shutdown()
+    monkeypatch.setattr(host_runs, "_pool", (stale, 1, -1))  # made by "another process"
+    monkeypatch.setattr(host_runs, "CPU_SHARED_MIN", 0)
+    srcs = [torch.full((64,), i, dtype=torch.int64) for i in range(8)]
+    dsts = [torch.zeros(64, dtype=torch.int64) for _ in range(8)]
+    copy_all(dsts, srcs)  # the stale pool is shut down: handing it work would raise
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+    assert host_runs._pool is not None
+    assert host_runs._pool[0] is not stale and host_runs._pool[2] == os.getpid()

@@ -35,6 +35,7 @@ free list hands back in any order still go as one copy per adjacent stretch.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -323,20 +324,25 @@ def load_parts(
     copy_all(dsts, srcs)
 
 
-_pool: tuple[ThreadPoolExecutor, int] | None = None
+_pool: tuple[ThreadPoolExecutor, int, int] | None = None
 _pool_lock = threading.Lock()
 
 
 def _shares() -> tuple[ThreadPoolExecutor, int] | None:
     """The threads :func:`copy_all` hands shares to and their number (torch's thread count
-    less one, made on first use), or None on one thread."""
+    less one, made on first use, and again in a forked child, which has none of its
+    parent's threads), or None on one thread."""
     global _pool
-    if _pool is None:
+    pid = os.getpid()
+    if _pool is None or _pool[2] != pid:
         with _pool_lock:
-            helpers = torch.get_num_threads() - 1
-            if _pool is None and helpers > 0:
-                _pool = (ThreadPoolExecutor(helpers, thread_name_prefix="hybridkv-copy"), helpers)
-    return _pool
+            if _pool is None or _pool[2] != pid:
+                helpers = torch.get_num_threads() - 1
+                _pool = None
+                if helpers > 0:
+                    pool = ThreadPoolExecutor(helpers, thread_name_prefix="hybridkv-copy")
+                    _pool = (pool, helpers, pid)
+    return None if _pool is None else _pool[:2]
 
 
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
