@@ -2,7 +2,7 @@
 
 A recency order keeps what was used last, and on a conversation trace most of that never
 comes back: a conversation ends after its last turn, and nothing in a request tells which
-turn is the last (docs/architecture.md, "How large a host tier must be").  The client often
+turn is the last (docs/tiers.md, "How large a host tier must be").  The client often
 knows (a chat session still open, an agent loop that will call again), so it can say so:
 :meth:`~hybridkv.cache.manager.KVCacheManager.protect` names a *session* and the request
 whose cached prefix it will read again.  Every lower-tier entry (host, disk) under one of
