@@ -334,11 +334,8 @@ class DiskTier:
         self.commit()
         if not self._cleared():
             return
-        todo = [
-            k
-            for k in keys
-            if k not in self.staged and k not in self._writing_now() and self._stale(k)
-        ]
+        writing = self._writing_now()
+        todo = [k for k in keys if k not in self.staged and k not in writing and self._stale(k)]
         if not todo or self._readers is None:
             return
         n = self.readers
