@@ -251,3 +251,27 @@ def test_copy_all_makes_its_threads_again_in_a_forked_child(
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
     assert host_runs._pool is not None
     assert host_runs._pool[0] is not stale and host_runs._pool[2] == os.getpid()
+
+
+def test_copy_all_shares_write_a_cache_made_in_inference_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inference mode is per thread: a cache made under torch.inference_mode() holds
+    inference tensors, and the helper thread's share must write them in that mode too (it
+    raised outside it)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(host_runs, "_pool", None)
+    monkeypatch.setattr(host_runs, "CPU_SHARED_MIN", 0)
+    with torch.inference_mode():
+        buf = torch.zeros(64 * 256, dtype=torch.uint8)
+        rows = BlockRows((buf,))
+        table, _ = rows.place(0, 0, 256)
+        parts = [
+            (tuple(b + 16 * k for k in range(4)), torch.full((4 * 256,), b + 1, dtype=torch.uint8))
+            for b in range(16)
+        ]
+        load_parts(rows, table, parts)
+    view = buf.view(64, 256)
+    for b in range(16):
+        for k in range(4):
+            assert bool((view[b + 16 * k] == b + 1).all())

@@ -345,6 +345,14 @@ def _shares() -> tuple[ThreadPoolExecutor, int] | None:
     return None if _pool is None else _pool[:2]
 
 
+def _copy_share(dsts: list[torch.Tensor], srcs: list[torch.Tensor], inference: bool) -> None:
+    """One share of :func:`copy_all` on a helper thread, in the caller's inference mode (a
+    cache made under ``torch.inference_mode()`` holds inference tensors, which only that mode
+    may write in place)."""
+    with torch.inference_mode(inference):
+        torch._foreach_copy_(dsts, srcs)
+
+
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dsts[i].copy_(srcs[i])`` for every ``i`` on the CPU, as one multi-tensor copy, or,
     where the tensors average at most :data:`CPU_SERIAL_ELEMENTS` elements and carry
@@ -363,8 +371,9 @@ def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     pool, helpers = shared
     k = min(helpers + 1, n)
     cuts = [n * i // k for i in range(k + 1)]
+    inference = torch.is_inference_mode_enabled()  # thread-local: the shares run as the caller
     jobs = [
-        pool.submit(torch._foreach_copy_, dsts[a:b], srcs[a:b])
+        pool.submit(_copy_share, dsts[a:b], srcs[a:b], inference)
         for a, b in itertools.pairwise(cuts[1:])
     ]
     torch._foreach_copy_(dsts[: cuts[1]], srcs[: cuts[1]])
