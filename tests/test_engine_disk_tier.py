@@ -4,17 +4,19 @@ for a key with none, never other bytes."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hybridkv.engine.disk_tier import DiskTier
-from hybridkv.storage.disk_slots import DiskSlots
+from hybridkv.storage.disk_slots import DiskCacheError, DiskSlots
 
 SIZES = (64, 192)
 
@@ -97,3 +99,28 @@ TestDiskTierMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_a_forked_child_is_refused_instead_of_waiting_for_threads_it_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer and reader threads stay in the parent at a fork: in the child, a write
+    handed to them or a read asked of them is refused with one clear error (it hung)."""
+    size = 64
+    tier = DiskTier(DiskSlots(tmp_path / "d", 8 * size, {"t": 1}, [size]), readers=2)
+    data = tier.buffer(size)
+    data.fill_(3)
+    tier.write((0, 1), 0, data)
+    tier.flush()
+    monkeypatch.setattr(os, "getpid", lambda: tier._pid + 1)  # as in a forked child
+    tier.write((0, 2), 0, tier.buffer(size))
+    with pytest.raises(DiskCacheError, match="forked child"):
+        tier.commit()
+    with pytest.raises(DiskCacheError, match="forked child"):
+        tier.prefetch([(0, 1)])
+    monkeypatch.undo()
+    tier.prefetch([(0, 1)])  # the parent goes on
+    while tier.reading():
+        tier.wait()
+    assert tier.read_state((0, 1)) is True
+    tier.close()

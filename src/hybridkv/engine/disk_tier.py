@@ -29,6 +29,7 @@ buffers), so they overlap each other and the model's step.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.storage.disk_slots import DiskSlots
+from hybridkv.storage.disk_slots import DiskCacheError, DiskSlots
 
 __all__ = ["DiskTier"]
 
@@ -78,6 +79,8 @@ class DiskTier:
         self.batch_bytes = batch_bytes
         self.pin = pin
         self.max_pending_bytes = max_pending_bytes
+        #: The process whose threads these are: a forked child has none of them.
+        self._pid = os.getpid()
         self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-disk-write")
         #: Shares each run of writes with the writer (checksums and writes).
         self._helper = cf.ThreadPoolExecutor(1, thread_name_prefix="hybridkv-disk-help")
@@ -250,6 +253,7 @@ class DiskTier:
         waiting for older jobs while more than ``max_pending_bytes`` would be queued)."""
         if not self._batch:
             return
+        self._own()
         nbytes = self._batch_bytes
         while self._queue and self._queued_bytes + nbytes > self.max_pending_bytes:
             done, size = self._queue.popleft()
@@ -338,12 +342,23 @@ class DiskTier:
         todo = [k for k in keys if k not in self.staged and k not in writing and self._stale(k)]
         if not todo or self._readers is None:
             return
+        self._own()
         n = self.readers
         for part in (todo[i::n] for i in range(n)):
             if part:
                 job = self._readers.submit(self._read_many, part)
                 for k in part:
                     self._reads[k] = (self._gen.get(k, 0), job)
+
+    def _own(self) -> None:
+        """Refuse work in a forked child: the writer, helper and reader threads stayed in the
+        parent, so a job handed to them would never run and its caller would wait forever."""
+        if os.getpid() != self._pid:
+            raise DiskCacheError(
+                f"disk tier of {self.slots.directory}: used in a forked child (pid {os.getpid()}, "
+                f"opened by {self._pid}); its threads stayed in the parent, open the "
+                "directory in this process instead"
+            )
 
     def _writing_now(self) -> set[Key]:
         for key in [k for k, f in self._writing.items() if f.done()]:
