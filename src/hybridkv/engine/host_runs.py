@@ -38,7 +38,7 @@ import itertools
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -376,6 +376,9 @@ def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         pool.submit(_copy_share, dsts[a:b], srcs[a:b], inference)
         for a, b in itertools.pairwise(cuts[1:])
     ]
-    torch._foreach_copy_(dsts[: cuts[1]], srcs[: cuts[1]])
+    try:
+        torch._foreach_copy_(dsts[: cuts[1]], srcs[: cuts[1]])
+    finally:  # no share may still be writing when this returns or raises
+        wait(jobs)
     for job in jobs:
         job.result()
