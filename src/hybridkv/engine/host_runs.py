@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -127,9 +127,14 @@ class BlockRows:
         key = (table, row, wide)
         found = self._views.get(key)
         if found is None:
-            whole = self.wide[table] if wide else self.tables[table]
-            assert whole is not None
-            found = self._views[key] = whole[row]
+            found = self._views[key] = self.whole(table, wide)[row]
+        return found
+
+    def whole(self, table: int, wide: bool) -> torch.Tensor:
+        """Table ``table`` over 8-byte words when ``wide`` (the table must allow it), else
+        over bytes."""
+        found = self.wide[table] if wide else self.tables[table]
+        assert found is not None
         return found
 
     def stretches(
@@ -142,17 +147,8 @@ class BlockRows:
         key = (table, picked, wide)
         found = self._stretches.get(key)
         if found is None:
-            whole = self.wide[table] if wide else self.tables[table]
-            assert whole is not None
-            words = whole.shape[1]
-            base = whole.storage_offset()
             found = self._stretches[key] = tuple(
-                (
-                    at,
-                    count,
-                    whole.as_strided((count, words), (step * words, 1), base + first * words),
-                )
-                for at, count, first, step in spans(picked)
+                _stretch_views(self.whole(table, wide), spans(picked))
             )
         return found
 
@@ -284,15 +280,24 @@ def load_rows(
             if dst.dtype == torch.int64 and n * width < CPU_WIDE_SPAN * len(found):
                 dst.index_put_((_index(picked, table.device),), src)
                 return
-            words = dst.shape[1]  # a row in dst's elements (8-byte words or bytes)
-            base = dst.storage_offset()
-            for at, count, first, step in found:
-                dsts.append(dst.as_strided((count, words), (step * words, 1), base + first * words))
+            for at, count, view in _stretch_views(dst, found):
+                dsts.append(view)
                 srcs.append(src[at : at + count])
         torch._foreach_copy_(dsts, srcs)  # one multi-tensor copy (runs: up to 16 MiB)
         return
     index = _index(picked, table.device)
     dst.index_copy_(0, index, src.to(table.device, non_blocking=non_blocking))
+
+
+def _stretch_views(
+    table: torch.Tensor, found: Sequence[tuple[int, int, int, int]]
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(index of the first, rows, view)`` of each stretch ``found`` (:func:`spans`): the
+    stretch's rows of 2-D ``table`` as one strided view."""
+    words = table.shape[1]  # a row in the table's elements (8-byte words or bytes)
+    base = table.storage_offset()
+    for at, count, first, step in found:
+        yield at, count, table.as_strided((count, words), (step * words, 1), base + first * words)
 
 
 def load_parts(
@@ -318,9 +323,10 @@ def load_parts(
             dsts.extend(rows.view(table_id, r, wide) for r in picked)
             srcs.extend(flat.view(n, words).unbind(0))
             continue
+        matrix = flat.view(n, words)
         for at, count, view in rows.stretches(table_id, picked, wide):
             dsts.append(view)
-            srcs.append(flat.view(n, words) if count == n else flat.view(n, words)[at : at + count])
+            srcs.append(matrix if count == n else matrix[at : at + count])
     copy_all(dsts, srcs)
 
 
