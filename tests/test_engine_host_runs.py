@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -251,6 +253,36 @@ def test_copy_all_makes_its_threads_again_in_a_forked_child(
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
     assert host_runs._pool is not None
     assert host_runs._pool[0] is not stale and host_runs._pool[2] == os.getpid()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_the_pool_lock_is_held_still_copies() -> None:
+    """A parent thread may hold the pool's lock at the fork; the child's copy of that lock
+    would never be released, so the child takes a fresh lock (it deadlocked before)."""
+    with host_runs._pool_lock:
+        pid = os.fork()
+        if pid == 0:  # the child: copy on its own threads, then leave without cleanup
+            code = 1
+            try:
+                host_runs.CPU_SHARED_MIN = 0
+                torch.set_num_threads(2)
+                srcs = [torch.full((64,), i, dtype=torch.int64) for i in range(8)]
+                dsts = [torch.zeros(64, dtype=torch.int64) for _ in range(8)]
+                copy_all(dsts, srcs)
+                ok = all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+                code = 0 if ok and host_runs._pool is not None else 1
+            finally:
+                os._exit(code)
+    for _ in range(200):  # up to 10 s
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the pool lock")
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_copy_all_shares_write_a_cache_made_in_inference_mode(

@@ -334,6 +334,17 @@ _pool: tuple[ThreadPoolExecutor, int, int] | None = None
 _pool_lock = threading.Lock()
 
 
+def _forked() -> None:
+    """In a forked child: forget the parent's pool and take a fresh lock (a parent thread may
+    have held it at the fork, and no thread of the child would ever release that copy)."""
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _shares() -> tuple[ThreadPoolExecutor, int] | None:
     """The threads :func:`copy_all` hands shares to and their number (torch's thread count
     less one, made on first use, and again in a forked child, which has none of its
