@@ -47,8 +47,10 @@ from hybridkv.specs import (  # noqa: E402
     AttentionSpec,
     CacheKind,
     ChunkedLocalSpec,
+    LayerSpec,
     MLASpec,
     ModelSpec,
+    NoCacheSpec,
     SlidingWindowSpec,
     StateSpec,
 )
@@ -269,6 +271,34 @@ def vllm_groups(model: ModelSpec, block_size: int) -> list[vd.GroupDesc]:
     return [vd.GroupDesc.from_any(g) for g in out]
 
 
+def without_state(model: ModelSpec) -> ModelSpec | None:
+    """``model`` with its recurrent-state caches storing nothing (None: it has none).
+
+    Run through the same loop it gives ``--ceiling``: the hit rate a state that took no
+    memory and could be restored at every block would allow, with the attention layers and
+    everything else unchanged.  No state policy can beat it at the same memory."""
+    if not any(isinstance(spec, StateSpec) for _, _, spec in model.entries()):
+        return None
+    layers = []
+    for layer in model.layers:
+        kept = tuple(c for c in layer.caches if not isinstance(c, StateSpec))
+        layers.append(
+            LayerSpec(
+                index=layer.index,
+                layer_type=layer.layer_type,
+                caches=kept or (NoCacheSpec(),),
+                tag=layer.tag,
+            )
+        )
+    return ModelSpec(
+        name=f"{model.name} (state-free)",
+        model_type=model.model_type,
+        layers=tuple(layers),
+        tp_size=model.tp_size,
+        max_position_embeddings=model.max_position_embeddings,
+    )
+
+
 def _summary(metrics: dict[str, Any], timings: dict[str, list[int]]) -> dict[str, Any]:
     steps = max(1, metrics["steps"])
     manager_ns = sum(sum(timings.get(op, ())) for op in MANAGER_OPS)
@@ -335,21 +365,43 @@ def compare(
     repeat: int = 1,
     eviction: str = "lru",
     dead_tails: str = "auto",
+    ceiling: bool = False,
 ) -> dict[str, Any]:
     """One model's head to head; ``repeat`` runs of each side, alternating, report the
-    median manager time (decisions must repeat exactly)."""
+    median manager time (decisions must repeat exactly).  ``ceiling``: also run the
+    hybridkv side once on the model without its state (:func:`without_state`)."""
     model = resolve_model(name)
-    plan = make_plan(
-        model,
-        memory_bytes=memory_bytes,
-        max_model_len=max_model_len,
-        strategy=strategy,
-        block_size=block_size,
-        state_block_size=state_block_size,
-        **({} if chunk_alignment is None else {"chunk_alignment": chunk_alignment}),
-        **({} if state_split is None else {"state_split": state_split}),
-        one_slot_chunks=drops_dead_tails(dead_tails, False),  # no tiers here
-    )
+
+    def plan_for(spec: ModelSpec) -> Any:
+        return make_plan(
+            spec,
+            memory_bytes=memory_bytes,
+            max_model_len=max_model_len,
+            strategy=strategy,
+            block_size=block_size,
+            state_block_size=state_block_size,
+            **({} if chunk_alignment is None else {"chunk_alignment": chunk_alignment}),
+            **({} if state_split is None else {"state_split": state_split}),
+            one_slot_chunks=drops_dead_tails(dead_tails, False),  # no tiers here
+        )
+
+    def run_ours(layout: Any) -> tuple[dict[str, Any], HybridkvAdapter]:
+        ours = HybridkvAdapter(
+            KVCacheManager(
+                layout,
+                hasher="sha256",
+                second_chance=second_chance,
+                window_chances=window_chances,
+                eviction=eviction,
+                dead_tails=dead_tails,
+            ),
+            token_budget=token_budget,
+            compaction=compaction,
+        )
+        h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
+        return h, ours
+
+    plan = plan_for(model)
     vruns: list[dict[str, Any]] = []
     hruns: list[dict[str, Any]] = []
     for _ in range(repeat):  # the two sides alternate, so a drift of the machine hits both
@@ -364,22 +416,16 @@ def compare(
             vllm_adapter, requests, token_budget, max_model_len=max_model_len
         )
         vruns.append(_summary(v, vllm_adapter.timings))
-        ours = HybridkvAdapter(
-            KVCacheManager(
-                plan.layout,
-                hasher="sha256",
-                second_chance=second_chance,
-                window_chances=window_chances,
-                eviction=eviction,
-                dead_tails=dead_tails,
-            ),
-            token_budget=token_budget,
-            compaction=compaction,
-        )
-        h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
+        h, ours = run_ours(plan.layout)
         hruns.append({**_summary(h, ours.timings), "moved_blocks": ours.moved_blocks})
     vs = merge_runs(vruns, "vLLM")
     hs = merge_runs(hruns, "hybridkv", (*DECISIONS, "moved_blocks"))
+    stateless = without_state(model) if ceiling else None
+    bound: dict[str, Any] | None = None
+    if stateless is not None:
+        h, ours = run_ours(plan_for(stateless).layout)
+        b = _summary(h, ours.timings)
+        bound = {k: b[k] for k in ("token_hit_rate", "preemptions", "steps")}
     return {
         "model": name,
         "memory_bytes": memory_bytes,
@@ -399,9 +445,13 @@ def compare(
                 for g in plan.layout.groups
             ],
         },
+        "ceiling": bound,
         "ratios": {
             "hit_rate": hs["token_hit_rate"] / vs["token_hit_rate"]
             if vs["token_hit_rate"]
+            else None,
+            "ceiling_hit_rate": bound["token_hit_rate"] / vs["token_hit_rate"]
+            if bound and vs["token_hit_rate"]
             else None,
             "manager_time": hs["manager_us_per_step"] / vs["manager_us_per_step"]
             if vs["manager_us_per_step"]
@@ -428,6 +478,16 @@ def _print(result: dict[str, Any]) -> None:
     hr = "n/a" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}x"
     mt = "n/a" if r["manager_time"] is None else f"{r['manager_time']:.2f}x"
     print(f"  hybridkv / vLLM: hit rate {hr}, manager time {mt}")
+    c = result.get("ceiling")
+    if c is not None:
+        cr = r["ceiling_hit_rate"]
+        vs = "n/a" if cr is None else f"{cr:.2f}x vLLM's"
+        print(
+            f"  ceiling (state-free, same loop): hit rate {c['token_hit_rate']:.2%} ({vs}); "
+            f"hybridkv reaches {h['token_hit_rate'] / c['token_hit_rate']:.0%} of it"
+            if c["token_hit_rate"]
+            else "  ceiling (state-free, same loop): hit rate 0"
+        )
     if len(v["manager_us_per_step_runs"]) > 1:
         for label, s in (("vLLM", v), ("hybridkv", h)):
             runs = ", ".join(f"{t:.0f}" for t in s["manager_us_per_step_runs"])
@@ -491,6 +551,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1,
         help="runs of each side per model, alternating; manager time is the median run's",
     )
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="for models with recurrent state, also run hybridkv once with the state layers "
+        "storing nothing: the hit rate no state policy can beat at this memory",
+    )
     p.add_argument("--out", default="results/compare_vllm.json")
     args = p.parse_args(argv)
     if args.repeat < 1:
@@ -542,6 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeat=args.repeat,
             eviction=args.eviction,
             dead_tails=args.dead_tails,
+            ceiling=args.ceiling,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)

@@ -71,3 +71,31 @@ def test_repeat_below_one_is_refused_before_any_run(
     # refused whether or not vLLM is importable here (it is checked first)
     assert compare_vllm.main(["--repeat", "0"]) == 2
     assert "--repeat must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_without_state_keeps_every_layer_and_cache_but_the_state(compare_vllm: Any) -> None:
+    """``--ceiling``'s model: the same layers, attention caches unchanged, every state cache
+    gone (a layer left with nothing stores NoCacheSpec); a model without state has none."""
+    from hybridkv.models import resolve_model
+    from hybridkv.plan import make_plan
+    from hybridkv.specs import LayerSpec, ModelSpec, NoCacheSpec, StateSpec
+
+    jamba = resolve_model("Jamba-v0.1")
+    bare = compare_vllm.without_state(jamba)
+    assert bare.num_layers == jamba.num_layers == 32
+    for old, new in zip(jamba.layers, bare.layers, strict=True):
+        kept = tuple(c for c in old.caches if not isinstance(c, StateSpec))
+        assert new.caches == (kept or (NoCacheSpec(),))
+        assert (new.index, new.layer_type, new.tag) == (old.index, old.layer_type, old.tag)
+    assert sum(1 for _, _, s in bare.entries()) == 4  # Jamba's four attention layers
+    plan = make_plan(bare, memory_bytes=1 << 30, max_model_len=4096)
+    assert [g.spec.kind.value for g in plan.layout.groups] == ["full_attention"]
+    assert compare_vllm.without_state(resolve_model("gpt-oss-20b")) is None
+    # a layer holding attention and state at once keeps its attention
+    both = jamba.layers[4].caches + jamba.layers[0].caches
+    mixed = ModelSpec(
+        name="mixed",
+        model_type="test",
+        layers=(LayerSpec(index=0, layer_type="hybrid", caches=both),),
+    )
+    assert compare_vllm.without_state(mixed).layers[0].caches == jamba.layers[4].caches
