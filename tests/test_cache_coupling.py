@@ -160,13 +160,6 @@ def test_the_sweep_is_checked_by_the_invariants() -> None:
     assert h in pool.maps[1]
 
 
-def test_one_state_group_is_not_coupled() -> None:
-    layout = uniform(groups(full(), state()), 7)
-    mgr = KVCacheManager(layout, hasher="builtin")
-    assert not mgr._coord.coupling.active
-    assert not mgr._coord.events.tracks_evictions  # no events, no tiers, no coupling
-
-
 def test_a_checkpoint_in_parts_is_credited_once() -> None:
     mgr = KVCacheManager(
         uniform(groups(full(), state(), state()), 9), hasher="builtin", checkpoint_admission="yield"

@@ -33,7 +33,7 @@ from hybridkv.cache import (
     Request,
 )
 from hybridkv.cache.admission import CheckpointAdmission
-from hybridkv.cache.policies import DEAD_TAILS
+from hybridkv.cache.policies import CHECKPOINT_LIFE, DEAD_TAILS
 from hybridkv.cache.pool_shared import FlatArenaPool
 from hybridkv.cache.tiers import TierSpec
 from hybridkv.errors import RequestError
@@ -103,6 +103,7 @@ class CacheMachine(RuleBasedStateMachine):
         protect_share=hst.sampled_from([1.0, 0.5, 0.25]),
         two_q=hst.booleans(),
         dead_tails=hst.sampled_from(DEAD_TAILS),
+        checkpoint_life=hst.sampled_from(CHECKPOINT_LIFE),
     )
     def setup(
         self,
@@ -123,6 +124,7 @@ class CacheMachine(RuleBasedStateMachine):
         protect_share: float,
         two_q: bool,
         dead_tails: str = "keep",
+        checkpoint_life: str = "kv",
     ) -> None:
         if self.split_state:
             items = [*items, (state(), split_block), (state(), split_block)]
@@ -154,6 +156,7 @@ class CacheMachine(RuleBasedStateMachine):
             tier_admission=tier_admission,
             protect_share=protect_share,
             dead_tails=dead_tails,
+            checkpoint_life=checkpoint_life,
         )
         adm = self.mgr._coord.admission
         if adm is not None:  # decide from the first checkpoints on, explore often

@@ -44,6 +44,7 @@ from hybridkv.cache.hashing import (
     make_hasher,
 )
 from hybridkv.cache.manager import KVCacheManager
+from hybridkv.cache.policies import CHECKPOINT_LIFE
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats
 from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
@@ -61,6 +62,7 @@ from hybridkv.cache.types import (
 
 __all__ = [
     "CHECKPOINT_ADMISSION",
+    "CHECKPOINT_LIFE",
     "CHECKPOINT_REASONS",
     "CHECKPOINT_WHEN_FULL",
     "DEFAULT_PROTECT_SHARE",

@@ -28,7 +28,7 @@ from hybridkv.cache.coupling import CheckpointCoupling
 from hybridkv.cache.dead_tails import DeadTails
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.hit_grid import HitGrid
-from hybridkv.cache.kinds import KindManager, StepOutputs, StepPlan, manager_class
+from hybridkv.cache.kinds import KindManager, StateManager, StepOutputs, StepPlan, manager_class
 from hybridkv.cache.policies import (
     PUBLISH_MODES,
     WINDOW_RETENTION,
@@ -73,6 +73,7 @@ class HybridCoordinator:
         checkpoint_when_full: str | None = None,
         protect_share: float = 1.0,
         dead_tails: str = "auto",
+        checkpoint_life: str = "kv",
     ) -> None:
         protect_share = check_protect_share(protect_share)
         check_policies(
@@ -82,6 +83,7 @@ class HybridCoordinator:
             tier_admission=tier_admission,
             checkpoint_when_full=checkpoint_when_full,
             dead_tails=dead_tails,
+            checkpoint_life=checkpoint_life,
         )
         self.layout = layout
         self.events = events
@@ -112,8 +114,13 @@ class HybridCoordinator:
         self._closed = [m for m in self.managers if m.prefix_closed]
         self._open = [m for m in self.managers if not m.prefix_closed]
         self._set_window_grids()
-        #: A state checkpoint's parts (one per state group) leave the cache together.
-        self.coupling = CheckpointCoupling(self.managers, self.pool, events)
+        #: A state checkpoint's parts (one per state group) leave the cache together, and
+        #: under ``checkpoint_life="kv"`` with the prefix-closed block they end.
+        with_kv = checkpoint_life == "kv"
+        self.coupling = CheckpointCoupling(self.managers, self.pool, events, with_kv)
+        for m in self.managers:
+            if isinstance(m, StateManager):
+                m.refresh_saved = with_kv
         for g in self.coupling.groups[1:]:
             self.managers[g].credits = False
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
@@ -531,6 +538,8 @@ class HybridCoordinator:
             hit = self.find_hit(rs.request, end=end).length  # where a longer request would hit
             if dead.drop(tables, hit) and self.bridge is not None:
                 self.sessions.enforce()  # the drops went down a tier, protected ones too
+        if self.events.orphaned:  # dropped blocks may end checkpoints (checkpoint_life)
+            self.coupling.sweep()
         return rs
 
     def reset_prefix_cache(self) -> bool:

@@ -16,6 +16,14 @@ evicted, so events and the lower tiers see the whole checkpoint go).  An allocat
 feasibility (``fits``) is decided before and does not count on this: the sweep only adds free
 blocks.
 
+Under ``checkpoint_life="kv"`` (the default) a checkpoint is also coupled to the KV it ends:
+the prefix-closed groups' evictions are noted too, so once the block ending at a checkpoint
+(cached under the same hash) leaves the device, the checkpoint's parts are dropped with it.
+A hit reaches a checkpoint only through every prefix-closed block before it, and blocks
+leave roughly tail first, so from then on the checkpoint holds memory that serves nothing
+(with lower tiers it goes down a tier with that block).  Measured on the Mooncake loop
+(docs/vllm.md, section 6, "Checkpoints that live as their KV").
+
 Every part of a checkpoint enters the cache in the same call (each group plans and
 publishes a checkpoint at the same aligned step end) and is referenced by the same hits, so
 the coupled groups' maps hold the same hashes after every call: :meth:`check` asserts it.
@@ -35,29 +43,39 @@ __all__ = ["CheckpointCoupling"]
 
 
 class CheckpointCoupling:
-    """Drops a state checkpoint's remaining parts once one part is evicted (see module)."""
+    """Drops a state checkpoint's remaining parts once one part, or (``with_kv``) the
+    prefix-closed block it ends, is evicted (see module)."""
 
     __slots__ = ("events", "groups", "maps", "pool")
 
-    def __init__(self, managers: Sequence[KindManager], pool: BlockPool, events: EventLog) -> None:
+    def __init__(
+        self,
+        managers: Sequence[KindManager],
+        pool: BlockPool,
+        events: EventLog,
+        with_kv: bool = False,
+    ) -> None:
         self.pool = pool
         self.events = events
-        #: The state groups (coupled only when there are two or more).
+        #: The state groups (coupled when there are two or more, or, ``with_kv``, one or more
+        #: and a prefix-closed group to couple them to).
         self.groups = [m.group_id for m in managers if m.spec.kind is CacheKind.STATE]
-        if len(self.groups) < 2:
+        kv = [m.group_id for m in managers if m.prefix_closed] if with_kv else []
+        if len(self.groups) < 2 and not (self.groups and kv):
             self.groups = []
         self.maps = [pool.maps[g] for g in self.groups]
         if self.groups:
-            events.couple(self.groups)
+            events.couple([*self.groups, *kv])
 
     @property
     def active(self) -> bool:
-        """Whether the layout has parts to couple (two or more state groups)."""
+        """Whether any eviction can leave checkpoint parts to drop."""
         return bool(self.groups)
 
     def sweep(self) -> int:
-        """Drop every coupled group's free cached part under a hash the log noted as evicted
-        since the last sweep; returns how many parts were dropped."""
+        """Drop every state group's free cached part under a hash the log noted as evicted
+        since the last sweep (from a state group or a coupled prefix-closed one); returns how
+        many parts were dropped."""
         orphaned = self.events.orphaned
         dropped = 0
         while orphaned:  # drops are evictions too: their notes come back, and find nothing

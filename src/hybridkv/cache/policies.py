@@ -12,6 +12,7 @@ from hybridkv.cache.admission import CHECKPOINT_ADMISSION, CHECKPOINT_WHEN_FULL,
 from hybridkv.errors import PlanError
 
 __all__ = [
+    "CHECKPOINT_LIFE",
     "DEAD_TAILS",
     "PUBLISH_MODES",
     "WINDOW_RETENTION",
@@ -40,6 +41,15 @@ WINDOW_RETENTION = ("tails", "all")
 DEAD_TAILS: Final = ("auto", "drop", "keep")
 
 
+#: How long a recurrent-state checkpoint stays cached (:mod:`~hybridkv.cache.coupling`):
+#: ``kv`` (default): as long as the KV it ends, refreshed when its request frees its blocks
+#: (it was published mid-prefill and would otherwise age while its request decodes) and
+#: dropped once the prefix-closed block ending where it does leaves the device (no hit
+#: can reach it there any more); ``alone``: it ages from its publication and leaves in its
+#: own turn of the eviction order.
+CHECKPOINT_LIFE: Final = ("kv", "alone")
+
+
 def drops_dead_tails(policy: str, has_tiers: bool) -> bool:
     """Whether the ``dead_tails`` ``policy`` drops them, in a cache with or without lower
     tiers.  A plan for a cache that keeps them should share chunks between state slots
@@ -61,6 +71,7 @@ def check_policies(
     tier_admission: str,
     checkpoint_when_full: str | None,
     dead_tails: str,
+    checkpoint_life: str = "kv",
 ) -> None:
     """Raise :class:`PlanError` for the first policy name that is not one of its valid ones."""
     if checkpoint_when_full is not None:
@@ -71,3 +82,4 @@ def check_policies(
     _one_of("window_retention", window_retention, WINDOW_RETENTION)
     _one_of("publish", publish, PUBLISH_MODES)
     _one_of("dead_tails", dead_tails, DEAD_TAILS)
+    _one_of("checkpoint_life", checkpoint_life, CHECKPOINT_LIFE)

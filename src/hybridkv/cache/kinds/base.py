@@ -46,10 +46,21 @@ class GroupState:
     that the kind may have nulled.  ``pending`` / ``pending_index`` / ``source``: state kinds'
     checkpoint awaiting publication (index of the block it ends) and hit checkpoint awaiting
     its copy (0 = none).  ``keep``: windowed kinds under tail retention, the ``[lo, hi)`` table
-    ranges worth publishing (None: every block).
+    ranges worth publishing (None: every block).  ``saved``: state kinds, the checkpoints
+    this request published, as ``(slot, hash)`` (refreshed when it frees its blocks under
+    ``checkpoint_life="kv"``; None: none, or not tracked).
     """
 
-    __slots__ = ("keep", "num_cached", "pending", "pending_index", "released", "source", "table")
+    __slots__ = (
+        "keep",
+        "num_cached",
+        "pending",
+        "pending_index",
+        "released",
+        "saved",
+        "source",
+        "table",
+    )
 
     def __init__(self, released: int = 0) -> None:
         self.keep: tuple[tuple[int, int], ...] | None = None
@@ -59,6 +70,7 @@ class GroupState:
         self.pending = 0
         self.pending_index = 0
         self.source = 0
+        self.saved: list[tuple[int, int]] | None = None
 
 
 class StepPlan(NamedTuple):

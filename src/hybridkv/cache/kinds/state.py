@@ -19,7 +19,10 @@ Contract for the model runner, per ``allocate_slots`` result ``R`` of one step:
 
 A checkpoint is published at the next ``allocate_slots`` / ``free`` / ``preempt`` of the
 request once ``request.num_computed_tokens`` has reached its boundary (else it is dropped), and
-becomes unreferenced and evictable.  The hit checkpoint stays referenced until that next call,
+becomes unreferenced and evictable.  Under ``checkpoint_life="kv"``
+(:attr:`StateManager.refresh_saved`) the request remembers the checkpoints it published and
+refreshes those still cached when it frees its blocks, so they age with its KV rather than
+from mid-prefill.  The hit checkpoint stays referenced until that next call,
 so it cannot be evicted before the runner copied it.  Lookahead tokens allocate nothing here:
 the runner must not advance the running state past the step's ``num_new_tokens``.
 """
@@ -43,6 +46,9 @@ class StateManager(KindManager):
     """Running state per request, checkpoints at aligned block boundaries."""
 
     kinds: ClassVar[tuple[CacheKind, ...]] = (CacheKind.STATE,)
+    #: Refresh a request's own checkpoints still cached when it frees its blocks
+    #: (``checkpoint_life="kv"``; set by the coordinator).
+    refresh_saved: bool = False
 
     def _configure(self) -> None:
         #: Reason code (:data:`~hybridkv.cache.admission.CHECKPOINT_REASONS`) of the
@@ -166,11 +172,31 @@ class StateManager(KindManager):
         if hit and hit[0] > 0 and self.admission is not None and self.credits:
             self.admission.checkpoint_hit(self.reasons[hit[0]], tokens)
 
+    def _save(self, st: GroupState, items: list[tuple[int, int, int]]) -> None:
+        """Note the checkpoints ``items`` this request published (``refresh_saved``)."""
+        saved = [(b, h) for _, b, h in items]
+        if st.saved is None:
+            st.saved = saved
+        else:
+            st.saved += saved
+
+    def _refresh_saved(self, st: GroupState) -> None:
+        """Move the checkpoints this request published that are still cached (same slot,
+        same hash) to the young end of eviction."""
+        saved, st.saved = st.saved, None
+        if saved:
+            m = self.map
+            blocks = [b for b, h in saved if m.get(h) == b]
+            if blocks:
+                self.pool.refresh(self.group_id, blocks)
+
     def apply_release(
         self, st: GroupState, plan: StepPlan, hit: Sequence[int] | None, request: Request
     ) -> None:
         if plan.cache:
             self._publish(plan.cache, request)
+            if self.refresh_saved:
+                self._save(st, plan.cache)
         st.pending = st.source = 0
         if plan.release:
             self.pool.release(self.group_id, plan.release)
@@ -204,11 +230,15 @@ class StateManager(KindManager):
         cache, release = self._settle(st, request, request.num_computed_tokens)
         if cache:
             self._publish(cache, request)
+            if self.refresh_saved:
+                self._save(st, cache)
         blocks = list(st.table)
         if release:
             blocks += release
         if blocks:
             self.pool.release(self.group_id, blocks)
+        if st.saved is not None:
+            self._refresh_saved(st)
         st.table = []
         st.pending = st.source = 0
 
