@@ -39,7 +39,7 @@ from hybridkv.cache import (  # noqa: E402
     Request,
     compiled,
 )
-from hybridkv.cache.policies import DEAD_TAILS, drops_dead_tails  # noqa: E402
+from hybridkv.cache.policies import CHECKPOINT_LIFE, DEAD_TAILS, drops_dead_tails  # noqa: E402
 from hybridkv.cache.pool_base import DEFAULT_CHANCES  # noqa: E402
 from hybridkv.models import resolve_model  # noqa: E402
 from hybridkv.plan import make_plan  # noqa: E402
@@ -366,6 +366,7 @@ def compare(
     eviction: str = "lru",
     dead_tails: str = "auto",
     ceiling: bool = False,
+    checkpoint_life: str = "kv",
 ) -> dict[str, Any]:
     """One model's head to head; ``repeat`` runs of each side, alternating, report the
     median manager time (decisions must repeat exactly).  ``ceiling``: also run the
@@ -394,6 +395,7 @@ def compare(
                 window_chances=window_chances,
                 eviction=eviction,
                 dead_tails=dead_tails,
+                checkpoint_life=checkpoint_life,
             ),
             token_budget=token_budget,
             compaction=compaction,
@@ -437,6 +439,7 @@ def compare(
             "window_chances": window_chances,
             "eviction": eviction,
             "dead_tails": dead_tails,
+            "checkpoint_life": checkpoint_life,
             "compaction": compaction,
             "schedule_alignment": plan.layout.schedule_alignment,
             "state_split": plan.options.state_split,
@@ -541,6 +544,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "them, as there are no tiers here), drop, or keep (LRU); KVCacheManager's dead_tails",
     )
     p.add_argument(
+        "--checkpoint-life",
+        choices=CHECKPOINT_LIFE,
+        default="kv",
+        help="how long hybridkv keeps a state checkpoint: kv (default: as long as the KV it "
+        "ends) or alone (it ages from when it was saved); KVCacheManager's checkpoint_life",
+    )
+    p.add_argument(
         "--no-compaction",
         action="store_true",
         help="preempt without first compacting the arena (KVCacheManager.compact; hybridkv side)",
@@ -609,6 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             eviction=args.eviction,
             dead_tails=args.dead_tails,
             ceiling=args.ceiling,
+            checkpoint_life=args.checkpoint_life,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)

@@ -179,6 +179,18 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         "--checkpoint-when-full skip: only applies to models with recurrent-state layers",
     ),
     (
+        ["simulate", "gpt-oss-20b", "--checkpoint-life", "alone"],
+        "--checkpoint-life alone: only applies to models with recurrent-state layers",
+    ),
+    (
+        ["simulate", "gpt-oss-20b", "--state-block-size", "64"],
+        "--state-block-size 64: only applies to models with recurrent-state layers",
+    ),
+    (
+        ["plan", "gpt-oss-20b", "--state-block-size", "64"],
+        "--state-block-size 64: only applies to models with recurrent-state layers",
+    ),
+    (
         ["plan", "--chunk-alignment", "100GiB"],
         "--chunk-alignment 100GiB: chunks of 100 GiB are larger than the whole --memory budget "
         "of 8 GiB; give at most that (default: 64 KiB)",

@@ -165,6 +165,8 @@ def _bad_inputs(tmp: Path) -> None:
     """The files the bad-input rows name (``{tmp}`` in their arguments)."""
     (tmp / "empty.txt").write_text("\n   \n", encoding="utf-8")
     (tmp / "words.txt").write_text("1 2 three\n", encoding="utf-8")
+    (tmp / "digits.txt").write_text("1 2\n3 \u00b2 4\n", encoding="utf-8")  # isdigit, not int
+    (tmp / "bigid.txt").write_text("1 " + "9" * 5000 + "\n", encoding="utf-8")
     (tmp / "vocab.txt").write_text("1 2 999\n", encoding="utf-8")
     (tmp / "long.txt").write_text("1 " * 600 + "\n", encoding="utf-8")
     (tmp / "binary.bin").write_bytes(bytes(range(256)))
@@ -225,6 +227,8 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     ("prompts-empty", ("--prompts", "{tmp}/empty.txt"), "empty.txt' holds no prompt; " + _EXPECTED),
     ("prompts-words", ("--prompts", "{tmp}/words.txt"), "words.txt:1: 'three' is not a token id"),
+    ("prompts-digit-sign", ("--prompts", "{tmp}/digits.txt"), "digits.txt:2: '\u00b2' is not a"),
+    ("prompts-long-id", ("--prompts", "{tmp}/bigid.txt"), "bigid.txt:1: '" + "9" * 37 + "...' is"),
     (
         "prompts-vocab",
         ("--prompts", "{tmp}/vocab.txt", "--model", "llama"),

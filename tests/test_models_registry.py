@@ -258,6 +258,12 @@ def test_bad_config_paths(tmp_path: Path) -> None:
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"holds list, not a JSON object"):
         spec_from_config(bad)
+    bad.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match=r"nests JSON too deeply to read"):
+        spec_from_config(bad)
+    bad.write_text('{"num_hidden_layers": ' + "1" * 5000 + "}")
+    with pytest.raises(ConfigError, match=r"cannot read .* as JSON: Exceeds the limit"):
+        spec_from_config(bad)
 
 
 def test_spec_names() -> None:

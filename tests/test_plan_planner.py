@@ -38,6 +38,8 @@ def test_json_round_trip(strategy: Strategy) -> None:
 def test_from_json_rejects_bad_input() -> None:
     with pytest.raises(PlanError, match="plan: not valid JSON"):
         Plan.from_json("{")
+    with pytest.raises(PlanError, match="plan: JSON nested too deeply"):
+        Plan.from_json("[" * 100_000 + "]" * 100_000)
     with pytest.raises(PlanError, match="plan: expected a JSON object"):
         Plan.from_json("[1]")
     with pytest.raises(PlanError, match=r"plan: invalid plan data \(KeyError: 'model'"):

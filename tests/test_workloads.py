@@ -50,6 +50,8 @@ def test_mooncake_tokens_follow_hash_ids(tmp_path: Path) -> None:
     ("line", "needle"),
     [
         ("{not json", ":2: not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, ":2: JSON nested too deeply to read"),
+        ('{"timestamp": 0, "input_length": ' + "7" * 5000 + "}", ":2: not a usable JSON line"),
         ('{"timestamp": 0, "output_length": 1, "hash_ids": [0]}', "missing field 'input_length'"),
         ('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [0]}', "timestamp"),
         (

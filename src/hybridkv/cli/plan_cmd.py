@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     model = models.resolve_model(
         name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp
     )
-    check_state_options(args, model, ["state_split"])
+    check_state_options(args, model, ["state_split", "state_block_size"])
     max_len = max_model_len_for(model, args.max_model_len, "plan")
     if args.strategy == "all":
         comparison = compare_strategies(

@@ -9,6 +9,7 @@ before the model is loaded.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,12 @@ def prompt_lines(path: str) -> list[str]:
         ) from None
 
 
+#: A token id as a prompt file spells it: ASCII digits (``str.isdigit`` also takes "²" and
+#: "١", which ``int`` refuses or reads), at most 19 of them, optionally negative (the engine
+#: names a negative id itself).
+_TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
+
+
 def _numbered_prompts(path: str, lines: list[str], tokenizer: Any) -> list[tuple[int, list[int]]]:
     """``(line number, token ids)`` of every non-blank line of prompt file ``path``, whose
     ``lines`` :func:`prompt_lines` read."""
@@ -87,14 +94,16 @@ def _numbered_prompts(path: str, lines: list[str], tokenizer: Any) -> list[tuple
         if tokenizer is not None:
             prompts.append((number, list(tokenizer(line)["input_ids"])))
             continue
-        try:
-            prompts.append((number, [int(t) for t in line.split()]))
-        except ValueError:
-            bad = next(t for t in line.split() if not t.lstrip("-").isdigit())
+        words = line.split()
+        bad = next((t for t in words if not _TOKEN_ID.fullmatch(t)), None)
+        if bad is not None:
+            shown = bad if len(bad) <= 40 else bad[:37] + "..."
             raise RunInputError(
-                f"--prompts: {path}:{number}: {bad!r} is not a token id; the model has no "
-                "tokenizer, so each line must hold whitespace-separated integer token ids"
-            ) from None
+                f"--prompts: {path}:{number}: {shown!r} is not a token id; the model has no "
+                "tokenizer, so each line must hold whitespace-separated integer token ids "
+                "(ASCII digits, at most 19)"
+            )
+        prompts.append((number, [int(t) for t in words]))
     if not prompts:
         raise RunInputError(f"--prompts: {path!r} holds no prompt; give {_PROMPT_FILE}")
     return prompts

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from hybridkv.cache import (
     CHECKPOINT_ADMISSION,
+    CHECKPOINT_LIFE,
     CHECKPOINT_WHEN_FULL,
     PUBLISH_MODES,
     TIER_ADMISSION,
@@ -231,6 +232,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "LRU, or auto (default): drop without --host-memory / --disk-memory",
     )
     parser.add_argument(
+        "--checkpoint-life",
+        default=None,
+        choices=list(CHECKPOINT_LIFE),
+        help="how long a recurrent-state checkpoint stays cached: kv (default) as long as the "
+        "KV it ends (refreshed when its request ends, dropped with the attention block ending "
+        "where it does), or alone (it ages from when it was saved)",
+    )
+    parser.add_argument(
         "--second-chance",
         type=int,
         default=DEFAULT_CHANCES,
@@ -401,7 +410,15 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp)
     profile = ModelProfile.from_config(load_model_config(name))
     check_state_options(
-        args, model, ["state_split", "checkpoint_admission", "checkpoint_when_full"]
+        args,
+        model,
+        [
+            "state_split",
+            "state_block_size",
+            "checkpoint_admission",
+            "checkpoint_when_full",
+            "checkpoint_life",
+        ],
     )
     max_len = max_model_len_for(model, args.max_model_len, "simulate", warn=not args.quiet)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
@@ -448,6 +465,7 @@ def run(args: argparse.Namespace) -> int:
             second_chance=args.second_chance,
             eviction=args.eviction,
             dead_tails=args.dead_tails,
+            checkpoint_life=args.checkpoint_life or "kv",
             window_chances=args.window_chances,
             host_memory_bytes=host,
             disk_memory_bytes=disk,

@@ -75,8 +75,10 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
         )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
         raise ConfigError(f"config: cannot read {str(path)!r} as JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config: {str(path)!r} nests JSON too deeply to read") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {str(path)!r} holds {type(data).__name__}, not a JSON object")
     return data

@@ -186,8 +186,10 @@ class Plan:
         """Inverse of :meth:`to_json`; raises :class:`PlanError` on invalid JSON."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
             raise PlanError(f"plan: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise PlanError("plan: JSON nested too deeply to read") from None
         if not isinstance(data, dict):
             raise PlanError(f"plan: expected a JSON object, got {type(data).__name__}")
         return cls.from_dict(data)

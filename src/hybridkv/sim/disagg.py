@@ -102,6 +102,7 @@ def _instance(model: ModelSpec, config: SimConfig, publish: str) -> Scheduler:
         window_chances=config.window_chances,
         eviction=config.eviction,
         dead_tails=config.dead_tails,
+        checkpoint_life=config.checkpoint_life,
         checkpoint_when_full=config.checkpoint_when_full,
     )
     return scheduler_for(mgr, config)

@@ -86,6 +86,8 @@ class SimConfig:
     eviction: str = "lru"
     #: Freed requests' blocks no hit can read (``KVCacheManager(dead_tails=)``).
     dead_tails: str = "auto"
+    #: How long a state checkpoint stays cached (``KVCacheManager(checkpoint_life=)``).
+    checkpoint_life: str = "kv"
     #: The same for windowed groups (``KVCacheManager(window_chances=)``; None: its default).
     window_chances: int | None = None
     #: The scheduler's ``checkpoint_before_end`` (state models; None: by the alignment).
@@ -380,6 +382,7 @@ def simulate(
         window_chances=config.window_chances,
         eviction=config.eviction,
         dead_tails=config.dead_tails,
+        checkpoint_life=config.checkpoint_life,
         group_hit_stats=True,  # the report's per-group hit rates
         tiers=config.tiers(),
         tier_write_through=config.write_through,

@@ -102,6 +102,10 @@ def _parse(line: str, where: str, source_block: int) -> tuple[float, int, int, l
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise WorkloadError(f"{where}: not valid JSON ({exc.msg}); {_FORMAT}") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise WorkloadError(f"{where}: not a usable JSON line ({exc}); {_FORMAT}") from None
+    except RecursionError:
+        raise WorkloadError(f"{where}: JSON nested too deeply to read; {_FORMAT}") from None
     if not isinstance(obj, dict):
         raise WorkloadError(f"{where}: expected a JSON object, got {_json_type(obj)}; {_FORMAT}")
     if "timestamp" not in obj:
