@@ -260,6 +260,11 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         ["run", "--write-through", "host", "--host-memory", "1MiB", "--disaggregate"],
         "--disaggregate: not with --host-memory, --write-through",
     ),
+    (  # found by a review: accepted and ignored (its processes take none of them)
+        ["run", "--disaggregate", "--waves", "1", "--token-budget", "32", "--compaction", "off"],
+        "--disaggregate: not with --waves, --token-budget, --compaction (the prefill and decode "
+        "processes run every request with the engine's default scheduler, on one thread each)",
+    ),
     (
         ["run", "--write-through", "host"],
         "--write-through host: needs a host tier (--host-memory SIZE)",

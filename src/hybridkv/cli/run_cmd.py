@@ -261,6 +261,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------- checks before loading
 
 
+def _defaults() -> dict[str, Any]:
+    """Every option's default, as :func:`add_arguments` declares it."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
 def _check_engine_extra() -> None:
     import importlib
 
@@ -451,6 +458,10 @@ def _run(args: argparse.Namespace) -> int:
     _check_engine_extra()
     check_numbers(args)
     cache, scheduler = configs(args)
+    if args.disaggregate:
+        from hybridkv.cli.run_disagg import check_disaggregate_options
+
+        check_disaggregate_options(args, _defaults())
     check_device(args.device)
     _check_real_extra(args.model)
     lines = None if args.prompts is None else prompt_lines(args.prompts)

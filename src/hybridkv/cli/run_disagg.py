@@ -30,18 +30,11 @@ def reason_lines(reasons: dict[str, str], show: int = 4) -> list[str]:
     return lines
 
 
-def run_disaggregated(
-    args: argparse.Namespace, cache: CacheConfig, prompts: list[list[int]], tokenizer: Any
-) -> int:
-    """``--disaggregate``: a prefill process and a decode process (see
-    :mod:`hybridkv.engine.disaggregate`); the same outputs, summary and ``--verify``."""
-    from dataclasses import replace
-
-    from hybridkv.engine import verify_completions
-    from hybridkv.engine.disaggregate import check_tp_sizes, run_disaggregated
-    from hybridkv.engine.models import load_model
-    from hybridkv.engine.tp_shards import TPSplitError
-
+def check_disaggregate_options(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    """Refuse, before anything loads, what ``--disaggregate`` cannot do (CPU engines over
+    gloo) and the options its two processes do not take (each runs every request with the
+    engine's default scheduler, on one thread), instead of ignoring them; ``defaults``: the
+    parser's defaults, so an option is "given" when it differs from its default."""
     clash = [
         flag
         for flag, on in (
@@ -56,6 +49,30 @@ def run_disaggregated(
     ]
     if clash:
         raise RunInputError(f"--disaggregate: not with {', '.join(clash)} (CPU engines, gloo)")
+    ignored = [
+        "--" + name.replace("_", "-")
+        for name in ("waves", "threads", "token_budget", "max_num_seqs", "admission", "compaction")
+        if getattr(args, name) != defaults[name]
+    ]
+    if ignored:
+        raise RunInputError(
+            f"--disaggregate: not with {', '.join(ignored)} (the prefill and decode processes "
+            "run every request with the engine's default scheduler, on one thread each)"
+        )
+
+
+def run_disaggregated(
+    args: argparse.Namespace, cache: CacheConfig, prompts: list[list[int]], tokenizer: Any
+) -> int:
+    """``--disaggregate``: a prefill process and a decode process (see
+    :mod:`hybridkv.engine.disaggregate`); the same outputs, summary and ``--verify``."""
+    from dataclasses import replace
+
+    from hybridkv.engine import verify_completions
+    from hybridkv.engine.disaggregate import check_tp_sizes, run_disaggregated
+    from hybridkv.engine.models import load_model
+    from hybridkv.engine.tp_shards import TPSplitError
+
     prefill_tp = 1 if args.prefill_tp is None else args.prefill_tp
     decode_tp = 1 if args.decode_tp is None else args.decode_tp
     try:  # before any process starts: a size the model's caches do not split is bad input
