@@ -8,6 +8,7 @@ import pytest
 
 from hybridkv.cache import CHECKPOINT_LIFE, KVCacheManager, Request
 from hybridkv.cache.events import BlockRemoved
+from hybridkv.cache.kinds import StateManager
 from hybridkv.errors import PlanError
 from test_cache_factories import admit, full, groups, pools, state, step, tokens, uniform
 
@@ -36,16 +37,25 @@ def _prefill_8(mgr: KVCacheManager, rid: str, start: int, n: int = 9) -> Request
     return req
 
 
-@pytest.mark.parametrize(("life", "kept"), [("kv", "a"), ("alone", "b")])
+@pytest.mark.parametrize(
+    ("life", "refresh_from", "kept"), [("kv", None, "a"), ("kv", 9, "b"), ("alone", None, "b")]
+)
 def test_a_request_s_checkpoints_are_refreshed_when_it_frees_its_blocks(
-    life: str, kept: str
+    life: str, refresh_from: int | None, kept: str
 ) -> None:
     # a publishes its checkpoint at 8 first, then b publishes its own and ends; a ends last.
     # Both computed 13 tokens, so the checkpoint at their computed end's grid point (12),
     # which every free refreshes, is not theirs.  Under "kv" a's checkpoint is refreshed at
-    # a's free, so b's is the older one and goes first; under "alone" a's, published first,
-    # goes first.
+    # a's free, so b's is the older one and goes first; under "alone" (or where a checkpoint
+    # is too large for the KV before it) a's, published first, goes first.
     mgr = _manager([16, 5], life)
+    state_group = mgr._coord.managers[1]
+    assert isinstance(state_group, StateManager)
+    # a checkpoint (128 B) is refreshed where the KV before it holds twice that: 8 tokens of
+    # 32 B (REFRESH_SHARE); one that must end at 9 or later is not
+    assert state_group.refresh_from == (8 if life == "kv" else 0)
+    if refresh_from is not None:
+        state_group.refresh_from = refresh_from
     a = _prefill_8(mgr, "a", 0, 13)
     b = _prefill_8(mgr, "b", 100, 13)
     mgr.free("b")

@@ -16,6 +16,7 @@ does it before calling in.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -29,6 +30,7 @@ from hybridkv.cache.dead_tails import DeadTails
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.hit_grid import HitGrid
 from hybridkv.cache.kinds import KindManager, StateManager, StepOutputs, StepPlan, manager_class
+from hybridkv.cache.kinds.state import REFRESH_SHARE
 from hybridkv.cache.policies import (
     PUBLISH_MODES,
     WINDOW_RETENTION,
@@ -118,9 +120,8 @@ class HybridCoordinator:
         #: under ``checkpoint_life="kv"`` with the prefix-closed block they end.
         with_kv = checkpoint_life == "kv"
         self.coupling = CheckpointCoupling(self.managers, self.pool, events, with_kv)
-        for m in self.managers:
-            if isinstance(m, StateManager):
-                m.refresh_saved = with_kv
+        if with_kv:
+            self._set_refresh_from()
         for g in self.coupling.groups[1:]:
             self.managers[g].credits = False
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
@@ -178,6 +179,17 @@ class HybridCoordinator:
         self.sessions = TierSessions(
             self.tiers, hash_limit(self.tiers, layout.total_bytes, per_hash)
         )
+
+    def _set_refresh_from(self) -> None:
+        """Where a freed request's own checkpoints start being refreshed: from the token
+        where the prefix-closed KV before them holds ``1 / REFRESH_SHARE`` times a whole
+        checkpoint's bytes (every state group's part); from the first without such KV."""
+        states = [m for m in self.managers if isinstance(m, StateManager)]
+        checkpoint = sum(m.block_bytes for m in states)
+        per_token = sum(m.block_bytes / m.block_size for m in self._closed)
+        start = math.ceil(checkpoint / (REFRESH_SHARE * per_token)) if per_token else 1
+        for m in states:
+            m.refresh_from = max(1, start)
 
     def _set_window_grids(self) -> None:
         """Tail retention also keeps the window before every multiple of a grid, where the
