@@ -366,7 +366,7 @@ def compare(
     eviction: str = "lru",
     dead_tails: str = "auto",
     ceiling: bool = False,
-    checkpoint_life: str = "kv",
+    checkpoint_life: str = "auto",
 ) -> dict[str, Any]:
     """One model's head to head; ``repeat`` runs of each side, alternating, report the
     median manager time (decisions must repeat exactly).  ``ceiling``: also run the
@@ -546,9 +546,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--checkpoint-life",
         choices=CHECKPOINT_LIFE,
-        default="kv",
-        help="how long hybridkv keeps a state checkpoint: kv (default: as long as the KV it "
-        "ends) or alone (it ages from when it was saved); KVCacheManager's checkpoint_life",
+        default="auto",
+        help="how long hybridkv keeps a state checkpoint: kv (as long as the KV it ends), "
+        "alone (it ages from when it was saved) or auto (the default: kv, as there are no "
+        "tiers here); KVCacheManager's checkpoint_life",
     )
     p.add_argument(
         "--no-compaction",

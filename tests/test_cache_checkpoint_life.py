@@ -9,6 +9,8 @@ import pytest
 from hybridkv.cache import CHECKPOINT_LIFE, KVCacheManager, Request
 from hybridkv.cache.events import BlockRemoved
 from hybridkv.cache.kinds import StateManager
+from hybridkv.cache.policies import lives_with_kv
+from hybridkv.cache.tiers import TierSpec
 from hybridkv.errors import PlanError
 from test_cache_factories import admit, full, groups, pools, state, step, tokens, uniform
 
@@ -38,7 +40,8 @@ def _prefill_8(mgr: KVCacheManager, rid: str, start: int, n: int = 9) -> Request
 
 
 @pytest.mark.parametrize(
-    ("life", "refresh_from", "kept"), [("kv", None, "a"), ("kv", 9, "b"), ("alone", None, "b")]
+    ("life", "refresh_from", "kept"),
+    [("kv", None, "a"), ("auto", None, "a"), ("kv", 9, "b"), ("alone", None, "b")],
 )
 def test_a_request_s_checkpoints_are_refreshed_when_it_frees_its_blocks(
     life: str, refresh_from: int | None, kept: str
@@ -53,7 +56,7 @@ def test_a_request_s_checkpoints_are_refreshed_when_it_frees_its_blocks(
     assert isinstance(state_group, StateManager)
     # a checkpoint (128 B) is refreshed where the KV before it holds twice that: 8 tokens of
     # 32 B (REFRESH_SHARE); one that must end at 9 or later is not
-    assert state_group.refresh_from == (8 if life == "kv" else 0)
+    assert state_group.refresh_from == (8 if lives_with_kv(life, has_tiers=False) else 0)
     if refresh_from is not None:
         state_group.refresh_from = refresh_from
     a = _prefill_8(mgr, "a", 0, 13)
@@ -97,7 +100,7 @@ def test_a_checkpoint_leaves_with_the_block_it_ends(life: str) -> None:
     assert res is not None
     mgr.check_invariants()
     removed = [e for e in mgr.take_events() if isinstance(e, BlockRemoved)]
-    if life == "kv":
+    if lives_with_kv(life, has_tiers=False):  # "kv", and "auto" without tiers
         assert removed == [BlockRemoved(0, (h8,)), BlockRemoved(1, (h8,))]
         assert h8 not in pool.maps[1]
     else:
@@ -110,7 +113,14 @@ def test_a_checkpoint_leaves_with_the_block_it_ends(life: str) -> None:
 
 def test_one_state_group_couples_to_attention_only_under_kv() -> None:
     layout = uniform(groups(full(), state()), 7)
-    assert KVCacheManager(layout, hasher="builtin")._coord.coupling.active
+    assert KVCacheManager(layout, hasher="builtin")._coord.coupling.active  # "auto": kv
+    # "auto" with lower tiers: alone (kv cost hits there, docs/vllm.md); "kv" asked for: kv
+    host = [TierSpec("host", 1 << 20)]
+    tiered = KVCacheManager(layout, hasher="builtin", tiers=host)
+    assert not tiered._coord.coupling.active
+    assert [getattr(m, "refresh_from", 0) for m in tiered._coord.managers] == [0, 0]
+    kv = KVCacheManager(layout, hasher="builtin", tiers=host, checkpoint_life="kv")
+    assert kv._coord.coupling.active
     alone = KVCacheManager(layout, hasher="builtin", checkpoint_life="alone")
     assert not alone._coord.coupling.active
     assert not alone._coord.events.tracks_evictions  # no events, no tiers, no coupling
@@ -119,5 +129,7 @@ def test_one_state_group_couples_to_attention_only_under_kv() -> None:
 
 
 def test_an_unknown_checkpoint_life_is_refused() -> None:
-    with pytest.raises(PlanError, match=r"checkpoint_life: unknown policy 'forever'; valid: kv"):
+    with pytest.raises(
+        PlanError, match=r"checkpoint_life: unknown policy 'forever'; valid: auto, kv, alone"
+    ):
         KVCacheManager(uniform(groups(full(), state()), 7), checkpoint_life="forever")

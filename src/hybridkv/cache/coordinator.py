@@ -36,6 +36,7 @@ from hybridkv.cache.policies import (
     WINDOW_RETENTION,
     check_policies,
     drops_dead_tails,
+    lives_with_kv,
 )
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.pools import make_block_pool
@@ -75,7 +76,7 @@ class HybridCoordinator:
         checkpoint_when_full: str | None = None,
         protect_share: float = 1.0,
         dead_tails: str = "auto",
-        checkpoint_life: str = "kv",
+        checkpoint_life: str = "auto",
     ) -> None:
         protect_share = check_protect_share(protect_share)
         check_policies(
@@ -118,7 +119,7 @@ class HybridCoordinator:
         self._set_window_grids()
         #: A state checkpoint's parts (one per state group) leave the cache together, and
         #: under ``checkpoint_life="kv"`` with the prefix-closed block they end.
-        with_kv = checkpoint_life == "kv"
+        with_kv = lives_with_kv(checkpoint_life, bool(tiers))
         self.coupling = CheckpointCoupling(self.managers, self.pool, events, with_kv)
         if with_kv:
             self._set_refresh_from()

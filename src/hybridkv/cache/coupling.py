@@ -16,9 +16,10 @@ evicted, so events and the lower tiers see the whole checkpoint go).  An allocat
 feasibility (``fits``) is decided before and does not count on this: the sweep only adds free
 blocks.
 
-Under ``checkpoint_life="kv"`` (the default) a checkpoint is also coupled to the KV it ends:
-the prefix-closed groups' evictions are noted too, so once the block ending at a checkpoint
-(cached under the same hash) leaves the device, the checkpoint's parts are dropped with it.
+Under ``checkpoint_life="kv"`` (``"auto"``, the default, without lower tiers) a checkpoint is
+also coupled to the KV it ends: the prefix-closed groups' evictions are noted too, so once
+the block ending at a checkpoint (cached under the same hash) leaves the device, the
+checkpoint's parts are dropped with it.
 A hit reaches a checkpoint only through every prefix-closed block before it, and blocks
 leave roughly tail first, so from then on the checkpoint holds memory that serves nothing
 (with lower tiers it goes down a tier with that block).  Measured on the Mooncake loop

@@ -99,10 +99,11 @@ class KVCacheManager(TierCalls):
     (past the longest hit its tokens have: no state checkpoint or window serves them) and no
     other request read, ``"keep"`` them under LRU, or ``"auto"`` (default): drop without
     lower tiers, keep with them (see :mod:`hybridkv.cache.dead_tails`).
-    ``checkpoint_life``: ``"kv"`` (default): a recurrent-state checkpoint lives as long as the
-    KV it ends (refreshed when its request frees its blocks, dropped once the prefix-closed
-    block ending where it does leaves the device); ``"alone"``: it ages from its publication
-    and is evicted in its own turn (see :data:`hybridkv.cache.policies.CHECKPOINT_LIFE`).
+    ``checkpoint_life``: ``"kv"``: a recurrent-state checkpoint lives as long as the KV it ends
+    (refreshed when its request frees its blocks, dropped once the prefix-closed block ending
+    where it does leaves the device); ``"alone"``: it ages from its publication and is
+    evicted in its own turn; ``"auto"`` (default): ``kv`` without lower tiers, ``alone`` with
+    them (see :data:`hybridkv.cache.policies.CHECKPOINT_LIFE`).
     ``tiers``: lower cache tiers (:class:`~hybridkv.cache.tiers.TierSpec`, ``host`` then
     ``disk``) that blocks the device evicts are written back to; a hit on them allocates
     device blocks and returns :attr:`AllocationResult.loads` (see :mod:`hybridkv.cache.tiers`
@@ -151,7 +152,7 @@ class KVCacheManager(TierCalls):
         checkpoint_when_full: str | None = None,
         protect_share: float = DEFAULT_PROTECT_SHARE,
         dead_tails: str = "auto",
-        checkpoint_life: str = "kv",
+        checkpoint_life: str = "auto",
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")

@@ -18,6 +18,7 @@ __all__ = [
     "WINDOW_RETENTION",
     "check_policies",
     "drops_dead_tails",
+    "lives_with_kv",
 ]
 
 #: When attention blocks join the prefix cache: ``scheduled`` (default) at the allocation of
@@ -42,12 +43,20 @@ DEAD_TAILS: Final = ("auto", "drop", "keep")
 
 
 #: How long a recurrent-state checkpoint stays cached (:mod:`~hybridkv.cache.coupling`):
-#: ``kv`` (default): as long as the KV it ends, refreshed when its request frees its blocks
-#: (it was published mid-prefill and would otherwise age while its request decodes) and
-#: dropped once the prefix-closed block ending where it does leaves the device (no hit
-#: can reach it there any more); ``alone``: it ages from its publication and leaves in its
-#: own turn of the eviction order.
-CHECKPOINT_LIFE: Final = ("kv", "alone")
+#: ``kv``: as long as the KV it ends, refreshed when its request frees its blocks (it was
+#: published mid-prefill and would otherwise age while its request decodes; only where its
+#: bytes are at most half the prefix-closed KV before it) and dropped once the prefix-closed
+#: block ending where it does leaves the device (no hit can reach it there any more);
+#: ``alone``: it ages from its publication and leaves in its own turn of the eviction order;
+#: ``auto`` (default): ``kv`` without lower tiers, ``alone`` with them (measured in
+#: docs/vllm.md, section 6, "Checkpoints that live as their KV").
+CHECKPOINT_LIFE: Final = ("auto", "kv", "alone")
+
+
+def lives_with_kv(policy: str, has_tiers: bool) -> bool:
+    """Whether the ``checkpoint_life`` ``policy`` ties checkpoints to their KV, in a cache
+    with or without lower tiers."""
+    return policy == "kv" or (policy == "auto" and not has_tiers)
 
 
 def drops_dead_tails(policy: str, has_tiers: bool) -> bool:
@@ -71,7 +80,7 @@ def check_policies(
     tier_admission: str,
     checkpoint_when_full: str | None,
     dead_tails: str,
-    checkpoint_life: str = "kv",
+    checkpoint_life: str = "auto",
 ) -> None:
     """Raise :class:`PlanError` for the first policy name that is not one of its valid ones."""
     if checkpoint_when_full is not None:

@@ -235,9 +235,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-life",
         default=None,
         choices=list(CHECKPOINT_LIFE),
-        help="how long a recurrent-state checkpoint stays cached: kv (default) as long as the "
-        "KV it ends (refreshed when its request ends, dropped with the attention block ending "
-        "where it does), or alone (it ages from when it was saved)",
+        help="how long a recurrent-state checkpoint stays cached: kv, as long as the KV it "
+        "ends (refreshed when its request ends, dropped with the attention block ending where "
+        "it does); alone, it ages from when it was saved; or auto (default): kv without "
+        "--host-memory / --disk-memory",
     )
     parser.add_argument(
         "--second-chance",
@@ -465,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
             second_chance=args.second_chance,
             eviction=args.eviction,
             dead_tails=args.dead_tails,
-            checkpoint_life=args.checkpoint_life or "kv",
+            checkpoint_life=args.checkpoint_life or "auto",
             window_chances=args.window_chances,
             host_memory_bytes=host,
             disk_memory_bytes=disk,

@@ -87,7 +87,7 @@ class SimConfig:
     #: Freed requests' blocks no hit can read (``KVCacheManager(dead_tails=)``).
     dead_tails: str = "auto"
     #: How long a state checkpoint stays cached (``KVCacheManager(checkpoint_life=)``).
-    checkpoint_life: str = "kv"
+    checkpoint_life: str = "auto"
     #: The same for windowed groups (``KVCacheManager(window_chances=)``; None: its default).
     window_chances: int | None = None
     #: The scheduler's ``checkpoint_before_end`` (state models; None: by the alignment).
