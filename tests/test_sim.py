@@ -518,7 +518,9 @@ def test_pool_bound_needs_a_full_pool_and_an_idle_budget() -> None:
     assert _pool_bound(replace(r, timeline=low)) == ""
 
 
-def test_dead_tails_reach_the_manager(capsys: pytest.CaptureFixture[str]) -> None:
+def test_dead_tails_and_checkpoint_life_reach_the_manager(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # The README's first command, arena only: dropping what no hit can read (the default
     # without tiers) against keeping it in the LRU (docs/architecture.md, "Dead tails").
     rates = {}
@@ -529,15 +531,21 @@ def test_dead_tails_reach_the_manager(capsys: pytest.CaptureFixture[str]) -> Non
             rate = json.loads(capsys.readouterr().out)[0]["token_hit_rate"]
             rates[len(tier), policy] = round(rate, 3)
     # where dead tails are dropped the arena has one state slot per chunk (two per chunk
-    # gave .581 without tiers and .619 with them); where they are kept, two (as before)
+    # gave .581 without tiers and .619 with them); where they are kept, two (as before).
+    # Without tiers checkpoints live as their KV (checkpoint_life "auto": kv; "alone" gave
+    # .638 and .526 there, below)
     assert rates == {
-        (0, "auto"): 0.638,
-        (0, "drop"): 0.638,
-        (0, "keep"): 0.526,
+        (0, "auto"): 0.644,
+        (0, "drop"): 0.644,
+        (0, "keep"): 0.515,
         (2, "auto"): 0.55,
         (2, "drop"): 0.673,
         (2, "keep"): 0.55,
     }
+    for policy, rate in (("auto", 0.638), ("keep", 0.526)):
+        args = ["simulate", "--strategy", "arena", "--quiet", "--json", "--dead-tails", policy]
+        assert main([*args, "--checkpoint-life", "alone"]) == 0
+        assert round(json.loads(capsys.readouterr().out)[0]["token_hit_rate"], 3) == rate
 
 
 def test_a_cache_that_keeps_dead_tails_plans_state_slots_sharing_a_chunk() -> None:
