@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, localcontext
 
@@ -80,10 +81,16 @@ def _three_digits(value: float) -> str:
 def format_bytes(num: float) -> str:
     """Format a byte count with a binary unit and about three significant digits.
 
-    ``format_bytes(40 * 2**30) == '40 GiB'``, ``format_bytes(1000 * 2**20) == '1000 MiB'``.
+    ``format_bytes(40 * 2**30) == '40 GiB'``, ``format_bytes(1000 * 2**20) == '1000 MiB'``;
+    what no float holds, or a non-finite value, in bytes as given.
     """
     sign = "-" if num < 0 else ""
-    value = float(abs(num))
+    try:
+        value = float(abs(num))
+    except OverflowError:  # an int past any float: say it exactly
+        return f"{num} B"
+    if not math.isfinite(value):
+        return f"{num} B"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024:
             return (

@@ -1,0 +1,37 @@
+"""hybridkv.units: byte sizes as people write them and as the library prints them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from hybridkv.cli.main import main
+from hybridkv.units import format_bytes
+
+
+@pytest.mark.parametrize(
+    ("num", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (40 * 2**30, "40 GiB"),
+        (1000 * 2**20, "1000 MiB"),
+        (-3 * 2**20, "-3 MiB"),
+        (10**400, f"{10**400} B"),  # past any float: said exactly (it raised OverflowError)
+        (math.inf, "inf B"),
+        (math.nan, "nan B"),
+    ],
+)
+def test_format_bytes(num: float, text: str) -> None:
+    assert format_bytes(num) == text
+
+
+def test_a_vanishing_pool_ratio_is_a_one_line_error(capsys: Any) -> None:
+    # found by a review: the refusal's own message raised OverflowError formatting the bytes
+    # the split would need
+    assert main(["plan", "--strategy", "pools", "--pool-ratios", "1e-300,1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("hybridkv plan: error: --memory: 8 GiB (8589934592 B) holds no request")
