@@ -83,7 +83,11 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     ),
     (
         ["simulate", "--tier-admission", "all"],
-        "--tier-admission all: only applies with --host-memory SIZE (not 0) or --disk-memory",
+        "--tier-admission all: only applies with --host-memory SIZE (not 0)",
+    ),
+    (  # found by a review: a disk tier alone takes every checkpoint, so it changed nothing
+        ["simulate", "--disk-memory", "1GiB", "--tier-admission", "all"],
+        "--tier-admission all: only applies with --host-memory SIZE (not 0)",
     ),
     (
         ["simulate", "--protect", "oracle"],

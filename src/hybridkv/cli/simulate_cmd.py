@@ -354,13 +354,15 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and not 0 <= value <= MAX_CHANCES:
             raise CliInputError(f"{flag}: must be an integer in [0, {MAX_CHANCES}], got {value}")
     # A tier in some run: --host-memory 0 alone means none.
-    tiered = args.disk_memory is not None or any(p != "0" for p in _sizes(args.host_memory))
+    hosted = any(p != "0" for p in _sizes(args.host_memory))
+    tiered = args.disk_memory is not None or hosted
     check_needs(
         args,
         [
             ("prefill_memory", "--disaggregate", args.disaggregate),
             ("link_bandwidth", "--disaggregate", args.disaggregate),
-            ("tier_admission", "--host-memory SIZE (not 0) or --disk-memory", tiered),
+            # it picks what skips the host tier: a disk tier alone takes everything
+            ("tier_admission", "--host-memory SIZE (not 0)", hosted),
             ("protect", "--host-memory SIZE (not 0) or --disk-memory", tiered),
             ("protect_share", "--protect oracle", args.protect == "oracle"),
         ],
