@@ -193,9 +193,11 @@ def add_pool_options(parser: argparse.ArgumentParser) -> None:
         default="auto",
         metavar="K|auto",
         help="arena and pools: split each recurrent-state group into K groups of layers, so "
-        "a state slot (and an arena chunk) is up to K times smaller; auto: 4 where an arena's "
-        "state slots of 32 MiB or more take whole chunks in fewer than 512 chunks, else 1 "
-        "(default: auto)",
+        "a state slot (and an arena chunk) is up to K times smaller; auto: 4 for an arena "
+        "where fewer than 16 requests of max-model-len fit, where none fits unsplit, or where "
+        "state slots of 32 MiB or more take whole chunks in fewer than 512 chunks, kept only "
+        "if the cut plans as many requests and wastes at most 1%%; else 1 (default: auto; "
+        "plan prints which rule applied)",
     )
 
 
