@@ -181,6 +181,14 @@ class StateManager(KindManager):
         if hit and hit[0] > 0 and self.admission is not None and self.credits:
             self.admission.checkpoint_hit(self.reasons[hit[0]], tokens)
 
+    def _publish_own(
+        self, st: GroupState, items: list[tuple[int, int, int]], request: Request
+    ) -> None:
+        """Publish this request's checkpoints ``items``, noting them for :meth:`_save`."""
+        self._publish(items, request)
+        if self.refresh_from:
+            self._save(st, items)
+
     def _save(self, st: GroupState, items: list[tuple[int, int, int]]) -> None:
         """Note the checkpoints ``items`` this request published that end at
         :attr:`refresh_from` or later."""
@@ -207,9 +215,7 @@ class StateManager(KindManager):
         self, st: GroupState, plan: StepPlan, hit: Sequence[int] | None, request: Request
     ) -> None:
         if plan.cache:
-            self._publish(plan.cache, request)
-            if self.refresh_from:
-                self._save(st, plan.cache)
+            self._publish_own(st, plan.cache, request)
         st.pending = st.source = 0
         if plan.release:
             self.pool.release(self.group_id, plan.release)
@@ -242,9 +248,7 @@ class StateManager(KindManager):
     def release_all(self, st: GroupState, request: Request) -> None:
         cache, release = self._settle(st, request, request.num_computed_tokens)
         if cache:
-            self._publish(cache, request)
-            if self.refresh_from:
-                self._save(st, cache)
+            self._publish_own(st, cache, request)
         blocks = list(st.table)
         if release:
             blocks += release
