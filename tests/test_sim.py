@@ -145,6 +145,22 @@ def test_cli_counts_and_warns_about_rejected_requests(capsys: pytest.CaptureFixt
     assert row.split()[-2:] == [f"{40 - len(rejected)}/40", str(len(rejected))]
 
 
+def test_cli_latencies_nothing_measured_read_na(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every request rejected: no TTFT or TPOT was measured, so the table says n/a and the
+    JSON null, not 0.00 s."""
+    argv = ["simulate", "gpt-oss-20b", "--trace", "synthetic:chat", "--requests", "5"]
+    argv += ["--memory", "4GiB", "--max-model-len", "64", "--strategy", "uniform", "--quiet"]
+    assert main(argv) == 0
+    row = capsys.readouterr().out.splitlines()[3]
+    cells = dict(zip(("TTFT", "TPOT", "done", "rejected"), row.split()[-4:], strict=True))
+    assert cells == {"TTFT": "n/a", "TPOT": "n/a", "done": "0/5", "rejected": "5"}
+    assert main([*argv, "--json"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)
+    assert summary["ttft_p50_s"] is None and summary["ttft_p99_s"] is None
+    assert summary["ttft_mean_s"] is None and summary["tpot_mean_s"] is None
+    assert summary["finished"] == 0 and summary["rejected"] == 5
+
+
 def test_cli_strategy_that_cannot_plan_is_na(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", "gemma-3-27b", "--memory", "4GiB", "--max-model-len", "32768"]
     assert main([*argv, "--requests", "4", "--quiet"]) == 0

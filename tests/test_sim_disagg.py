@@ -57,7 +57,7 @@ def test_cli_simulate_disaggregate(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     assert main(base) == 0
     out = capsys.readouterr().out
-    assert "requests 30, finished 30; prompt tokens hit: prefill" in out
+    assert "requests 30, finished 30, rejected 0; prompt tokens hit: prefill" in out
     assert "over the link" in out and "TPOT mean" in out
     assert main([*base, "--json", "--prefill-memory", "4GiB"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -82,3 +82,22 @@ def test_without_arrivals_every_request_is_there_at_once() -> None:
     assert at_once.sim_time_s < paced.sim_time_s
     # queued from time 0, the first tokens wait longer on average than paced ones
     assert at_once.summary()["ttft_mean_s"] > paced.summary()["ttft_mean_s"]
+
+
+def test_cli_simulate_disaggregate_all_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    """Requests no instance can take are counted and named, and latencies nothing measured
+    read n/a (not 0.00 ms)."""
+    args = ["simulate", "gpt-oss-20b", "--trace", "synthetic:chat", "--requests", "6"]
+    args += ["--memory", "8GiB", "--strategy", "arena", "--disaggregate"]
+    assert main([*args, "--max-model-len", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: 6 of 6 requests rejected: prompt of max_model_len 64 tokens or more" in err
+    assert "requests 6, finished 0, rejected 6;" in out
+    assert "TTFT mean n/a (p99 n/a), TPOT mean n/a" in out
+    assert "n/a per request (p99 n/a)" in out
+    assert main([*args, "--max-model-len", "64", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""  # --quiet: no warnings
+    assert main([*args, "--max-model-len", "64", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["rejected"] == 6 and summary["finished"] == 0
+    assert summary["ttft_mean_s"] is None and summary["tpot_mean_s"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from hybridkv.cli.common import CliInputError
@@ -57,20 +58,34 @@ def run_disaggregated(
         f"decode {format_bytes(config.memory_bytes)}, link {format_bytes(link)}/s | "
         f"{config.strategy}"
     )
+    if result.rejected and not args.quiet:
+        print(
+            f"warning: {result.rejected} of {summary['requests']} requests rejected: prompt of "
+            f"max_model_len {config.max_model_len} tokens or more (longest "
+            f"{result.longest_rejected}); they count as misses in the hit rates; raise "
+            "--max-model-len to admit them",
+            file=sys.stderr,
+        )
     print(
-        f"requests {summary['requests']}, finished {summary['finished']}; prompt tokens hit: "
+        f"requests {summary['requests']}, finished {summary['finished']}, rejected "
+        f"{summary['rejected']}; prompt tokens hit: "
         f"prefill {summary['prefill_hit_rate']:.1%}, decode {summary['decode_hit_rate']:.1%} "
         "(the decode side pulls only what it lacks)"
     )
     print(
         f"moved {format_bytes(summary['transferred_bytes'])} over the link, "
-        f"{duration(summary['transfer_mean_s'])} per request (p99 "
-        f"{duration(summary['transfer_p99_s'])}); {summary['link_waits']} waits for decode "
+        f"{_time(summary['transfer_mean_s'])} per request (p99 "
+        f"{_time(summary['transfer_p99_s'])}); {summary['link_waits']} waits for decode "
         "memory"
     )
     print(
-        f"TTFT mean {duration(summary['ttft_mean_s'])} (p99 {duration(summary['ttft_p99_s'])}"
-        f"), TPOT mean {duration(summary['tpot_mean_s'])}; simulated "
+        f"TTFT mean {_time(summary['ttft_mean_s'])} (p99 {_time(summary['ttft_p99_s'])}"
+        f"), TPOT mean {_time(summary['tpot_mean_s'])}; simulated "
         f"{duration(summary['sim_time_s'])} in {summary['wall_time_s']:.1f} s"
     )
     return 0
+
+
+def _time(seconds: float | None) -> str:
+    """:func:`duration`, or ``n/a`` where nothing was measured."""
+    return "n/a" if seconds is None else duration(seconds)

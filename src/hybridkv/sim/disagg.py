@@ -55,14 +55,20 @@ class PDResult:
     #: Blocks the two instances' compaction moved (charged at device bandwidth).
     moved_blocks: int = 0
     link_waits: int = 0
+    #: Requests no instance could take (a prompt of ``max_model_len`` tokens or more); they
+    #: count as misses in the hit rates, as in :func:`~hybridkv.sim.simulator.simulate`.
+    rejected: int = 0
+    #: The longest rejected prompt (0 when none was).
+    longest_rejected: int = 0
 
     def summary(self) -> dict[str, Any]:
-        def mean(values: list[float]) -> float:
-            return sum(values) / len(values) if values else 0.0
+        # None where nothing was measured (no request got a first token, or none a second)
+        def mean(values: list[float]) -> float | None:
+            return sum(values) / len(values) if values else None
 
-        def p99(values: list[float]) -> float:
+        def p99(values: list[float]) -> float | None:
             s = sorted(values)
-            return s[min(len(s) - 1, int(0.99 * len(s)))] if s else 0.0
+            return s[min(len(s) - 1, int(0.99 * len(s)))] if s else None
 
         p = self.prompt_tokens or 1
         return {
@@ -70,6 +76,7 @@ class PDResult:
             "workload": self.workload,
             "requests": self.num_requests,
             "finished": self.finished,
+            "rejected": self.rejected,
             "prompt_tokens": self.prompt_tokens,
             "prefill_hit_rate": self.prefill_hit_tokens / p,
             "decode_hit_rate": self.decode_hit_tokens / p,
@@ -192,6 +199,10 @@ def simulate_pd(
         prefill_hit_tokens=0,
         decode_hit_tokens=0,
         transferred_bytes=0,
+        rejected=len(workload.requests) - len(reqs),
+        longest_rejected=max(
+            (r.prompt_len for r in workload.requests if r.prompt_len >= limit), default=0
+        ),
     )
     # ``use_arrivals`` off: every request is there at time 0, as in simulate()
     arrive = [r.arrival_ms / 1000.0 if prefill.use_arrivals else 0.0 for r in reqs]

@@ -89,8 +89,16 @@ def compact_groups(rates: dict[str, float]) -> str:
     return ", ".join(cells)
 
 
+def _num(value: float | None, fmt: str, scale: float = 1.0) -> str:
+    """``fmt`` of ``value * scale``, or ``n/a`` where nothing was measured (None)."""
+    if value is None:
+        return "n/a"
+    return fmt.format(value if scale == 1.0 else value * scale)
+
+
 def _row(r: SimResult) -> dict[str, str]:
     s = r.summary()
+    ttft = "n/a" if s["ttft_p50_s"] is None else f"{s['ttft_p50_s']:.2f}/{s['ttft_p99_s']:.2f}s"
     groups = compact_groups(s["group_hit_rates"])
     return {
         "strategy": r.strategy,
@@ -100,9 +108,9 @@ def _row(r: SimResult) -> dict[str, str]:
         "peak need": format_bytes(s["peak_need_bytes"]),
         "preempt": str(s["preemptions"]),
         "peak conc": str(s["peak_running"]),
-        "tok/s": f"{s['output_tokens_per_s']:.0f}",
-        "TTFT p50/p99": f"{s['ttft_p50_s']:.2f}/{s['ttft_p99_s']:.2f}s",
-        "TPOT": f"{s['tpot_mean_s'] * 1000:.1f}ms",
+        "tok/s": _num(s["output_tokens_per_s"], "{:.0f}"),
+        "TTFT p50/p99": ttft,
+        "TPOT": _num(s["tpot_mean_s"], "{:.1f}ms", 1000),
         "done": f"{s['finished']}/{s['requests']}",
         "rejected": str(s["rejected"]),
     }
@@ -131,10 +139,7 @@ def _others(
     """``strategy value`` of each run after the first (every run with ``first``); the value
     is ``summary()[key] * scale``."""
     rows = ranked if first else ranked[1:]
-    values = [r.summary()[key] for r in rows]
-    if scale != 1.0:
-        values = [v * scale for v in values]
-    return ", ".join(f"{r.strategy} {fmt.format(v)}" for r, v in zip(rows, values, strict=True))
+    return ", ".join(f"{r.strategy} {_num(r.summary()[key], fmt, scale)}" for r in rows)
 
 
 def _pool_bound(r: SimResult) -> str:
@@ -198,8 +203,8 @@ def interpretation(results: list[SimResult], failures: list[StrategyFailure] | N
         f"{what}: {lead} served the most prompt tokens from the prefix cache, "
         f"{best.hit_rate:.1%} (vs {_others(ranked, 'token_hit_rate', '{:.1%}')}), with "
         f"{best.preemptions} preemptions (vs {_others(ranked, 'preemptions', '{}')}), TTFT "
-        f"p99 {s['ttft_p99_s']:.2f}s (vs {_others(ranked, 'ttft_p99_s', '{:.2f}s')}) and mean "
-        f"TPOT {s['tpot_mean_s'] * 1e3:.1f}ms (vs "
+        f"p99 {_num(s['ttft_p99_s'], '{:.2f}s')} (vs {_others(ranked, 'ttft_p99_s', '{:.2f}s')}) "
+        f"and mean TPOT {_num(s['tpot_mean_s'], '{:.1f}ms', 1e3)} (vs "
         f"{_others(ranked, 'tpot_mean_s', '{:.1f}ms', scale=1e3)}){failed}"
     )
 
@@ -352,8 +357,9 @@ def _tier_plot(results: list[SimResult], out: Path, title: str) -> str:
 
 
 def _pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``; NaN (a gap in the plot) when there are none."""
     if not values:
-        return 0.0
+        return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 

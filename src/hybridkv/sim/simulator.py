@@ -228,13 +228,16 @@ class SimResult:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def summary(self) -> dict[str, Any]:
-        def pct(values: list[float], q: float) -> float:
+        """The run's figures as plain data; a latency or throughput nothing measured (no
+        request got a first token, none a second, no time passed) is None, not 0."""
+
+        def pct(values: list[float], q: float) -> float | None:
             if not values:
-                return 0.0
+                return None
             s = sorted(values)
             return s[min(len(s) - 1, int(q * len(s)))]
 
-        throughput = self.output_tokens / self.sim_time_s if self.sim_time_s else 0.0
+        throughput = self.output_tokens / self.sim_time_s if self.sim_time_s else None
         return {
             "strategy": self.strategy,
             "workload": self.workload,
@@ -256,10 +259,10 @@ class SimResult:
             "steps": self.steps,
             "sim_time_s": self.sim_time_s,
             "output_tokens_per_s": throughput,
-            "ttft_mean_s": sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else 0.0,
+            "ttft_mean_s": sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else None,
             "ttft_p50_s": pct(self.ttft_s, 0.5),
             "ttft_p99_s": pct(self.ttft_s, 0.99),
-            "tpot_mean_s": sum(self.tpot_s) / len(self.tpot_s) if self.tpot_s else 0.0,
+            "tpot_mean_s": sum(self.tpot_s) / len(self.tpot_s) if self.tpot_s else None,
             "manager_us_per_step": self.manager_us_per_step,
             "wall_time_s": self.wall_time_s,
             "checkpoint_admission": self.checkpoint_admission,
