@@ -194,6 +194,34 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         ["plan", "gpt-oss-20b", "--state-block-size", "64"],
         "--state-block-size 64: only applies to models with recurrent-state layers",
     ),
+    (  # found by a review: the window options were accepted and ignored without windows
+        ["simulate", "DeepSeek-V3", "--window-retention", "all"],
+        "--window-retention all: only applies to models with sliding-window or chunked-local "
+        "layers; DeepSeek-V3 has none",
+    ),
+    (
+        ["simulate", "Qwen3-Next-80B-A3B", "--window-chances", "2"],
+        "--window-chances 2: only applies to models with sliding-window or chunked-local layers",
+    ),
+    (  # compaction frees arena chunks; uniform and pools have none
+        ["simulate", "gpt-oss-20b", "--compaction", "off", "--strategy", "uniform"],
+        "--compaction off: only applies with --strategy arena (or all), which compacts chunks; "
+        "--strategy uniform has none",
+    ),
+    (
+        ["run", "--compaction", "off", "--strategy", "pools"],
+        "--compaction off: only applies with --strategy arena (or all)",
+    ),
+    (
+        ["plan", "gpt-oss-20b", "--shared-state-chunks"],
+        "--shared-state-chunks: only applies to models with recurrent-state layers; "
+        "gpt-oss-20b has none",
+    ),
+    (
+        ["plan", "Jamba-v0.1", "--shared-state-chunks", "--strategy", "pools"],
+        "--shared-state-chunks: only applies with --strategy arena (or all), not --strategy "
+        "pools",
+    ),
     (
         ["plan", "--chunk-alignment", "100GiB"],
         "--chunk-alignment 100GiB: chunks of 100 GiB are larger than the whole --memory budget "

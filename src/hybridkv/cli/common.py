@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.errors import HybridKVError
 
@@ -33,8 +33,10 @@ __all__ = [
     "add_pool_options",
     "add_tp",
     "check_at_most",
+    "check_compaction",
     "check_positive",
     "check_state_options",
+    "check_window_options",
     "max_model_len_for",
     "model_name",
     "with_flag_names",
@@ -267,16 +269,49 @@ def check_state_options(args: argparse.Namespace, model: ModelSpec, names: Itera
     no recurrent-state layers, which it would not change, instead of ignoring it."""
     from hybridkv.specs import CacheKind
 
-    if any(e.spec.kind is CacheKind.STATE for e in model.entries()):
+    _check_kind_options(
+        args, model, names, frozenset({CacheKind.STATE}), "models with recurrent-state layers"
+    )
+
+
+def check_window_options(
+    args: argparse.Namespace, model: ModelSpec, names: Iterable[str], defaults: Mapping[str, Any]
+) -> None:
+    """Refuse the first option of ``names`` given (not None and not its default in
+    ``defaults``) for a model with no sliding-window or chunked-local layers, which it would
+    not change, instead of ignoring it."""
+    from hybridkv.specs.kinds import WINDOW_KINDS
+
+    what = "models with sliding-window or chunked-local layers"
+    _check_kind_options(args, model, names, WINDOW_KINDS, what, defaults)
+
+
+def _check_kind_options(
+    args: argparse.Namespace,
+    model: ModelSpec,
+    names: Iterable[str],
+    kinds: frozenset[Any],
+    what: str,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    if any(e.spec.kind in kinds for e in model.entries()):
         return
     for name in names:
         value = getattr(args, name)
-        if value is not None and value != "auto":
+        default = (defaults or {}).get(name)
+        if value is not None and value != "auto" and value != default:
             flag = "--" + name.replace("_", "-")
-            raise CliInputError(
-                f"{flag} {value}: only applies to models with recurrent-state layers; "
-                f"{model.name} has none"
-            )
+            raise CliInputError(f"{flag} {value}: only applies to {what}; {model.name} has none")
+
+
+def check_compaction(args: argparse.Namespace) -> None:
+    """Refuse ``--compaction off`` with a strategy that has no chunks to compact (``uniform``,
+    ``pools``), where it would change nothing, instead of ignoring it."""
+    if args.compaction == "off" and args.strategy not in ("arena", "all"):
+        raise CliInputError(
+            f"--compaction off: only applies with --strategy arena (or all), which compacts "
+            f"chunks; --strategy {args.strategy} has none"
+        )
 
 
 def check_needs(args: argparse.Namespace, needs: Iterable[tuple[str, str, bool]]) -> None:

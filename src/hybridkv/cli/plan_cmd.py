@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from hybridkv.cli.common import (
+    CliInputError,
     add_block_options,
     add_kv_cache_dtype,
     add_max_model_len,
@@ -42,7 +43,13 @@ from hybridkv.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from hybridkv.plan import Plan, StrategyComparison
-    from hybridkv.specs import CacheSpec, ChunkedLocalSpec, SlidingWindowSpec, StateSpec
+    from hybridkv.specs import (
+        CacheSpec,
+        ChunkedLocalSpec,
+        ModelSpec,
+        SlidingWindowSpec,
+        StateSpec,
+    )
 
 __all__ = [
     "add_arguments",
@@ -119,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         name, tp_size=args.tp, kv_cache_dtype=args.kv_cache_dtype, mtp=args.mtp
     )
     check_state_options(args, model, ["state_split", "state_block_size"])
+    check_shared_state_chunks(args, model)
     max_len = max_model_len_for(model, args.max_model_len, "plan")
     if args.strategy == "all":
         comparison = compare_strategies(
@@ -153,6 +161,25 @@ def run(args: argparse.Namespace) -> int:
         text = plan_report(plan)
     print(json.dumps(data, indent=2) if args.json else text)
     return 0
+
+
+def check_shared_state_chunks(args: argparse.Namespace, model: ModelSpec) -> None:
+    """Refuse ``--shared-state-chunks`` where no arena holds a state slot (another strategy,
+    or a model without recurrent-state layers), where it would change nothing."""
+    from hybridkv.specs import CacheKind
+
+    if not args.shared_state_chunks:
+        return
+    if args.strategy not in ("arena", "all"):
+        raise CliInputError(
+            f"--shared-state-chunks: only applies with --strategy arena (or all), not "
+            f"--strategy {args.strategy}"
+        )
+    if not any(e.spec.kind is CacheKind.STATE for e in model.entries()):
+        raise CliInputError(
+            "--shared-state-chunks: only applies to models with recurrent-state layers; "
+            f"{model.name} has none"
+        )
 
 
 def _window(spec: CacheSpec) -> str:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.cli.common import MAX_REQUESTS, MAX_SEED, check_at_most, check_needs
+from hybridkv.cli.common import (
+    MAX_REQUESTS,
+    MAX_SEED,
+    check_at_most,
+    check_compaction,
+    check_needs,
+)
 from hybridkv.cli.run_prompts import RunInputError
 from hybridkv.errors import HybridKVError
 
@@ -85,6 +91,7 @@ def check_numbers(args: argparse.Namespace) -> None:
         args,
         [(name, "--disaggregate", args.disaggregate) for name in ("prefill_tp", "decode_tp")],
     )
+    check_compaction(args)
 
 
 def check_model_limits(args: argparse.Namespace, config: Any) -> None:

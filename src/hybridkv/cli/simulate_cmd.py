@@ -43,10 +43,12 @@ from hybridkv.cli.common import (
     add_pool_options,
     add_tp,
     check_at_most,
+    check_compaction,
     check_needs,
     check_positive,
     check_state_options,
     check_state_split,
+    check_window_options,
     chunk_alignment_arg,
     max_model_len_for,
     model_name,
@@ -63,6 +65,8 @@ __all__ = ["DEFAULT_TRACE", "add_arguments", "run"]
 
 #: The demo's workload: tool-use loops re-sending a growing context (long shared prefixes).
 DEFAULT_TRACE = "synthetic:agent"
+#: ``--window-retention`` when not given (the manager's own default).
+DEFAULT_WINDOW_RETENTION = "tails"
 _ACCELERATORS = ("h100", "h200", "a100")
 
 
@@ -159,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--window-retention",
-        default="tails",
+        default=DEFAULT_WINDOW_RETENTION,
         choices=list(WINDOW_RETENTION),
         help="sliding-window blocks cached: only the windows a hit at a likely position reads "
         "(prompt end, hit, junction, computed end), or all",
@@ -423,6 +427,13 @@ def run(args: argparse.Namespace) -> int:
             "checkpoint_life",
         ],
     )
+    check_window_options(
+        args,
+        model,
+        ["window_retention", "window_chances"],
+        {"window_retention": DEFAULT_WINDOW_RETENTION},
+    )
+    check_compaction(args)
     max_len = max_model_len_for(model, args.max_model_len, "simulate", warn=not args.quiet)
     workload = load_workload(args.trace, num_requests=args.requests, seed=args.seed)
     if args.requests is not None and len(workload.requests) < args.requests and not args.quiet:
