@@ -203,6 +203,11 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         ["simulate", "Qwen3-Next-80B-A3B", "--window-chances", "2"],
         "--window-chances 2: only applies to models with sliding-window or chunked-local layers",
     ),
+    (  # found by a review: a trace's requests do not depend on the seed
+        ["simulate", "--trace", "{tmp}/trace.jsonl", "--seed", "5"],
+        "--seed 5: only applies to a synthetic workload (--trace synthetic:NAME); the requests "
+        "of --trace",
+    ),
     (  # compaction frees arena chunks; uniform and pools have none
         ["simulate", "gpt-oss-20b", "--compaction", "off", "--strategy", "uniform"],
         "--compaction off: only applies with --strategy arena (or all), which compacts chunks; "
@@ -219,8 +224,7 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     ),
     (
         ["plan", "Jamba-v0.1", "--shared-state-chunks", "--strategy", "pools"],
-        "--shared-state-chunks: only applies with --strategy arena (or all), not --strategy "
-        "pools",
+        "--shared-state-chunks: only applies with --strategy arena (or all), not --strategy pools",
     ),
     (
         ["plan", "--chunk-alignment", "100GiB"],
@@ -340,6 +344,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tmp / "garbage.jsonl.gz").write_bytes(gzip.compress(bytes(range(256)) * 8))
     (tmp / "empty.jsonl").write_text("")
     (tmp / "notjson.jsonl").write_text("this is not json\n")
+    (tmp / "trace.jsonl").write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [0, 1]}\n'
+    )
     (tmp / "a_file.txt").write_text("not a directory\n")
     (tmp / "model_type_5.json").write_text('{"model_type": 5}')
     (tmp / "layers").mkdir()

@@ -260,7 +260,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the same for blocks of sliding-window and local-chunk groups (default: "
         f"max(--second-chance, {DEFAULT_WINDOW_CHANCES}), 0 when --second-chance is 0)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of a synthetic workload (--trace synthetic:NAME)"
+    )
     parser.add_argument(
         "--report",
         default=None,
@@ -357,6 +359,11 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None and not 0 <= value <= MAX_CHANCES:
             raise CliInputError(f"{flag}: must be an integer in [0, {MAX_CHANCES}], got {value}")
+    if args.seed != 0 and not str(args.trace).startswith("synthetic:"):
+        raise CliInputError(
+            f"--seed {args.seed}: only applies to a synthetic workload (--trace synthetic:NAME); "
+            f"the requests of --trace {args.trace} are fixed"
+        )
     # A tier in some run: --host-memory 0 alone means none.
     hosted = any(p != "0" for p in _sizes(args.host_memory))
     tiered = args.disk_memory is not None or hosted
