@@ -203,6 +203,10 @@ BAD_INPUT: list[tuple[list[str], str]] = [
         ["simulate", "Qwen3-Next-80B-A3B", "--window-chances", "2"],
         "--window-chances 2: only applies to models with sliding-window or chunked-local layers",
     ),
+    (  # a zero in any unit is "no host tier", so these are the same size twice
+        ["simulate", "--host-memory", "0,0GiB", "--strategy", "uniform"],
+        "--host-memory 0,0GiB: a sweep runs each size once; a size is repeated",
+    ),
     (  # found by a review: a trace's requests do not depend on the seed
         ["simulate", "--trace", "{tmp}/trace.jsonl", "--seed", "5"],
         "--seed 5: only applies to a synthetic workload (--trace synthetic:NAME); the requests "

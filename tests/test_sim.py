@@ -161,6 +161,24 @@ def test_cli_latencies_nothing_measured_read_na(capsys: pytest.CaptureFixture[st
     assert summary["finished"] == 0 and summary["rejected"] == 5
 
 
+def test_cli_a_zero_host_tier_in_any_unit_is_none(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--host-memory 0GiB`` means no host tier, as ``0`` does (it was refused as not
+    positive; found by review)."""
+    argv = ["simulate", "gpt-oss-20b", "--trace", "synthetic:chat", "--requests", "6"]
+    argv += ["--memory", "4GiB", "--strategy", "uniform", "--json", "--quiet"]
+    runs = []
+    for extra in (
+        [],
+        ["--host-memory", "0"],
+        ["--host-memory", "0GiB"],
+        ["--host-memory", "0.0 TB"],
+    ):
+        assert main([*argv, *extra]) == 0
+        (summary,) = json.loads(capsys.readouterr().out)
+        runs.append((summary["token_hit_rate"], summary["tiers"], summary["steps"]))
+    assert runs[0][1] == {} and runs[1:] == [runs[0]] * 3
+
+
 def test_cli_strategy_that_cannot_plan_is_na(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", "gemma-3-27b", "--memory", "4GiB", "--max-model-len", "32768"]
     assert main([*argv, "--requests", "4", "--quiet"]) == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -594,6 +595,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sizes(text: str | None) -> list[str]:
-    """The comma-separated sizes of a sweep option (``--host-memory 0,64GiB``), stripped;
-    none when it was not given."""
-    return [] if text is None else [part.strip() for part in str(text).split(",")]
+    """The comma-separated sizes of a sweep option (``--host-memory 0,64GiB``), stripped,
+    a zero in any unit (``0GiB``, ``0.0 TB``) as ``0``; none when it was not given."""
+    if text is None:
+        return []
+    parts = [part.strip() for part in str(text).split(",")]
+    return ["0" if _ZERO_SIZE.fullmatch(part) else part for part in parts]
+
+
+#: A size of zero, in any unit or none.
+_ZERO_SIZE = re.compile(r"\+?(0+\.?0*|\.0+)\s*[A-Za-z]*")
