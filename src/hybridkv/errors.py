@@ -19,6 +19,7 @@ __all__ = [
     "StorageError",
     "UnknownModelError",
     "UnsupportedModelTypeError",
+    "brief_repr",
 ]
 
 
@@ -74,3 +75,12 @@ class StorageError(HybridKVError, ValueError):
 
 class InvariantError(AssertionError):
     """``check_invariants()`` found a broken invariant: a bug in hybridkv, not bad input."""
+
+
+def brief_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, with its type: what an error message shows
+    of a bad argument (``'gpt-oss-20b' (str)``, ``[1, 2, 3, ...] (list)``)."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{text} ({type(value).__name__})"

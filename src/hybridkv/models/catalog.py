@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.errors import UnknownModelError
+from hybridkv.errors import UnknownModelError, brief_repr
 from hybridkv.models.catalog_data import CATALOG_DATA
 from hybridkv.models.hub_cache import hub_cache_dir, hub_config_path
 from hybridkv.models.registry import spec_from_config
@@ -97,6 +97,11 @@ def _unknown(model: str) -> UnknownModelError:
 
 def catalog_entry(name: str) -> CatalogEntry:
     """The entry named ``name`` (catalog name or HF id, any case).  Raises UnknownModelError."""
+    if not isinstance(name, str):
+        raise UnknownModelError(
+            f"name: expected a catalog name or Hugging Face id (a str), got {brief_repr(name)}; "
+            f"catalog: {', '.join(catalog_names())}"
+        )
     entry = _BY_KEY.get(name.strip().lower())
     if entry is None:
         raise _unknown(name)
@@ -109,14 +114,15 @@ def catalog_config(name: str) -> dict[str, Any]:
 
 
 def resolve_model(
-    model: str,
+    model: str | os.PathLike[str],
     *,
     tp_size: int = 1,
     kv_cache_dtype: str | DType | None = None,
     ssm_state_dtype: str | DType | None = None,
     mtp: bool = False,
 ) -> ModelSpec:
-    """The :class:`ModelSpec` of a catalog model (name or HF id), of a config file / directory,
+    """The :class:`ModelSpec` of a catalog model (name or HF id), of a config file / directory
+    (a ``str`` or an :class:`os.PathLike`, which is always read as a path),
     or of a Hugging Face id ``org/name`` found in the local hub cache
     (:mod:`hybridkv.models.hub_cache`; nothing is downloaded).  ``mtp``: with the checkpoint's
     multi-token-prediction layers (see :func:`spec_from_config`).
@@ -125,6 +131,20 @@ def resolve_model(
     :class:`~hybridkv.errors.UnknownModelError` (with close catalog matches) when ``model`` is
     none of these, and whatever :func:`spec_from_config` raises for a bad config or setting.
     """
+    if isinstance(model, os.PathLike):  # a path, never a catalog name or hub id
+        text = os.fspath(model)
+        if isinstance(text, str) and text.strip():
+            path = Path(os.path.expanduser(text))
+            if not (path.is_file() or (path.is_dir() and (path / "config.json").is_file())):
+                raise _unknown(text)
+            return spec_from_config(
+                path,
+                tp_size=tp_size,
+                kv_cache_dtype=kv_cache_dtype,
+                name=(path.parent if path.is_file() else path).name or str(path),
+                ssm_state_dtype=ssm_state_dtype,
+                mtp=mtp,
+            )
     if not isinstance(model, str) or not model.strip():
         raise UnknownModelError(
             f"model: got {model!r}; give a catalog name (catalog_names()), a path to a "

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from hybridkv.errors import ConfigError
+from hybridkv.errors import ConfigError, brief_repr
 from hybridkv.specs import DType, LayerSpec
 
 __all__ = [
@@ -66,6 +66,11 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
     """
     if isinstance(config, Mapping):
         return dict(config)
+    if not isinstance(config, str | os.PathLike):
+        raise ConfigError(
+            f"config: expected a config dict, a path to a config.json or a directory holding "
+            f"one, got {brief_repr(config)}"
+        )
     path = Path(config)
     if path.is_dir():
         path = path / "config.json"

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from hybridkv.errors import PlanError, PoolRatiosError
-from hybridkv.plan.grouping import group_entries
+from hybridkv.plan.grouping import check_model, group_entries
 from hybridkv.plan.layout import Strategy
 from hybridkv.plan.options import (
     AUTO_STATE_SPLIT,
     DEFAULT_CHUNK_ALIGNMENT,
     PlanOptions,
     check_positive,
+    ratios_arg,
 )
 from hybridkv.plan.planner import make_plan
 from hybridkv.plan.result import Plan
@@ -137,16 +138,16 @@ def compare_strategies(
     strategy that raises :class:`PlanError` is recorded in ``failures``; if every strategy
     fails, the first error is raised.  Pure.
     """
+    check_model(model)
     check_positive("memory_bytes", memory_bytes)
     check_positive("max_model_len", max_model_len, upper=MAX_TOKENS)
     # Input errors shared by every strategy raise here instead of failing each strategy.
-    if isinstance(pool_ratios, str | bytes):
-        raise PlanError(f"pool_ratios: expected a sequence of numbers, got {pool_ratios!r}")
+    ratios = ratios_arg(pool_ratios)  # once: an iterator would be spent by the first plan
     PlanOptions(
         block_size=block_size,
         kernel_block_size=kernel_block_size,
         state_block_size=state_block_size,
-        pool_ratios=None if pool_ratios is None else tuple(pool_ratios),
+        pool_ratios=ratios,
         chunk_alignment=chunk_alignment,
         state_split=state_split,
         one_slot_chunks=one_slot_chunks,
@@ -166,7 +167,7 @@ def compare_strategies(
                     block_size=block_size,
                     kernel_block_size=kernel_block_size,
                     state_block_size=state_block_size,
-                    pool_ratios=pool_ratios if strategy is Strategy.POOLS else None,
+                    pool_ratios=ratios if strategy is Strategy.POOLS else None,
                     chunk_alignment=chunk_alignment,
                     state_split=state_split,
                     one_slot_chunks=one_slot_chunks,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from hybridkv.errors import PlanError
+from hybridkv.errors import PlanError, brief_repr
 from hybridkv.plan.layout import GroupPlan, MemoryLayout
 from hybridkv.plan.options import DEFAULT_STATE_BLOCK_SIZE, PlanOptions, kernel_block_size_for
 from hybridkv.specs import CacheKind, CacheSpec, ModelSpec
@@ -22,6 +22,7 @@ __all__ = [
     "BuiltLayout",
     "SpecGroup",
     "base_group_plans",
+    "check_model",
     "group_entries",
     "is_state",
 ]
@@ -49,11 +50,26 @@ def is_state(spec: CacheSpec) -> bool:
     return spec.kind is CacheKind.STATE
 
 
+def check_model(model: object) -> ModelSpec:
+    """``model`` if it is a :class:`ModelSpec`; raises :class:`PlanError` naming what it is
+    (a model name string: resolve it first)."""
+    if isinstance(model, ModelSpec):
+        return model
+    hint = (
+        f"; resolve a name first: hybridkv.models.resolve_model({model!r})"
+        if isinstance(model, str)
+        else " (hybridkv.models.resolve_model or spec_from_config make one)"
+    )
+    raise PlanError(f"model: expected a ModelSpec, got {brief_repr(model)}{hint}")
+
+
 def group_entries(model: ModelSpec) -> tuple[SpecGroup, ...]:
     """Group ``model``'s caching entries by identical spec, in order of first appearance.
 
-    Raises :class:`PlanError` when the model has no caching layer at all.  Pure: reads only.
+    Raises :class:`PlanError` when ``model`` is not a :class:`ModelSpec` or has no caching
+    layer at all.  Pure: reads only.
     """
+    check_model(model)
     by_spec: dict[CacheSpec, list[tuple[int, int]]] = {}
     for entry in model.entries():
         by_spec.setdefault(entry.spec, []).append((entry.layer, entry.slot))

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import cast
 
-from hybridkv.errors import PlanError
+from hybridkv.errors import PlanError, brief_repr
 from hybridkv.plan.layout import GroupPlan
 from hybridkv.specs import CacheKind, CacheSpec, ChunkedLocalSpec, SlidingWindowSpec
 
@@ -93,17 +93,27 @@ _NEED: dict[CacheKind, Callable[[CacheSpec, int, int], int]] = {
 }
 
 
-@lru_cache(maxsize=4096)
 def spec_blocks_for_request(spec: CacheSpec, block_size: int, seq_len: int) -> int:
     """Peak blocks one request of ``seq_len`` tokens holds for one group (see module doc).
 
-    ``seq_len == 0`` needs 0 blocks.  Raises :class:`PlanError` for a negative length, a
-    non-positive block size or a spec that stores nothing.  Pure (memoised).
+    ``seq_len == 0`` needs 0 blocks.  Raises :class:`PlanError` for a ``spec`` that is not a
+    :class:`CacheSpec`, a negative length, a non-positive block size or a spec that stores
+    nothing.  Pure (memoised).
     """
+    if not isinstance(spec, CacheSpec):
+        raise PlanError(
+            f"spec: expected a CacheSpec (e.g. a layer's caches[0]), got {brief_repr(spec)}"
+        )
     if not isinstance(block_size, int) or block_size <= 0:
         raise PlanError(f"block_size: must be a positive integer, got {block_size!r}")
     if not isinstance(seq_len, int) or seq_len < 0:
         raise PlanError(f"seq_len: must be an integer >= 0, got {seq_len!r}")
+    return _spec_blocks(spec, block_size, seq_len)
+
+
+@lru_cache(maxsize=4096)
+def _spec_blocks(spec: CacheSpec, block_size: int, seq_len: int) -> int:
+    """:func:`spec_blocks_for_request` of checked arguments, memoised."""
     rule = _NEED.get(spec.kind)
     if rule is None:
         valid = ", ".join(k.value for k in _NEED)
@@ -114,5 +124,12 @@ def spec_blocks_for_request(spec: CacheSpec, block_size: int, seq_len: int) -> i
 
 
 def blocks_for_request(group: GroupPlan, seq_len: int) -> int:
-    """Peak blocks one request of ``seq_len`` tokens holds in ``group`` (its block table)."""
+    """Peak blocks one request of ``seq_len`` tokens holds in ``group`` (its block table).
+
+    Raises :class:`PlanError` for a ``group`` that is not a :class:`GroupPlan` and as
+    :func:`spec_blocks_for_request` does."""
+    if not isinstance(group, GroupPlan):
+        raise PlanError(
+            f"group: expected a GroupPlan (an entry of layout.groups), got {brief_repr(group)}"
+        )
     return spec_blocks_for_request(group.spec, group.block_size, seq_len)

@@ -45,12 +45,12 @@ Defaults and why:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import gcd
 from typing import Any
 
-from hybridkv.errors import PlanError
+from hybridkv.errors import PlanError, brief_repr
 from hybridkv.specs import MAX_TOKENS, CacheKind, CacheSpec
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "PlanOptions",
     "check_positive",
     "kernel_block_size_for",
+    "ratios_arg",
 ]
 
 DEFAULT_BLOCK_SIZE = 16
@@ -158,6 +159,20 @@ class PlanOptions:
 def _split_value(value: Any) -> int | str:
     """A stored ``state_split``: ``"auto"`` or an integer (checked by PlanOptions)."""
     return AUTO_STATE_SPLIT if value == AUTO_STATE_SPLIT else int(value)
+
+
+def ratios_arg(value: object) -> tuple[float, ...] | None:
+    """A ``pool_ratios`` argument as given to :func:`~hybridkv.plan.make_plan`, as a tuple
+    (None stays None; the numbers are checked by :class:`PlanOptions`).  Raises
+    :class:`PlanError` for a string or anything that is not a sequence."""
+    if value is None:
+        return None
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise PlanError(
+            f"pool_ratios: expected a sequence of positive numbers, one per group (or None), "
+            f"got {brief_repr(value)}"
+        )
+    return tuple(value)
 
 
 def _check_ratios(ratios: Sequence[float]) -> tuple[float, ...]:

@@ -23,6 +23,7 @@ from hybridkv.plan.arena import plan_arena
 from hybridkv.plan.grouping import (
     BuiltLayout,
     SpecGroup,
+    check_model,
     group_entries,
     is_state,
     split_state_groups,
@@ -34,6 +35,7 @@ from hybridkv.plan.options import (
     DEFAULT_CHUNK_ALIGNMENT,
     PlanOptions,
     check_positive,
+    ratios_arg,
 )
 from hybridkv.plan.pools import plan_pools
 from hybridkv.plan.result import Capacity, PhysicalNeed, Plan
@@ -227,26 +229,28 @@ def make_plan(
     (False where the cache keeps dead tails).  See :mod:`hybridkv.plan.options` for the
     defaults.
 
-    Raises :class:`PlanError` naming the field for a non-positive budget, length or block size,
+    Raises :class:`PlanError` naming the field for a ``model`` that is not a
+    :class:`ModelSpec` (a name: resolve it with :func:`hybridkv.models.resolve_model`), a
+    non-positive budget, length or block size,
     a kernel block size that does not divide the block size, bad ratios, a model with no
     caching layer, or a budget that holds not even one request (saying how much one needs).
     Pure: ``model`` is not modified.
     """
+    check_model(model)
     kind = parse_strategy(strategy)
     check_positive("memory_bytes", memory_bytes)
     check_positive("max_model_len", max_model_len, upper=MAX_TOKENS)
-    if isinstance(pool_ratios, str | bytes):
-        raise PlanError(f"pool_ratios: expected a sequence of numbers, got {pool_ratios!r}")
-    if pool_ratios is not None and kind is not Strategy.POOLS:
+    ratios = ratios_arg(pool_ratios)
+    if ratios is not None and kind is not Strategy.POOLS:
         raise PlanError(
-            f"pool_ratios: only the pools strategy takes ratios, got {list(pool_ratios)} "
+            f"pool_ratios: only the pools strategy takes ratios, got {list(ratios)} "
             f"with strategy {kind.value!r}"
         )
     options = PlanOptions(
         block_size=block_size,
         kernel_block_size=kernel_block_size,
         state_block_size=state_block_size,
-        pool_ratios=None if pool_ratios is None else tuple(pool_ratios),
+        pool_ratios=ratios,
         chunk_alignment=chunk_alignment,
         state_split=state_split,
         one_slot_chunks=one_slot_chunks,
