@@ -23,9 +23,10 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from hybridkv.errors import brief_repr
 from hybridkv.workloads.types import Workload, WorkloadError, WorkloadRequest, sorted_by_arrival
 
-__all__ = ["TOKEN_BASE", "load_mooncake_trace"]
+__all__ = ["TOKEN_BASE", "load_mooncake_trace", "trace_path"]
 
 #: Token ids below this are left free (special tokens of real vocabularies).
 TOKEN_BASE = 1000
@@ -149,6 +150,18 @@ def _short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def trace_path(path: object) -> Path:
+    """``path`` (a ``str`` or :class:`os.PathLike` naming a trace file) as a :class:`Path`;
+    raises :class:`WorkloadError` for anything else."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(text, str):
+        raise WorkloadError(
+            f"trace: expected a path to a Mooncake-format trace file (a str or os.PathLike), "
+            f"got {brief_repr(path)}"
+        )
+    return Path(text)
+
+
 def load_mooncake_trace(
     path: str | os.PathLike[str],
     *,
@@ -167,7 +180,19 @@ def load_mooncake_trace(
     line, naming the file, the line and the field) for a missing file, a directory, binary or
     non-UTF-8 data, a broken gzip stream, a malformed line, or a file that holds no request.
     """
-    p = Path(path)
+    p = trace_path(path)
+    for name, value, optional in (
+        ("limit", limit, True),
+        ("max_prompt_tokens", max_prompt_tokens, True),
+        ("source_block", source_block, False),
+    ):
+        if (value is not None or not optional) and (
+            not isinstance(value, int) or isinstance(value, bool)
+        ):
+            none = " (or None)" if optional else ""
+            raise WorkloadError(
+                f"trace: {name} must be an integer >= 1{none}, got {brief_repr(value)}"
+            )
     for name, value in (("limit", limit), ("max_prompt_tokens", max_prompt_tokens)):
         if value is not None and value < 1:
             raise WorkloadError(f"trace: {name} must be >= 1 (or None), got {value}")

@@ -13,10 +13,12 @@ is deterministic in ``seed``: the same arguments always give the same requests.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hybridkv.errors import brief_repr
 from hybridkv.workloads.types import Workload, WorkloadError, WorkloadRequest, sorted_by_arrival
 
 __all__ = ["SYNTHETIC_WORKLOADS", "SyntheticOptions", "synthetic_workload", "zipf_weights"]
@@ -164,12 +166,42 @@ SYNTHETIC_WORKLOADS: dict[str, Callable[[SyntheticOptions], Workload]] = {
 
 
 def synthetic_workload(name: str, opts: SyntheticOptions | None = None) -> Workload:
-    """Generate the synthetic workload ``name``; raises :class:`WorkloadError` for unknown names."""
-    gen = SYNTHETIC_WORKLOADS.get(name)
+    """Generate the synthetic workload ``name``; raises :class:`WorkloadError` for unknown names
+    and for options that are not a :class:`SyntheticOptions` of an integer ``num_requests``
+    >= 1, an integer ``seed`` and gaps that are finite numbers >= 0."""
+    gen = SYNTHETIC_WORKLOADS.get(name) if isinstance(name, str) else None
     if gen is None:
         valid = ", ".join(sorted(SYNTHETIC_WORKLOADS))
         raise WorkloadError(f"workload: unknown synthetic workload {name!r}; valid: {valid}")
+    if opts is not None and not isinstance(opts, SyntheticOptions):
+        raise WorkloadError(
+            f"workload: opts must be a SyntheticOptions (or None), got {brief_repr(opts)}"
+        )
     opts = opts or SyntheticOptions()
+    _check_options(opts)
+    return gen(opts)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_options(opts: SyntheticOptions) -> None:
+    if not _is_int(opts.num_requests):
+        got = brief_repr(opts.num_requests)
+        raise WorkloadError(f"workload: num_requests must be a positive integer, got {got}")
     if opts.num_requests <= 0:
         raise WorkloadError(f"workload: num_requests must be positive, got {opts.num_requests}")
-    return gen(opts)
+    if not _is_int(opts.seed):
+        raise WorkloadError(f"workload: seed must be an integer, got {brief_repr(opts.seed)}")
+    for field in ("session_gap_ms", "turn_gap_ms"):
+        gap = getattr(opts, field)
+        if not (
+            isinstance(gap, int | float)
+            and not isinstance(gap, bool)
+            and math.isfinite(gap)
+            and gap >= 0
+        ):
+            raise WorkloadError(
+                f"workload: {field} must be a finite number of ms >= 0, got {brief_repr(gap)}"
+            )
