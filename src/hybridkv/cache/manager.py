@@ -38,18 +38,37 @@ from hybridkv.cache.errors import (
     UnknownRequestError,
 )
 from hybridkv.cache.events import EventLog, KVEvent
-from hybridkv.cache.hashing import BlockHasher, make_hasher
-from hybridkv.cache.manager_tiers import TierCalls
+from hybridkv.cache.hashing import BlockHasher, HasherError, make_hasher
+from hybridkv.cache.manager_tiers import (
+    TierCalls,
+    check_group_id,
+    check_index,
+    check_request_id,
+)
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, check_chances
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats, StatsCollector
 from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cache.tiers import TierSpec
 from hybridkv.cache.types import AllocationResult, BlockMove, ComputedBlocks
-from hybridkv.errors import InvariantError, PlanError
+from hybridkv.errors import InvariantError, PlanError, RequestError, brief_repr
 from hybridkv.plan.layout import MemoryLayout
 
 __all__ = ["KVCacheManager"]
+
+
+def _tier_specs(tiers: object) -> tuple[TierSpec, ...]:
+    """``tiers`` as a tuple of :class:`TierSpec`; raises :class:`PlanError` otherwise."""
+    valid = "a sequence of TierSpec (host, then disk), e.g. [TierSpec('host', 64 << 30)]"
+    if isinstance(tiers, (str, bytes, TierSpec)) or not isinstance(tiers, Iterable):
+        raise PlanError(f"tiers: expected {valid}, got {brief_repr(tiers)}")
+    specs = tuple(tiers)
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, TierSpec):
+            raise PlanError(
+                f"tiers[{i}]: expected a TierSpec, got {brief_repr(spec)}; give {valid}"
+            )
+    return specs
 
 
 def _count(name: str, value: object) -> int:
@@ -160,6 +179,13 @@ class KVCacheManager(TierCalls):
             raise RequestLengthError(
                 "max_model_len: must be a positive integer (or None: no limit), got 0"
             )
+        tiers = _tier_specs(tiers)
+        given_hasher: object = hasher  # checked as an object: the compiled build too
+        if not isinstance(given_hasher, (BlockHasher, str)):
+            raise HasherError(
+                f"hasher: expected a BlockHasher or a name (xxh3, sha256, builtin), "
+                f"got {brief_repr(given_hasher)}"
+            )
         second_chance = check_chances(second_chance)  # here too: before any typed (compiled) call
         if window_chances is not None:
             window_chances = check_chances(window_chances, "window_chances")
@@ -183,7 +209,7 @@ class KVCacheManager(TierCalls):
             publish=publish,
             window_retention=window_retention,
             checkpoint_admission=checkpoint_admission,
-            tiers=tuple(tiers),
+            tiers=tiers,
             tier_ops=tier_ops,
             tier_admission=tier_admission,
             tier_write_through=tier_write_through,
@@ -310,6 +336,11 @@ class KVCacheManager(TierCalls):
             _count("num_new_computed_tokens", num_new_computed_tokens)
             _count("num_lookahead_tokens", num_lookahead_tokens)
             _count("num_reserved_tokens", num_reserved_tokens)
+        if new_computed_blocks is not None and not isinstance(new_computed_blocks, ComputedBlocks):
+            raise RequestError(
+                "new_computed_blocks: expected the ComputedBlocks get_computed_blocks returned "
+                f"(or None), got {brief_repr(new_computed_blocks)}"
+            )
         if rs is None or rs.request is not request or request.is_finished:
             self._check_request(request)  # raises for anything but a first allocation
         rid = request.request_id
@@ -399,6 +430,7 @@ class KVCacheManager(TierCalls):
     def free(self, request_id: str) -> None:
         """Finish ``request_id``: publish its computed blocks, drop its references, mark the
         Request finished.  Raises :class:`UnknownRequestError` for an id with no allocation."""
+        check_request_id("free", request_id)
         rs = self._coord.release(request_id)
         request = rs.request if rs is not None else self._known.get(request_id)
         if request is None:
@@ -410,6 +442,7 @@ class KVCacheManager(TierCalls):
         """Drop every block of ``request_id`` (publishing computed ones) and set its
         ``num_computed_tokens`` to 0 so it can be admitted again.  Raises
         :class:`UnknownRequestError` when it holds no blocks."""
+        check_request_id("preempt", request_id)
         rs = self._coord.release(request_id)
         if rs is None:
             raise UnknownRequestError(f"preempt: request {request_id!r} holds no blocks")
@@ -441,6 +474,14 @@ class KVCacheManager(TierCalls):
         :class:`RequestLengthError` for counts past its tokens."""
         _count("num_new_tokens", num_new_tokens)
         _count("num_lookahead_tokens", num_lookahead_tokens)
+        given: object = pinned  # checked as an object: the compiled build too
+        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+            raise RequestError(
+                f"compact: pinned must be a collection of request ids, got {brief_repr(given)}"
+            )
+        pinned = tuple(pinned)
+        for rid_pinned in pinned:
+            check_request_id("compact: pinned", rid_pinned)
         rid = getattr(request, "request_id", None)
         rs = self._coord.requests.get(rid) if isinstance(rid, str) else None
         if rs is None or rs.request is not request:
@@ -459,6 +500,7 @@ class KVCacheManager(TierCalls):
     # -- queries ------------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Per group, a copy of the request's block table (state groups: ``[running slot]``)."""
+        check_request_id("get_block_ids", request_id)
         rs = self._coord.requests.get(request_id)
         if rs is not None:
             return self._coord.block_ids(rs)
@@ -482,6 +524,7 @@ class KVCacheManager(TierCalls):
         freed.  Raises :class:`UnknownRequestError` for a request holding no blocks and
         :class:`RequestLengthError` for ``num_tokens`` outside ``[num_computed_tokens,
         allocated slots]``, changing nothing."""
+        check_request_id("drop_unread", request_id)
         rs = self._coord.requests.get(request_id)
         if rs is None:
             raise UnknownRequestError(f"drop_unread: request {request_id!r} holds no blocks")
@@ -495,7 +538,9 @@ class KVCacheManager(TierCalls):
         return sum(len(m.drop_unread(st, n)) for m, st in zip(managers, rs.groups, strict=True))
 
     def has_blocks(self, request_id: str) -> bool:
-        """True while ``request_id`` holds blocks (allocated, not freed or preempted)."""
+        """True while ``request_id`` holds blocks (allocated, not freed or preempted).  Raises
+        :class:`UnknownRequestError` for an id that is not a ``str``."""
+        check_request_id("has_blocks", request_id)
         return request_id in self._coord.requests
 
     @property
@@ -515,12 +560,18 @@ class KVCacheManager(TierCalls):
         return tuple(pool.num_free(g) for g in range(self.num_groups))
 
     def is_allocated(self, group_id: int, block_id: int) -> bool:
-        """True iff block ``block_id`` of group ``group_id`` is referenced by some request."""
+        """True iff block ``block_id`` of group ``group_id`` is referenced by some request
+        (False for an id no block of the group has).  Raises :class:`LayoutMismatchError` for
+        a ``group_id`` that is not a group of the layout, or ids that are not integers."""
+        group_id = check_group_id("is_allocated", group_id, self.num_groups)
+        block_id = check_index("is_allocated", "block_id", block_id)
         return self._coord.pool.is_allocated(group_id, block_id)
 
     def chunk_owner(self, chunk: int) -> int | None:
-        """Arena layouts: the group holding ``chunk``, None when free."""
-        return self._coord.pool.chunk_owner(chunk)
+        """Arena layouts: the group holding ``chunk``, None when free.  Raises
+        :class:`LayoutMismatchError` for a chunk the arena does not have, or a layout without
+        chunks."""
+        return self._coord.pool.chunk_owner(check_index("chunk_owner", "chunk", chunk))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix.  Only while no request holds blocks; returns False

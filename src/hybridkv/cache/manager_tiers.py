@@ -9,6 +9,7 @@ checks the requests both kinds of call take.  Bookkeeping only: see
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from hybridkv.cache.coordinator import HybridCoordinator
@@ -22,9 +23,45 @@ from hybridkv.cache.hashing import BlockHasher
 from hybridkv.cache.request import Request
 from hybridkv.cache.tiers import TierOp
 from hybridkv.cache.types import ComputedBlocks
-from hybridkv.errors import PlanError, RequestError, StorageError
+from hybridkv.errors import PlanError, RequestError, StorageError, brief_repr
 
-__all__ = ["TierCalls"]
+__all__ = ["TierCalls", "check_group_id", "check_index", "check_request_id"]
+
+
+def check_request_id(where: str, request_id: object) -> None:
+    """Raise :class:`UnknownRequestError` for a ``request_id`` that is not a ``str`` (no request
+    has one; an unhashable value would otherwise fail the lookup with a ``TypeError``)."""
+    if not isinstance(request_id, str):
+        raise UnknownRequestError(
+            f"{where}: request_id must be a str naming a request, got {brief_repr(request_id)}"
+        )
+
+
+def check_index(where: str, name: str, value: object) -> int:
+    """``value`` as an int (any integer type but ``bool``, e.g. numpy's); raises
+    :class:`LayoutMismatchError` naming ``name`` otherwise."""
+    if type(value) is int:
+        return value
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise LayoutMismatchError(
+            f"{where}: {name} must be an integer, got {brief_repr(value)}"
+        ) from None
+
+
+def check_group_id(where: str, group_id: object, num_groups: int) -> int:
+    """``group_id`` as an int in ``[0, num_groups)``; raises :class:`LayoutMismatchError`
+    otherwise."""
+    group_id = check_index(where, "group_id", group_id)
+    if not 0 <= group_id < num_groups:
+        raise LayoutMismatchError(
+            f"{where}: group_id {group_id} is not a group of this layout "
+            f"(valid: 0..{num_groups - 1})"
+        )
+    return group_id
 
 
 class TierCalls:
@@ -63,7 +100,14 @@ class TierCalls:
         :meth:`free`.  Protected entries fill at most ``protect_share`` of each tier: past it
         the least recently protected sessions end (this one too, if it alone is over).
         Returns the block hashes protected; raises :class:`UnknownRequestError` for an id
-        that is not live."""
+        that is not live, and :class:`RequestError` for a ``session`` that is not a non-empty
+        ``str``."""
+        check_request_id("protect", request_id)
+        if not isinstance(session, str) or not session:
+            raise RequestError(
+                f"protect: session must be a non-empty str naming the client session, "
+                f"got {brief_repr(session)}"
+            )
         request = self._known.get(request_id)
         if request is None:
             raise UnknownRequestError(f"protect: no live request has id {request_id!r}")
@@ -76,7 +120,12 @@ class TierCalls:
     def unprotect(self, session: str) -> bool:
         """End ``session`` (see :meth:`protect`): its entries are evicted first.  Returns
         whether the session existed (False, too, for one that ended because the tiers held
-        more protected bytes than their share)."""
+        more protected bytes than their share).  Raises :class:`RequestError` for a
+        ``session`` that is not a ``str``."""
+        if not isinstance(session, str):
+            raise RequestError(
+                f"unprotect: session must be a str naming a session, got {brief_repr(session)}"
+            )
         return self._coord.sessions.unprotect(session)
 
     def session_stats(self) -> dict[str, int]:
@@ -128,22 +177,29 @@ class TierCalls:
         :meth:`get_computed_blocks`) that its allocation would read back from a lower tier.
         Storage that must check a copy before it is used (a disk tier's checksums) checks
         these, and :meth:`discard_tier_block` the bad ones, before the allocation.  Reads
-        only."""
+        only.  Raises :class:`RequestError` subclasses for a bad ``request`` or a ``computed``
+        that is not a :class:`ComputedBlocks`."""
         self._check_request(request)
+        given: object = computed  # checked as an object: the compiled build too
+        if not isinstance(given, ComputedBlocks):
+            raise RequestError(
+                "tier_blocks: computed must be the ComputedBlocks get_computed_blocks returned, "
+                f"got {brief_repr(given)}"
+            )
         return self._coord.tier_blocks(request, computed.blocks, computed.num_computed_tokens)
 
     def discard_tier_block(self, group_id: int, block_hash: int) -> bool:
         """Storage found the lower-tier copy of ``block_hash`` of group ``group_id`` unusable
         (a failed write, a truncated or corrupt copy): forget it, so no hit reads it (a
         ``drop`` operation and a tier event follow).  Returns whether a tier held it; False,
-        changing nothing, without tiers."""
+        changing nothing, without tiers.  Raises :class:`LayoutMismatchError` for a
+        ``group_id`` that is not a group of the layout or a ``block_hash`` that is not an
+        integer."""
+        group_id = check_group_id("discard_tier_block", group_id, self.num_groups)
+        block_hash = check_index("discard_tier_block", "block_hash", block_hash)
         tiers = self._coord.tiers
         if tiers is None:
             return False
-        if not 0 <= group_id < self.num_groups:
-            raise LayoutMismatchError(
-                f"group_id: {group_id} is not a group of this layout (0..{self.num_groups - 1})"
-            )
         return tiers.discard(group_id, block_hash)
 
     def adopt_tier_entries(self, tier: str, entries: Sequence[tuple[int, int, int]]) -> list[int]:
@@ -156,6 +212,11 @@ class TierCalls:
         if tiers is None:
             raise PlanError(f"tier {tier!r}: this manager has no lower tiers")
         given: Sequence[object] = entries  # checked as objects: the compiled build too
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+            raise StorageError(
+                "adopt_tier_entries: entries must be a sequence of (group, hash, tag) integer "
+                f"tuples, got {brief_repr(given)}; nothing adopted"
+            )
         for i, entry in enumerate(given):
             if not (
                 isinstance(entry, tuple)

@@ -76,6 +76,7 @@ from typing import Any, ClassVar
 from hybridkv.cache.arena_compact import ArenaCompact
 from hybridkv.cache.arena_invariants import check_arena
 from hybridkv.cache.arena_packing import FillIndex, NoFill
+from hybridkv.cache.errors import LayoutMismatchError
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, chance_caps
 from hybridkv.errors import InvariantError, PlanError
@@ -470,7 +471,10 @@ class ArenaPool(ArenaCompact):
 
     def chunk_owner(self, chunk: int) -> int | None:
         if not 0 <= chunk < self.num_chunks:
-            raise InvariantError(f"chunk_owner: chunk {chunk} not in [0, {self.num_chunks})")
+            raise LayoutMismatchError(
+                f"chunk_owner: chunk {chunk} is not a chunk of this arena; valid: "
+                f"[0, {self.num_chunks})"
+            )
         owner = self.owner[chunk]
         return None if owner < 0 else owner
 

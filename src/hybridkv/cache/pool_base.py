@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
+from hybridkv.cache.errors import LayoutMismatchError
 from hybridkv.cache.events import EventLog
 from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan.layout import MemoryLayout, Strategy
@@ -270,8 +271,11 @@ class BlockPool(ABC):
         return 0 < block_id < len(refs) and refs[block_id] > 0
 
     def chunk_owner(self, chunk: int) -> int | None:
-        """Arena only: the group holding ``chunk`` (None when free)."""
-        raise InvariantError(f"chunk_owner: the {self.strategy} strategy has no chunks")
+        """Arena only: the group holding ``chunk`` (None when free).  Raises
+        :class:`LayoutMismatchError` for a chunk the arena lacks, or a layout without chunks."""
+        raise LayoutMismatchError(
+            f"chunk_owner: the {self.strategy.value} strategy has no chunks; only arena layouts do"
+        )
 
     @abstractmethod
     def check_invariants(self) -> None:

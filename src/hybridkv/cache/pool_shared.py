@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from hybridkv.cache.errors import LayoutMismatchError
 from hybridkv.cache.events import EventLog
 from hybridkv.cache.pool_base import (
     DEFAULT_CHANCES,
@@ -214,7 +215,10 @@ class FlatArenaPool(UniformPool):
 
     def chunk_owner(self, chunk: int) -> int | None:
         if not 0 <= chunk < self.num_chunks:
-            raise InvariantError(f"chunk_owner: chunk {chunk} not in [0, {self.num_chunks})")
+            raise LayoutMismatchError(
+                f"chunk_owner: chunk {chunk} is not a chunk of this arena; valid: "
+                f"[0, {self.num_chunks})"
+            )
         core, bpc = self.core, self.bpc
         for b in range(chunk * bpc, min((chunk + 1) * bpc, len(core.refs))):
             if core.refs[b] or core.hashes[b] is not None:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from hybridkv.cache.errors import RequestLengthError
 from hybridkv.cache.hashing import BlockHasher, Xxh3Hasher, stable_code
 from hybridkv.cache.types import BlockHash
-from hybridkv.errors import RequestError
+from hybridkv.errors import RequestError, brief_repr
 
 __all__ = ["MultiModalItem", "Request", "block_extra_keys"]
 
@@ -93,6 +93,31 @@ def _checked_tokens(ids: Iterable[int], field: str) -> list[int]:
     return _checked_array(ids, field).tolist()
 
 
+def _mm_items(given: object, request_id: str) -> tuple[MultiModalItem, ...]:
+    """``mm_items`` as :class:`MultiModalItem` tuples; raises :class:`RequestError` for one that
+    is not ``(identifier: str, offset: int, length: int)``."""
+    field = f"Request({request_id}).mm_items"
+    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+        raise RequestError(
+            f"{field}: expected a sequence of MultiModalItem(identifier, offset, length), "
+            f"got {brief_repr(given)}"
+        )
+    items: list[MultiModalItem] = []
+    for i, item in enumerate(given):
+        parts = tuple(item) if isinstance(item, Sequence) and not isinstance(item, str) else ()
+        if not (
+            len(parts) == 3
+            and isinstance(parts[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in parts[1:])
+        ):
+            raise RequestError(
+                f"{field}: item {i} is {brief_repr(item)}; expected MultiModalItem(identifier: "
+                "str, offset: int, length: int)"
+            )
+        items.append(MultiModalItem(*parts))
+    return tuple(items)
+
+
 class Request:
     """Token ids and block hashes of one request.
 
@@ -155,7 +180,7 @@ class Request:
         self._lora_code = None if lora_id is None else stable_code(f"lora:{lora_id!r}")
         self._salt_code = None if cache_salt is None else stable_code(f"salt:{cache_salt}")
         mm: list[tuple[int, int, int]] = []
-        items = tuple(MultiModalItem(*item) for item in mm_items)
+        items = _mm_items(mm_items, request_id)
         for item in items:
             offset, length = item.offset, item.length
             if offset < 0 or length <= 0 or offset + length > len(tokens):
