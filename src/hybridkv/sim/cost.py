@@ -26,13 +26,14 @@ strategies and workloads, not a promise about a particular engine.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridkv.cache import BlockMove
-from hybridkv.errors import ConfigError
+from hybridkv.errors import ConfigError, UnknownModelError, brief_repr
 from hybridkv.specs import CacheKind, MLASpec, ModelSpec
 
 __all__ = ["ACCELERATORS", "Accelerator", "ModelProfile", "StepCostModel", "load_model_config"]
@@ -64,10 +65,19 @@ ACCELERATORS: dict[str, Accelerator] = {
 }
 
 
-def load_model_config(model: str) -> dict[str, Any]:
-    """The HF config dict of a catalog name or a config path / directory (text config)."""
+def load_model_config(model: str | os.PathLike[str]) -> dict[str, Any]:
+    """The HF config dict of a catalog name or a config path / directory (a ``str`` or an
+    :class:`os.PathLike`; its text config).  Raises :class:`UnknownModelError` for a model
+    that is none of these, or of another type."""
     from hybridkv.models import catalog_config, catalog_names
 
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str):
+        raise UnknownModelError(
+            f"model: expected a catalog name or a path to a config.json (a str or "
+            f"os.PathLike), got {brief_repr(model)}"
+        )
     names = {n.lower() for n in catalog_names()}
     if model.lower() in names:
         cfg = catalog_config(model)
@@ -111,8 +121,14 @@ class ModelProfile:
 
         Attention projections, dense or routed MLPs (``num_experts_per_tok`` experts plus
         shared ones), Mamba-style in/out projections for layers without attention, and the LM
-        head.  Raises :class:`ConfigError` without ``hidden_size``.
+        head.  Raises :class:`ConfigError` for a ``cfg`` that is not a mapping or lacks
+        ``hidden_size``.
         """
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(
+                f"config: expected a Hugging Face config dict (load_model_config returns one), "
+                f"got {brief_repr(cfg)}"
+            )
         h = _int(cfg, "hidden_size", "d_model")
         if not h:
             raise ConfigError("config: missing field 'hidden_size' needed by the cost model")

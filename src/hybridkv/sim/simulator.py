@@ -19,7 +19,7 @@ from hybridkv.cache.policies import drops_dead_tails
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cache.tiers import check_protect_share, tier_hit_tokens
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import HybridKVError, brief_repr
 from hybridkv.plan import Strategy, make_plan
 from hybridkv.plan.options import AUTO_STATE_SPLIT, DEFAULT_CHUNK_ALIGNMENT
 from hybridkv.plan.result import Plan
@@ -325,8 +325,18 @@ def _need_function(model: ModelSpec) -> Callable[[int], int]:
     return need
 
 
+def _check_arg(name: str, value: object, kind: type, hint: str) -> None:
+    if not isinstance(value, kind):
+        raise SimulationError(
+            f"{name}: expected a {kind.__name__} ({hint}), got {brief_repr(value)}"
+        )
+
+
 def plan_for(model: ModelSpec, config: SimConfig) -> Plan:
-    """The plan a simulation of ``config`` runs on; raises :class:`PlanError` when none fits."""
+    """The plan a simulation of ``config`` runs on; raises :class:`PlanError` when none fits
+    (or ``model`` is not a :class:`ModelSpec`) and :class:`SimulationError` for a ``config``
+    that is not a :class:`SimConfig`."""
+    _check_arg("config", config, SimConfig, "SimConfig(memory_bytes=..., max_model_len=...)")
     return make_plan(
         model,
         memory_bytes=config.memory_bytes,
@@ -369,8 +379,11 @@ def simulate(
     """Replay ``workload`` through the scheduler and cache manager of a ``config`` plan.
 
     ``progress(done, total)`` is called as requests finish.  Raises :class:`SimulationError`
-    when a request can never fit, and plan errors for an impossible plan.
+    when a request can never fit or an argument is not of its type, and plan errors for an
+    impossible plan.
     """
+    _check_arg("profile", profile, ModelProfile, "ModelProfile.from_config(load_model_config(...))")
+    _check_arg("workload", workload, Workload, "hybridkv.workloads.load_workload(...)")
     plan = plan_for(model, config)
     layout = plan.layout
     mgr = KVCacheManager(
