@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.errors import PlanError
+from hybridkv.errors import BudgetTooSmallError, PlanError
 from hybridkv.plan import make_plan
 from test_plan_factories import swa_full_model
 
@@ -68,6 +68,30 @@ def test_budget_too_small_names_the_smallest_budget() -> None:
     ):
         _pools(4607)
     assert _pools(4608).capacity.max_concurrent_requests == 1
+
+
+def test_ratios_that_starve_a_pool_are_named_with_the_share_it_needs() -> None:
+    # Group 0 (sliding) needs 4 blocks plus the null block: 5 * 256 B, a share of at least
+    # 1280 / 17384 = 0.07363 of this budget; ratios 1:100 give it 172 B, no block.  Another
+    # split of the budget would hold a request, so the ratios are to blame.
+    with pytest.raises(BudgetTooSmallError) as info:
+        _pools(17384, (1.0, 100.0))
+    assert str(info.value).startswith(
+        "pool_ratios: the fixed split by pool_ratios: g0 sliding_window 0.0099, g1 "
+        "full_attention 0.9901 starves a pool of the 17 KiB budget: group 0 (sliding_window) "
+        "gets 0 usable blocks of 256 B and needs 4, so no request of max_model_len 32 fits "
+        "(this split needs at least 126 KiB (129280 B)); give ratios whose shares of the total "
+        "are group 0 at least 0.07363 here"
+    )
+    assert info.value.least_bytes == 129280
+    assert _pools(129280, (1.0, 100.0)).capacity.max_concurrent_requests >= 1
+    # No split of 3,000 B holds one request (5 + 9 blocks of 256 B): the budget is to blame.
+    with pytest.raises(BudgetTooSmallError, match=r"^memory_bytes: 2.93 KiB \(3000 B\) holds"):
+        _pools(3000, (1.0, 100.0))
+    # A ratio so small that no memory would do: refused without an absurd byte count.
+    with pytest.raises(BudgetTooSmallError, match="this split needs more than any machine") as huge:
+        _pools(17384, (1e-300, 1.0))
+    assert huge.value.least_bytes == 0
 
 
 def test_state_pool_holds_a_checkpoint_in_flight() -> None:

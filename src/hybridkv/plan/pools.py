@@ -23,7 +23,7 @@ from hybridkv.plan.layout import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.plan.need import blocks_for_request
 from hybridkv.plan.options import PlanOptions
 from hybridkv.specs import CacheKind
-from hybridkv.units import format_bytes
+from hybridkv.units import MAX_BYTES, format_bytes
 
 __all__ = ["plan_pools", "pool_weights"]
 
@@ -104,9 +104,11 @@ def plan_pools(
             for g, n, w in zip(plans, need, weights, strict=True)
         )
         data = sum(len(g.members) * g.spec.resident_bytes(max_model_len) for g in groups)
-        raise _split_error(
-            short, memory_bytes, max_model_len, least, data, _split_text(options, weights, plans)
-        )
+        split = _split_text(options, weights, plans)
+        # the caller's ratios are to blame where some split of this budget would do
+        some_split = sum((1 + n) * g.block_bytes for g, n in zip(plans, need, strict=True))
+        blame = options.pool_ratios is not None and some_split <= memory_bytes
+        raise _split_error(short, memory_bytes, max_model_len, least, data, split, blame)
     pools = tuple(
         PoolPlan(
             pool_id=g.group_id, group_ids=(g.group_id,), block_bytes=g.block_bytes, num_blocks=b
@@ -145,21 +147,41 @@ def _split_error(
     least: int,
     data_bytes: int,
     split: str,
+    blame_ratios: bool,
 ) -> PlanError:
-    """The refusal of a split that leaves some pool too small for one request."""
+    """The refusal of a split that leaves some pool too small for one request.  Where the
+    caller's own ``pool_ratios`` are what is wrong (another split of this budget would hold a
+    request), the message names them first and says what share each starved group needs."""
     starved = "; ".join(
         f"group {g.group_id} ({g.spec.kind.value}) gets {max(b - 1, 0)} usable blocks of "
         f"{format_bytes(g.block_bytes)} and needs {n}"
         for g, b, n in short
     )
+    huge = least > MAX_BYTES  # a ratio so small no machine's memory would do
+    needs = (
+        "more than any machine addresses" if huge else f"at least {format_bytes(least)} ({least} B)"
+    )
+    if blame_ratios:
+        shares = ", ".join(
+            f"group {g.group_id} at least {(1 + n) * g.block_bytes / memory_bytes:.4g}"
+            for g, _, n in short
+        )
+        return BudgetTooSmallError(
+            f"pool_ratios: the fixed split {split} starves a pool of the "
+            f"{format_bytes(memory_bytes)} budget: {starved}, so no request of max_model_len "
+            f"{max_model_len} fits (this split needs {needs}); give ratios whose shares of the "
+            f"total are {shares} here, or leave --pool-ratios out (the split then follows each "
+            "group's need)",
+            0 if huge else least,
+        )
     return BudgetTooSmallError(
         f"memory_bytes: {format_bytes(memory_bytes)} ({memory_bytes} B) holds no request of "
         f"max_model_len {max_model_len} with the pools strategy: the fixed split {split} "
-        f"starves a pool: {starved}; this split needs at least {format_bytes(least)} "
-        f"({least} B) although one request's cache data is only {format_bytes(data_bytes)}; "
-        "give more memory, a shorter max_model_len, pool ratios that match the need "
-        "(--pool-ratios), or the arena strategy, which has no fixed split",
-        least,
+        f"starves a pool: {starved}; this split needs {needs} although one request's cache "
+        f"data is only {format_bytes(data_bytes)}; give more memory, a shorter max_model_len, "
+        "pool ratios that match the need (--pool-ratios), or the arena strategy, which has no "
+        "fixed split",
+        0 if huge else least,
     )
 
 
