@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -124,12 +125,26 @@ def test_bad_configuration_and_requests() -> None:
         engine.add_request("v", [1, 256], max_tokens=1)
     with pytest.raises(PromptError, match="64 tokens; prompts must be shorter"):
         engine.add_request("long", [1] * 64, max_tokens=1)
-    with pytest.raises(PromptError, match="max_tokens must be >= 1"):
+    with pytest.raises(PromptError, match="max_tokens must be an integer >= 1, got 0"):
         engine.add_request("z", [1], max_tokens=0)
+    # found by review: a bool prompt was queued and then broke every later step
+    refused: list[tuple[Any, dict[str, Any], str]] = [
+        ([True, False], {}, "token id True (bool) is not a Python int"),
+        (torch.tensor([1, 2]), {}, "token id tensor(1) (Tensor) is not a Python int"),
+        (5, {}, "the prompt must be a sequence of token ids, got int"),
+        ([1], {"max_tokens": 2.5}, "max_tokens must be an integer >= 1, got 2.5"),
+        ([1], {"max_tokens": "3"}, "max_tokens must be an integer >= 1, got '3'"),
+        ([1], {"eos_token_ids": 5}, "eos_token_ids must be a sequence of token ids, got 5"),
+        ([1], {"eos_token_ids": [-5]}, "eos_token_ids: -5 is not a token id of the vocabulary"),
+    ]
+    for prompt, extra, phrase in refused:
+        with pytest.raises(PromptError, match=re.escape(phrase)):
+            engine.add_request("bad", prompt, **{"max_tokens": 1, **extra})
     engine.add_request("a", [1], max_tokens=1)
     with pytest.raises(SchedulerError, match="already queued"):
         engine.add_request("a", [2], max_tokens=1)
     assert engine.stats().prompt_tokens == 1
+    assert engine.generate([], max_tokens=1) == [] and "a" in engine.completions
 
 
 def test_model_sources(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -302,24 +302,52 @@ class LLMEngine:
         under that session name (replacing the session's earlier prefix) until
         :meth:`unprotect` (:mod:`hybridkv.cache.tier_sessions`)."""
         prompt = self.check_prompt(request_id, prompt_token_ids)
-        if max_tokens < 1:
-            raise PromptError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise PromptError(
+                f"request {request_id!r}: max_tokens must be an integer >= 1, got {max_tokens!r}"
+            )
+        eos = self._check_eos(request_id, eos_token_ids)
         seq = self.scheduler.add_request(
             request_id,
             prompt,
             max_tokens=max_tokens,
-            eos_token_ids=eos_token_ids,
+            eos_token_ids=eos,
             hold=hold,
             protect_as=protect_as,
         )
         self._live[request_id] = _Live(seq, prompt)
         self._counts["prompt"] += len(prompt)
 
+    def _check_eos(self, request_id: str, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+        """``eos_token_ids`` as a tuple of token ids of the vocabulary, or a
+        :class:`PromptError` naming the request and the bad value."""
+        given: object = eos_token_ids
+        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+            raise PromptError(
+                f"request {request_id!r}: eos_token_ids must be a sequence of token ids, got "
+                f"{given!r}"
+            )
+        eos = tuple(given)
+        for t in eos:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise PromptError(
+                    f"request {request_id!r}: eos_token_ids: {t!r} is not a token id of the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+        return eos
+
     def check_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[int, ...]:
         """The prompt as a tuple, if the engine can serve it.  Raises :class:`PromptError`
-        naming ``request_id`` for an empty prompt, a token id outside ``[0, vocab_size)``, or
-        ``max_model_len`` tokens or more (one output token must fit).  Reads only."""
-        prompt = tuple(prompt_token_ids)
+        naming ``request_id`` for a prompt that is not a sequence of Python ints, an empty
+        prompt, a token id outside ``[0, vocab_size)``, or ``max_model_len`` tokens or more
+        (one output token must fit).  Reads only."""
+        given: object = prompt_token_ids
+        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+            raise PromptError(
+                f"request {request_id!r}: the prompt must be a sequence of token ids, got "
+                f"{type(given).__name__}"
+            )
+        prompt = tuple(given)
         problem = prompt_problem(
             prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )

@@ -60,9 +60,14 @@ def prompt_problem(prompt: Sequence[int], *, vocab_size: int, max_model_len: int
     checks, usable before the model is loaded."""
     if not prompt:
         return "the prompt is empty"
-    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        return f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
+    for t in prompt:
+        if not isinstance(t, int) or isinstance(t, bool):
+            return (
+                f"token id {t!r} ({type(t).__name__}) is not a Python int; give token ids as "
+                "ints (e.g. tensor.tolist())"
+            )
+        if not 0 <= t < vocab_size:
+            return f"token id {t!r} is outside the vocabulary [0, {vocab_size})"
     if len(prompt) >= max_model_len:
         return (
             f"the prompt has {len(prompt)} tokens; prompts must be shorter than max_model_len "
