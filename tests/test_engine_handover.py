@@ -142,6 +142,46 @@ def test_a_failed_pull_is_recomputed_never_read() -> None:
         import_request(pre, handover, max_tokens=2, pull=lambda plan, source, buffers: None)
 
 
+def test_a_handover_its_first_token_ends_completes_without_a_pull() -> None:
+    """An EOS as the prefill side's token, or ``max_tokens=1``, finishes the request on the
+    decode side with nothing pulled or decoded (found by review: the decode side ignored
+    EOS and kept generating)."""
+    first = LLMEngine("llama").generate([PROMPTS[0]], max_tokens=2)[0].token_ids
+    pre, dec = _engines("llama")
+
+    def pull(plan: TransferPlan, source: int, buffers: Sequence[torch.Tensor]) -> None:
+        raise AssertionError("a finished request pulls nothing")
+
+    for rid, kw in (("eos", {"max_tokens": 6, "eos_token_ids": [first[0]]}), ("one", {})):
+        pre.add_request(rid, PROMPTS[0], max_tokens=1, hold=True)
+        pre.run()
+        assert import_request(dec, export_request(pre, rid), pull=pull, **{"max_tokens": 1, **kw})
+        release(pre, rid)
+    assert not dec.has_unfinished() and not dec.manager.has_blocks("eos")
+    eos, one = dec.completions["eos"], dec.completions["one"]
+    assert (eos.token_ids, eos.finish_reason.value) == (first[:1], "stop")
+    assert (one.token_ids, one.finish_reason.value) == (first[:1], "length")
+    assert len(eos.logits) == 1 and dec.stats().generated_tokens == 2
+    assert verify_completions(_reference("llama"), [eos], [first[0]]).ok
+
+
+def test_processes_stop_at_eos() -> None:
+    """``eos_token_ids`` reach the decode process: requests stop where transformers does."""
+    eos = [LLMEngine("llama").generate([PROMPTS[1]], max_tokens=4)[0].token_ids[2]]
+    res = run_disaggregated(
+        ["llama"],
+        PROMPTS,
+        max_tokens=6,
+        eos_token_ids=eos,
+        prefill_cache=PREFILL,
+        decode_cache=DECODE,
+    )["llama"]
+    done = [res.completions[f"r{i}"] for i in range(len(PROMPTS))]
+    assert done[1].token_ids[-1] == eos[0] and len(done[1].token_ids) == 3
+    assert done[1].finish_reason.value == "stop"
+    assert verify_completions(_reference("llama"), done, eos).ok
+
+
 def _handover(engine: LLMEngine) -> Any:
     engine.add_request("h", PROMPTS[0], max_tokens=1, hold=True)
     engine.run()

@@ -70,6 +70,7 @@ def run_disaggregated(
 
     from hybridkv.engine import verify_completions
     from hybridkv.engine.disaggregate import check_tp_sizes, run_disaggregated
+    from hybridkv.engine.model_source import eos_token_ids
     from hybridkv.engine.models import load_model
     from hybridkv.engine.tp_shards import TPSplitError
 
@@ -82,11 +83,13 @@ def run_disaggregated(
         raise RunInputError(f"--{field.replace('_', '-')} {rest}") from None
     if not args.quiet:
         print(f"prefill and decode processes for {args.model} ...", file=sys.stderr)
+    eos = eos_token_ids(args.model)  # the single engine's stop rule (run_cmd._eos_ids)
     start = time.perf_counter()
     result = run_disaggregated(
         [args.model],
         [list(p) for p in prompts],
         max_tokens=args.max_tokens,
+        eos_token_ids=eos,
         prefill_cache=cache,
         decode_cache=replace(cache, publish="computed"),
         seed=args.seed,
@@ -113,7 +116,7 @@ def run_disaggregated(
     if not args.verify:
         return 0
     reference = load_model(args.model, seed=args.seed)
-    verdict = verify_completions(reference, done)
+    verdict = verify_completions(reference, done, eos)
     for line in verify_lines(verdict, "transformers' generate"):
         print(line)
     return 0 if verdict.ok else 1

@@ -127,13 +127,15 @@ def _prefill(engine: LLMEngine, prompts: list[list[int]], die_after: int | None,
         release(engine, rid)
 
 
-def _decode(engine: LLMEngine, max_tokens: int, tp: int) -> DisaggregatedResult:
+def _decode(
+    engine: LLMEngine, max_tokens: int, eos_token_ids: Sequence[int], tp: int
+) -> DisaggregatedResult:
     result = DisaggregatedResult(completions={})
     prompts: list[list[int]] = recv_object(0)
     lost = ""  # why the prefill process is out of reach, once it is
 
     def recompute(rid: str, prompt: list[int], reason: str) -> None:
-        engine.add_request(rid, prompt, max_tokens=max_tokens)
+        engine.add_request(rid, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids)
         result.recomputed += 1
         result.reasons[rid] = reason
 
@@ -174,6 +176,7 @@ def _decode(engine: LLMEngine, max_tokens: int, tp: int) -> DisaggregatedResult:
             engine,
             handover,
             max_tokens=max_tokens,
+            eos_token_ids=eos_token_ids,
             pull=pull,
             decode_tp=tp,
             reasons=result.reasons,
@@ -205,6 +208,7 @@ def _worker(
     models: list[str],
     prompts: list[list[int]],
     max_tokens: int,
+    eos_token_ids: tuple[int, ...],
     caches: tuple[CacheConfig, CacheConfig],
     timeout: float,
     die_after: int | None,
@@ -224,7 +228,7 @@ def _worker(
         if rank == 0:
             _prefill(engine, prompts, die_after, tps[0])
             continue
-        results[model] = result = _decode(engine, max_tokens, tps[1])
+        results[model] = result = _decode(engine, max_tokens, eos_token_ids, tps[1])
         if result.errors:  # the peer is gone: the models after this one run nowhere
             break
     if rank == 0:
@@ -243,6 +247,7 @@ def run_disaggregated(
     prompts: list[list[int]],
     *,
     max_tokens: int,
+    eos_token_ids: Sequence[int] = (),
     prefill_cache: CacheConfig,
     decode_cache: CacheConfig,
     timeout: float = 60.0,
@@ -253,7 +258,8 @@ def run_disaggregated(
 ) -> dict[str, DisaggregatedResult]:
     """Serve ``prompts`` (request ids ``r0``, ``r1``, ...) on each model of ``models`` in
     turn with a prefill process and a decode process (see the module doc); returns the
-    decode side's result per model.  ``decode_cache`` must publish blocks once computed.
+    decode side's result per model.  ``decode_cache`` must publish blocks once computed;
+    ``eos_token_ids`` end a request early (the prefill side's first token included).
     ``die_after``: the prefill process exits after sending that request's handover (a test
     of a lost peer); ``seed``: of the built-in models' random weights; ``prefill_tp`` /
     ``decode_tp``: the two instances' tensor-parallel sizes, as a sharded-cache emulation
@@ -267,7 +273,20 @@ def run_disaggregated(
     port = free_port()
     caches = (prefill_cache, decode_cache)
     tps = (prefill_tp, decode_tp)
-    args = (port, list(models), prompts, max_tokens, caches, timeout, die_after, seed, tps, box)
+    eos = tuple(eos_token_ids)
+    args = (
+        port,
+        list(models),
+        prompts,
+        max_tokens,
+        eos,
+        caches,
+        timeout,
+        die_after,
+        seed,
+        tps,
+        box,
+    )
     procs = [ctx.Process(target=_worker, args=(rank, *args)) for rank in range(2)]
     for p in procs:
         p.start()

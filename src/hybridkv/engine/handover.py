@@ -28,7 +28,7 @@ import torch
 
 from hybridkv.cache import AllocationResult
 from hybridkv.engine.errors import EngineError
-from hybridkv.engine.llm_engine import LLMEngine, _Live
+from hybridkv.engine.llm_engine import Completion, LLMEngine, _Live
 from hybridkv.engine.tp_shards import (
     Shard,
     TPSplitError,
@@ -38,6 +38,7 @@ from hybridkv.engine.tp_shards import (
     shard_caches,
 )
 from hybridkv.errors import HybridKVError
+from hybridkv.scheduler import FinishReason
 from hybridkv.storage import TransferError
 from hybridkv.storage.connector import Registration, register_storage
 from hybridkv.storage.transfer import copy_blocks
@@ -101,6 +102,18 @@ def release(engine: LLMEngine, request_id: str) -> None:
     engine.scheduler.release(request_id)
 
 
+def _finished_by(
+    token_ids: Sequence[int], max_tokens: int, eos_token_ids: Sequence[int]
+) -> FinishReason | None:
+    """Why a request whose first tokens are ``token_ids`` is already finished (an EOS among
+    them, or ``max_tokens`` reached), or None when it goes on."""
+    if any(t in eos_token_ids for t in token_ids):
+        return FinishReason.STOP
+    if len(token_ids) >= max_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
 def import_request(
     engine: LLMEngine,
     handover: Handover,
@@ -129,6 +142,23 @@ def import_request(
         )
     rid = handover.request_id
     prompt = handover.prompt
+    done = _finished_by(handover.token_ids, max_tokens, eos_token_ids)
+    if done is not None:  # the prefill side's token ends it: nothing to decode or pull
+        engine.check_prompt(rid, prompt)
+        if rid in engine._live or rid in engine.scheduler.seqs:
+            raise EngineError(f"handover: request {rid!r} is already queued")
+        engine.completions[rid] = Completion(
+            request_id=rid,
+            prompt_token_ids=tuple(prompt),
+            token_ids=tuple(handover.token_ids),
+            finish_reason=done,
+            num_cached_tokens=0,
+            num_preemptions=0,
+            logits=tuple(handover.logits) if engine.keep_logits else (),
+        )
+        engine._counts["prompt"] += len(prompt)
+        engine._counts["gen"] += len(handover.token_ids)
+        return True
     own = register_storage(engine.storage, instance=engine.name)
     storage = engine.storage
 

@@ -11,7 +11,13 @@ from hybridkv.engine.cache_config import DEFAULT_MAX_MODEL_LEN
 from hybridkv.engine.errors import ModelSourceError
 from hybridkv.engine.models import TINY_MODELS, tiny_config
 
-__all__ = ["config_vocab_size", "default_max_model_len", "model_config", "prompt_problem"]
+__all__ = [
+    "config_vocab_size",
+    "default_max_model_len",
+    "eos_token_ids",
+    "model_config",
+    "prompt_problem",
+]
 
 
 def default_max_model_len(config: Any) -> int:
@@ -51,6 +57,28 @@ def model_config(source: str | Path) -> Any:
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelSourceError(f"model: cannot read the config of {name!r}: {first}") from exc
+
+
+def eos_token_ids(source: str | Path) -> list[int]:
+    """The end-of-sequence ids of tiny model or checkpoint ``source``, read without loading a
+    weight: its ``generation_config.json``'s ``eos_token_id`` where it has one, else its
+    config's (none for the tiny models).  Raises like :func:`model_config`."""
+    config = model_config(source)
+    eos = getattr(config, "eos_token_id", None)
+    if str(source) not in TINY_MODELS and (Path(source) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        try:
+            generation = GenerationConfig.from_pretrained(str(source))
+        except (OSError, ValueError) as exc:
+            raise ModelSourceError(
+                f"model: cannot read {str(source)!r}'s generation_config.json: {exc}"
+            ) from None
+        if generation.eos_token_id is not None:
+            eos = generation.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
 
 
 def prompt_problem(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> str | None:
