@@ -219,7 +219,8 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     ),
     (
         ["run", "--compaction", "off", "--strategy", "pools"],
-        "--compaction off: only applies with --strategy arena (or all)",
+        "--compaction off: only applies with --strategy arena, which compacts chunks; "
+        "--strategy pools has none",
     ),
     (
         ["plan", "gpt-oss-20b", "--shared-state-chunks"],

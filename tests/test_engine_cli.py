@@ -334,6 +334,28 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
         "gets 1 usable blocks of 18 KiB and needs 2; group 1 (full_attention) gets 1 usable "
         "blocks of 4 KiB and needs 32; give at least 32",
     ),
+    (  # found by review: with ratios of the count's own, one pool short
+        "num-blocks-too-few-pools-one-group",
+        ("--model", "qwen3_next", "--strategy", "pools", "--num-blocks", "3"),
+        "--num-blocks: 3 blocks of every group hold no request of max_model_len 512 with the "
+        "pools strategy (each group's pool gets 4 blocks, one its null block): group 1 "
+        "(full_attention) gets 3 usable blocks of 4 KiB and needs 32; give at least 32",
+    ),
+    (  # found by review: a traceback from the tensor allocation
+        "num-blocks-huge",
+        ("--num-blocks", "1" + "0" * 29),
+        "--num-blocks: 100000000000000000000000000000 blocks of every group need",
+    ),
+    (  # found by review: the prompts were generated (or overflowed) before the check
+        "shared-prefix-huge",
+        ("--shared-prefix", "1" + "0" * 29),
+        "lower --shared-prefix to at most 498",
+    ),
+    (
+        "shared-prefix-with-prompts",
+        ("--prompts", "{tmp}/empty.txt", "--shared-prefix", "5"),
+        "--shared-prefix 5: only applies to the generated prompts, not with --prompts",
+    ),
     (
         "model-unknown",
         ("--model", "no-such-model"),

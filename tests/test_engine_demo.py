@@ -35,6 +35,27 @@ def test_waves_admit_after_the_first_tokens_and_hit_the_cache() -> None:
     assert engine.stats().max_batch_requests == 5  # wave 2 prefills while wave 1 decodes
 
 
+@pytest.mark.parametrize(
+    ("n", "waves", "sizes"),
+    [(8, 5, [2, 2, 1, 2, 1]), (8, 7, [2, 1, 1, 1, 1, 1, 1]), (5, 4, [2, 1, 1, 1]), (3, 9, [1] * 3)],
+)
+def test_as_many_waves_as_asked(n: int, waves: int, sizes: list[int]) -> None:
+    """Exactly ``waves`` waves (at most one per prompt): 8 prompts in 5 waves ran in 4 before
+    (found by review)."""
+    engine = LLMEngine("llama", cache=CacheConfig(block_size=4))
+    prompts = shared_prefix_prompts(n, vocab_size=engine.vocab_size, shared_prefix=4)
+    added: list[int] = []
+    add = engine.add_request
+
+    def counting(*args: object, **kwargs: object) -> None:
+        added.append(engine.stats().steps)
+        add(*args, **kwargs)  # type: ignore[arg-type]
+
+    engine.add_request = counting  # type: ignore[method-assign]
+    run_in_waves(engine, prompts, max_tokens=2, waves=waves)
+    assert [added.count(step) for step in sorted(set(added))] == sizes
+
+
 def test_bad_prompts_are_refused_before_anything_runs() -> None:
     engine = LLMEngine("llama", cache=CacheConfig(block_size=4, max_model_len=16))
     with pytest.raises(PromptError, match="'r1': the prompt has 16 tokens"):

@@ -304,13 +304,15 @@ def _check_kind_options(
             raise CliInputError(f"{flag} {value}: only applies to {what}; {model.name} has none")
 
 
-def check_compaction(args: argparse.Namespace) -> None:
+def check_compaction(args: argparse.Namespace, *, with_all: bool = True) -> None:
     """Refuse ``--compaction off`` with a strategy that has no chunks to compact (``uniform``,
-    ``pools``), where it would change nothing, instead of ignoring it."""
+    ``pools``), where it would change nothing, instead of ignoring it (``with_all``: the
+    command also takes ``--strategy all``)."""
     if args.compaction == "off" and args.strategy not in ("arena", "all"):
+        arena = "arena (or all)" if with_all else "arena"
         raise CliInputError(
-            f"--compaction off: only applies with --strategy arena (or all), which compacts "
-            f"chunks; --strategy {args.strategy} has none"
+            f"--compaction off: only applies with --strategy {arena}, which compacts chunks; "
+            f"--strategy {args.strategy} has none"
         )
 
 

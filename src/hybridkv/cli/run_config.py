@@ -64,6 +64,13 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise RunInputError(f"{flag}: must be a positive integer, got {value}")
     if args.shared_prefix < 0:
         raise RunInputError(f"--shared-prefix: must be >= 0, got {args.shared_prefix}")
+    from hybridkv.engine.demo import DEFAULT_SHARED_PREFIX
+
+    if args.prompts is not None and args.shared_prefix != DEFAULT_SHARED_PREFIX:
+        raise RunInputError(
+            f"--shared-prefix {args.shared_prefix}: only applies to the generated prompts, "
+            f"not with --prompts {args.prompts}"
+        )
     from hybridkv.specs import MAX_TOKENS
 
     if not 0 <= args.attention_sinks <= MAX_TOKENS:
@@ -91,7 +98,7 @@ def check_numbers(args: argparse.Namespace) -> None:
         args,
         [(name, "--disaggregate", args.disaggregate) for name in ("prefill_tp", "decode_tp")],
     )
-    check_compaction(args)
+    check_compaction(args, with_all=False)
 
 
 def check_model_limits(args: argparse.Namespace, config: Any) -> None:

@@ -127,7 +127,7 @@ def prompts_for(
 ) -> list[list[int]]:
     """The requests' prompts (the ``lines`` of ``--prompts``, or generated), every one checked
     against the model's vocabulary and ``max_model_len`` before anything is loaded."""
-    from hybridkv.engine.demo import shared_prefix_prompts
+    from hybridkv.engine.demo import SUFFIX_KINDS, shared_prefix_prompts, suffix_length
     from hybridkv.engine.llm_engine import prompt_problem
 
     limits = {"vocab_size": vocab_size, "max_model_len": max_model_len}
@@ -137,13 +137,9 @@ def prompts_for(
         else f"max_model_len {max_model_len} (the model's limit, at most {MAX_MODEL_LEN_CAP})"
     )
     if lines is None:
-        prompts = shared_prefix_prompts(
-            args.num_requests or DEFAULT_REQUESTS,
-            vocab_size=vocab_size,
-            shared_prefix=args.shared_prefix,
-            seed=args.seed,
-        )
-        longest = max(len(p) for p in prompts)
+        n = args.num_requests or DEFAULT_REQUESTS
+        # checked before generating: a huge prefix would build a huge list first
+        longest = args.shared_prefix + suffix_length(min(n, SUFFIX_KINDS) - 1)
         if longest >= max_model_len:
             room = max_model_len - 1 - (longest - args.shared_prefix)  # one output token
             fix = f"lower --shared-prefix to at most {room}" if room >= 0 else "lower it"
@@ -154,7 +150,9 @@ def prompts_for(
                 f"{longest} tokens (the shared prefix + their own), too long for "
                 f"{length_hint}; {fix}"
             )
-        return prompts
+        return shared_prefix_prompts(
+            n, vocab_size=vocab_size, shared_prefix=args.shared_prefix, seed=args.seed
+        )
     numbered = _numbered_prompts(args.prompts, lines, tokenizer)
     for number, ids in numbered:
         problem = prompt_problem(ids, **limits)

@@ -4,6 +4,7 @@ config before any weight is loaded."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from hybridkv.plan import MemoryLayout, Plan, Strategy, make_plan
 from hybridkv.plan.options import AUTO_STATE_SPLIT
 from hybridkv.plan.search import first_true
 from hybridkv.specs import ModelSpec
+from hybridkv.units import MAX_BYTES, format_bytes
 
 __all__ = [
     "DEFAULT_MAX_MODEL_LEN",
@@ -168,6 +170,12 @@ def plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan:
         plan = big
         for _ in range(4):
             memory = _budget_for_blocks(plan.layout, num_blocks)
+            if memory > MAX_BYTES:
+                raise PlanError(
+                    f"CacheConfig.num_blocks: {num_blocks} blocks of every group need "
+                    f"{format_bytes(memory)}, more than any machine addresses (2^64 B); give "
+                    "fewer"
+                )
             if memory == plan.memory_bytes:
                 break
             plan = make_plan(spec, memory_bytes=memory, **options)
@@ -179,12 +187,15 @@ def plan_cache(spec: ModelSpec, max_model_len: int, cache: CacheConfig) -> Plan:
         least = _least_blocks(for_blocks, cache.num_blocks)
         text = str(exc)
         reason = text.partition("; ")[0].partition(" holds ")[2]
-        if big.layout.strategy is Strategy.POOLS and " starves a pool: " in text:
+        short = re.search(
+            r" starves a pool(?: of the [^:]* budget)?: (.*?)(?:; this|, so no)", text
+        )
+        if big.layout.strategy is Strategy.POOLS and short is not None:
             # The split is this count's, not ratios the user gave: name what runs short.
-            starved = text.partition(" starves a pool: ")[2].partition("; this split")[0]
             reason = (
-                f"{reason.partition(': the fixed split')[0]} (each group's pool gets "
-                f"{cache.num_blocks + 1} blocks, one its null block): {starved}"
+                f"no request of max_model_len {big.max_model_len} with the pools strategy "
+                f"(each group's pool gets {cache.num_blocks + 1} blocks, one its null block): "
+                f"{short.group(1)}"
             )
         raise BudgetTooSmallError(
             f"CacheConfig.num_blocks: {cache.num_blocks} blocks of every group hold {reason}; "

@@ -18,7 +18,13 @@ import torch
 from hybridkv.engine.errors import PromptError
 from hybridkv.engine.llm_engine import Completion, LLMEngine
 
-__all__ = ["DEFAULT_SHARED_PREFIX", "run_in_waves", "shared_prefix_prompts"]
+__all__ = [
+    "DEFAULT_SHARED_PREFIX",
+    "SUFFIX_KINDS",
+    "run_in_waves",
+    "shared_prefix_prompts",
+    "suffix_length",
+]
 
 #: Tokens every default prompt shares (a multiple of the default 16-token alignment).
 DEFAULT_SHARED_PREFIX = 32
@@ -28,7 +34,7 @@ def shared_prefix_prompts(
     num_requests: int, *, vocab_size: int, shared_prefix: int = DEFAULT_SHARED_PREFIX, seed: int = 0
 ) -> list[list[int]]:
     """``num_requests`` prompts of seeded random token ids: the same ``shared_prefix`` tokens,
-    then a suffix of ``4 + 3 * (i % 4)`` tokens of their own.  Raises :class:`PromptError`
+    then a suffix of :func:`suffix_length` ``(i)`` tokens of their own.  Raises :class:`PromptError`
     for a non-positive count or a negative prefix."""
     if num_requests < 1 or shared_prefix < 0 or vocab_size < 1:
         raise PromptError(
@@ -41,7 +47,16 @@ def shared_prefix_prompts(
         return [int(t) for t in torch.randint(0, vocab_size, (n,), generator=gen)]
 
     prefix = tokens(shared_prefix)
-    return [prefix + tokens(4 + 3 * (i % 4)) for i in range(num_requests)]
+    return [prefix + tokens(suffix_length(i)) for i in range(num_requests)]
+
+
+#: The generated prompts' suffixes come in this many lengths (:func:`suffix_length`).
+SUFFIX_KINDS = 4
+
+
+def suffix_length(i: int) -> int:
+    """The length of generated prompt ``i``'s own suffix: 4, 7, 10, 13, 4, ..."""
+    return 4 + 3 * (i % SUFFIX_KINDS)
 
 
 def run_in_waves(
@@ -54,7 +69,8 @@ def run_in_waves(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Completion]:
     """Run ``prompts`` (ids ``r0``, ``r1``, ...) through ``engine`` in ``waves`` waves of
-    nearly equal size (see the module docstring) and return their completions in order.
+    nearly equal size (sizes differ by at most one; at most one wave per prompt; see the
+    module docstring) and return their completions in order.
 
     Every prompt is checked (:meth:`LLMEngine.check_prompt`) before the first is queued, so a
     bad prompt raises :class:`PromptError` with nothing run.  ``progress(done, total)`` is
@@ -68,8 +84,9 @@ def run_in_waves(
         )
     ids = [f"r{i}" for i in range(len(prompts))]
     checked = [engine.check_prompt(rid, p) for rid, p in zip(ids, prompts, strict=True)]
-    size = -(-len(prompts) // waves)
-    pending = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
+    n, waves = len(prompts), min(waves, len(prompts))  # exactly ``waves``: none empty
+    cuts = [-(-w * n // waves) for w in range(waves + 1)]  # earlier waves the larger
+    pending = [list(range(cuts[w], cuts[w + 1])) for w in range(waves)]
     # what each request can generate: max_tokens, or less where max_model_len stops it
     most = {
         rid: max(1, min(max_tokens, engine.max_model_len - len(p)))
