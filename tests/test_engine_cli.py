@@ -593,3 +593,18 @@ def test_compaction_beside_a_host_tier_is_reported(capsys: pytest.CaptureFixture
     assert out.splitlines()[-1].startswith("verify: all 8 requests (128 tokens) identical")
     code, out, err = run(capsys, *argv, "--compaction", "off")
     assert code == 0 and "\npreemptions: 7\n" in out, out + err
+
+
+def test_per_group_hit_rates_say_what_they_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """The per-group line names its own denominator (every lookup) and says n/a where no
+    lookup ran, not 0.0% of 0 (found by review)."""
+    assert main(["run", "--model", "jamba", "--quiet", "--max-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "  hit rate per group: n/a (no prefix lookups: this model's recurrent state (Mamba1) "
+        "cannot resume a prefill, so every prompt is computed whole)"
+    ) in out
+    assert main(["run", "--model", "llama", "--quiet", "--max-tokens", "2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "per group" in x)
+    assert "tokens looked up, a request's every lookup counted" in line
+    assert "0:full_attention" in line and "n/a" not in line

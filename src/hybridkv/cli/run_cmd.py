@@ -529,7 +529,8 @@ def _run(args: argparse.Namespace) -> int:
         engine.close()  # the disk tier's directory is free for the next run
     for c in done:
         print(output_line(c, tokenizer))
-    for line in summary_lines(engine.stats(), len(done)):
+    whole = engine.scheduler.config.whole_prefill
+    for line in summary_lines(engine.stats(), len(done), whole_prefill=whole):
         print(line)
     if not args.verify:
         return 0

@@ -47,8 +47,30 @@ def _per_group(labels: tuple[str, ...], values: tuple[Any, ...], fmt: str = "{}"
     return ", ".join(f"{label} {fmt.format(v)}" for label, v in zip(labels, values, strict=True))
 
 
-def summary_lines(stats: EngineStats, num_requests: int) -> list[str]:
+def summary_lines(
+    stats: EngineStats, num_requests: int, *, whole_prefill: bool = False
+) -> list[str]:
+    """The run's summary.  ``whole_prefill``: the engine computes every prompt whole from
+    token 0 (a Mamba1 model), so it looks up no prefix."""
     from hybridkv.cli.format import percent
+
+    if stats.query_tokens:
+        per_group = (
+            "  hit rate per group (what each group alone could serve, of "
+            f"{stats.query_tokens} tokens looked up, a request's every lookup counted: while "
+            "it waits, and again after a preemption): "
+            + ", ".join(
+                f"{label} {percent(rate, 1)}"
+                for label, rate in zip(stats.groups, stats.group_hit_rates, strict=True)
+            )
+        )
+    elif whole_prefill:
+        per_group = (
+            "  hit rate per group: n/a (no prefix lookups: this model's recurrent state "
+            "(Mamba1) cannot resume a prefill, so every prompt is computed whole)"
+        )
+    else:
+        per_group = "  hit rate per group: n/a (no prefix lookups)"
 
     windowed = [
         (label, n)
@@ -62,12 +84,7 @@ def summary_lines(stats: EngineStats, num_requests: int) -> list[str]:
         "per step",
         f"prefix cache: {stats.prefix_hit_tokens} of {stats.admitted_tokens} admitted prompt "
         f"tokens served from the cache ({percent(stats.hit_rate, 1)})",
-        "  hit rate per group (what each group alone could serve, of "
-        f"{stats.query_tokens} queried tokens): "
-        + ", ".join(
-            f"{label} {percent(rate, 1)}"
-            for label, rate in zip(stats.groups, stats.group_hit_rates, strict=True)
-        ),
+        per_group,
         f"peak blocks per group: {_per_group(stats.groups, stats.peak_blocks)}",
     ]
     if windowed:
