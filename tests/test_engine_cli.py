@@ -608,3 +608,13 @@ def test_per_group_hit_rates_say_what_they_count(capsys: pytest.CaptureFixture[s
     line = next(x for x in capsys.readouterr().out.splitlines() if "per group" in x)
     assert "tokens looked up, a request's every lookup counted" in line
     assert "0:full_attention" in line and "n/a" not in line
+
+
+def test_a_prompt_file_with_a_byte_order_mark_reads_as_without(tmp_path: Path) -> None:
+    """Windows editors start UTF-8 files with a byte-order mark; it was read as part of the
+    first token id and the file refused (found by review)."""
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_bytes(b"1 2 3\r\n4 5 6\r\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert run_prompts.prompt_lines(str(marked)) == run_prompts.prompt_lines(str(plain))
+    assert run_prompts.prompt_lines(str(plain)) == ["1 2 3", "4 5 6"]

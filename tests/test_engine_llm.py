@@ -147,6 +147,20 @@ def test_bad_configuration_and_requests() -> None:
     assert engine.generate([], max_tokens=1) == [] and "a" in engine.completions
 
 
+def test_engine_arguments_of_the_wrong_type_are_typed_errors() -> None:
+    """Found by review: a raw TypeError, AttributeError or ValueError before."""
+    with pytest.raises(ModelSourceError, match="model: expected a tiny model's name"):
+        LLMEngine(None)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match=r"cache: expected a CacheConfig \(or None\), got dict"):
+        LLMEngine("llama", cache={"num_blocks": 4})  # type: ignore[arg-type]
+    with pytest.raises(SchedulerError, match="scheduler: expected a SchedulerConfig"):
+        LLMEngine("llama", scheduler={})  # type: ignore[arg-type]
+    with pytest.raises(EngineError, match=r"seed: must be an integer in \[0, 2\^63\), got 10"):
+        LLMEngine("llama", seed=10**30)
+    with pytest.raises(PlanError, match=r"CacheConfig\.disk_cache_dir: got an empty path"):
+        CacheConfig(disk_cache_dir="", disk_memory_bytes=1 << 20)
+
+
 def test_model_sources(tmp_path: Path) -> None:
     with pytest.raises(ModelSourceError, match="is neither a tiny model"):
         LLMEngine(tmp_path)

@@ -71,7 +71,7 @@ def prompt_lines(path: str) -> list[str]:
             f"UTF-16); give {_PROMPT_FILE}"
         )
     try:
-        return data.decode("utf-8").splitlines()
+        return data.decode("utf-8-sig").splitlines()  # a leading byte-order mark dropped
     except UnicodeDecodeError as exc:
         raise RunInputError(
             f"--prompts: {what} is not UTF-8 text (byte {exc.start}); give {_PROMPT_FILE}"

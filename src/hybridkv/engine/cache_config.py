@@ -110,6 +110,11 @@ class CacheConfig:
                 "CacheConfig: a disk tier needs both disk_cache_dir (got "
                 f"{self.disk_cache_dir!r}) and disk_memory_bytes (got {self.disk_memory_bytes!r})"
             )
+        if self.disk_cache_dir == "":  # Path("") is the working directory: not meant
+            raise PlanError(
+                "CacheConfig.disk_cache_dir: got an empty path; give a directory for the disk "
+                "tier"
+            )
         if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, str | Path):
             raise PlanError(
                 f"CacheConfig.disk_cache_dir: expected a path, got {self.disk_cache_dir!r}"

@@ -64,6 +64,7 @@ from hybridkv.engine.cache_config import (
 from hybridkv.engine.device import resolve_device
 from hybridkv.engine.errors import (
     EngineError,
+    ModelSourceError,
     PromptError,
     SpeculativeConfigError,
 )
@@ -86,13 +87,14 @@ from hybridkv.engine.speculative import (
 )
 from hybridkv.engine.tier_setup import fingerprint, open_tiers, tier_specs
 from hybridkv.engine.views import StorageViews
-from hybridkv.errors import InvariantError
+from hybridkv.errors import InvariantError, PlanError
 from hybridkv.plan import Plan
 from hybridkv.scheduler import (
     FinishReason,
     RequestOutput,
     Scheduler,
     SchedulerConfig,
+    SchedulerError,
     SchedulerOutput,
     SequenceState,
 )
@@ -179,6 +181,7 @@ class LLMEngine:
         keep_logits: bool = False,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
+        _check_engine_args(model, cache, scheduler, seed)
         self.cache_config = cache = cache or CacheConfig()
         device = resolve_device(device)
         if isinstance(model, torch.nn.Module):
@@ -606,6 +609,26 @@ class LLMEngine:
             disk_hit_tokens=c["disk"],
             moved_blocks=c["moved"],
         )
+
+
+def _check_engine_args(model: object, cache: object, scheduler: object, seed: object) -> None:
+    """Typed errors for :class:`LLMEngine` arguments of the wrong type (before anything is
+    loaded): :class:`ModelSourceError` for ``model``, :class:`PlanError` for ``cache``,
+    :class:`~hybridkv.scheduler.SchedulerError` for ``scheduler``, :class:`EngineError` for
+    ``seed``."""
+    if not isinstance(model, (str, Path, torch.nn.Module)):
+        raise ModelSourceError(
+            f"model: expected a tiny model's name, a checkpoint directory or a loaded "
+            f"torch.nn.Module, got {type(model).__name__}"
+        )
+    if cache is not None and not isinstance(cache, CacheConfig):
+        raise PlanError(f"cache: expected a CacheConfig (or None), got {type(cache).__name__}")
+    if scheduler is not None and not isinstance(scheduler, SchedulerConfig):
+        raise SchedulerError(
+            f"scheduler: expected a SchedulerConfig (or None), got {type(scheduler).__name__}"
+        )
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63:
+        raise EngineError(f"seed: must be an integer in [0, 2^63), got {seed!r}")
 
 
 def resumes_no_prefill(spec: ModelSpec) -> bool:
