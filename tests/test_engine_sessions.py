@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridkv.engine import CacheConfig, Completion, LLMEngine, verify_completions
+from hybridkv.engine.errors import EngineError, PromptError
 from hybridkv.errors import PlanError
 from test_engine_tiers import _engine, _reference  # one request at a time on the device
 
@@ -86,3 +87,20 @@ def test_a_session_over_the_protect_share_ends_and_its_turn_is_recomputed() -> N
 def test_a_bad_protect_share_is_a_cache_config_error(bad: object) -> None:
     with pytest.raises(PlanError, match=r"CacheConfig\.protect_share: .* in \(0, 1\], got"):
         CacheConfig(protect_share=bad)  # type: ignore[arg-type]
+
+
+def test_protect_as_needs_a_lower_tier_and_a_closed_engine_does_not_step() -> None:
+    """Found by review: ``protect_as`` on an engine without tiers did nothing, and an engine
+    stepped on after ``close()`` ran without its tiers."""
+    plain = LLMEngine("llama")
+    with pytest.raises(PromptError, match="protect_as='chat' keeps a prefix in the host"):
+        plain.add_request("a", [1, 2, 3], max_tokens=1, protect_as="chat")
+    assert not plain.has_unfinished()
+    plain.close()  # no tiers: a no-op, and the engine goes on
+    assert plain.generate([[1, 2, 3]], max_tokens=1)[0].token_ids
+    tiered = _engine("llama", 64 << 20)
+    _serve(tiered, "t", _draw(3, 20), protect_as="chat")
+    tiered.close()
+    tiered.add_request("u", [1, 2, 3], max_tokens=1)
+    with pytest.raises(EngineError, match="the engine is closed"):
+        tiered.step()

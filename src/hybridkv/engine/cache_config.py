@@ -112,8 +112,7 @@ class CacheConfig:
             )
         if self.disk_cache_dir == "":  # Path("") is the working directory: not meant
             raise PlanError(
-                "CacheConfig.disk_cache_dir: got an empty path; give a directory for the disk "
-                "tier"
+                "CacheConfig.disk_cache_dir: got an empty path; give a directory for the disk tier"
             )
         if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, str | Path):
             raise PlanError(

@@ -183,6 +183,7 @@ class LLMEngine:
     ) -> None:
         _check_engine_args(model, cache, scheduler, seed)
         self.cache_config = cache = cache or CacheConfig()
+        self._closed = False  # close() ran on an engine with tiers: no more steps
         device = resolve_device(device)
         if isinstance(model, torch.nn.Module):
             net: Any = model
@@ -310,6 +311,12 @@ class LLMEngine:
                 f"request {request_id!r}: max_tokens must be an integer >= 1, got {max_tokens!r}"
             )
         eos = self._check_eos(request_id, eos_token_ids)
+        if protect_as is not None and self._tier_store is None:
+            raise PromptError(
+                f"request {request_id!r}: protect_as={protect_as!r} keeps a prefix in the host "
+                "and disk tiers, and this engine has none (CacheConfig host_memory_bytes or "
+                "disk_cache_dir)"
+            )
         seq = self.scheduler.add_request(
             request_id,
             prompt,
@@ -377,6 +384,11 @@ class LLMEngine:
         :class:`EngineError` when requests remain but none can be scheduled.  If the runner
         raises, the step's allocations stay made: the engine cannot continue.
         """
+        if self._closed:  # its tiers are gone: a step would run without them
+            raise EngineError(
+                "step: the engine is closed (close() let go of its host and disk tiers); make "
+                "a new LLMEngine"
+            )
         start = time.perf_counter()
         running = {s.request_id for s in self.scheduler.running}
         out = self._schedule()
@@ -537,11 +549,12 @@ class LLMEngine:
     def close(self) -> None:
         """Write everything cached (device blocks, host entries) to the disk tier, so the
         next engine on its directory finds it, and let go of the directory (its lock, its
-        files); with requests unfinished only what is already on disk stays.  The engine
-        must not step afterwards.  Idempotent; a no-op without tiers."""
+        files); with requests unfinished only what is already on disk stays.  A step
+        afterwards raises :class:`EngineError`.  Idempotent; a no-op without tiers."""
         store, self._tier_store = self._tier_store, None
         if store is None:
             return
+        self._closed = True
         if store.disk is not None and not self.scheduler.has_unfinished():
             self.manager.persist_to_tier("disk")
             store.apply(self.manager.take_tier_ops())
