@@ -334,6 +334,11 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
         "gets 1 usable blocks of 18 KiB and needs 2; group 1 (full_attention) gets 1 usable "
         "blocks of 4 KiB and needs 32; give at least 32",
     ),
+    (  # found by review: every token a sink, nothing ever left the window
+        "sinks-cover-every-position",
+        ("--model", "gemma2", "--attention-sinks", "600"),
+        "--attention-sinks 600: 600 sink tokens cover every position of max_model_len 512",
+    ),
     (  # found by review: with ratios of the count's own, one pool short
         "num-blocks-too-few-pools-one-group",
         ("--model", "qwen3_next", "--strategy", "pools", "--num-blocks", "3"),

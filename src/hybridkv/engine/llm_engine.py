@@ -63,6 +63,7 @@ from hybridkv.engine.cache_config import (
 )
 from hybridkv.engine.device import resolve_device
 from hybridkv.engine.errors import (
+    BindingError,
     EngineError,
     ModelSourceError,
     PromptError,
@@ -200,6 +201,12 @@ class LLMEngine:
         probe = with_attention_sinks(probe_model(net), cache.attention_sinks)
         self.spec: ModelSpec = probe_model_spec(probe, name=name)
         self.max_model_len = cache.max_model_len or default_max_model_len(net.config)
+        if cache.attention_sinks >= self.max_model_len:
+            raise BindingError(
+                f"attention_sinks: {cache.attention_sinks} sink tokens cover every position of "
+                f"max_model_len {self.max_model_len}, so no sliding-window block could ever "
+                f"leave the window; give fewer than {self.max_model_len}"
+            )
         self.plan: Plan = plan_cache(self.spec, self.max_model_len, cache)
         self.layout = self.plan.layout
         device = next(net.parameters()).device
