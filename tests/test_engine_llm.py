@@ -19,7 +19,7 @@ from hybridkv.engine import (
     reference_copy,
     verify_completions,
 )
-from hybridkv.engine.errors import DeviceError, EngineError
+from hybridkv.engine.errors import BindingError, DeviceError, EngineError
 from hybridkv.engine.models import load_model
 from hybridkv.engine.verify import Mismatch, greedy_reference
 from hybridkv.errors import PlanError, UnsupportedModelTypeError
@@ -159,6 +159,8 @@ def test_engine_arguments_of_the_wrong_type_are_typed_errors() -> None:
         LLMEngine("llama", seed=10**30)
     with pytest.raises(PlanError, match=r"CacheConfig\.disk_cache_dir: got an empty path"):
         CacheConfig(disk_cache_dir="", disk_memory_bytes=1 << 20)
+    with pytest.raises(BindingError, match="attention_sinks: 64 sink tokens cover every posi"):
+        LLMEngine("gemma2", cache=CacheConfig(attention_sinks=64, max_model_len=64))
 
 
 def test_model_sources(tmp_path: Path) -> None:

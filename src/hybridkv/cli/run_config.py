@@ -112,6 +112,15 @@ def check_model_limits(args: argparse.Namespace, config: Any) -> None:
             f"--max-model-len {args.max_model_len}: above {args.model}'s own limit of {limit} "
             "positions (max_position_embeddings); give at most that"
         )
+    from hybridkv.engine.model_source import default_max_model_len
+
+    max_len = args.max_model_len or default_max_model_len(config)
+    if args.attention_sinks >= max_len:
+        raise RunInputError(
+            f"--attention-sinks {args.attention_sinks}: {args.attention_sinks} sink tokens cover "
+            f"every position of max_model_len {max_len}, so no sliding-window block could ever "
+            f"leave the window; give fewer than {max_len}"
+        )
     types = getattr(text, "layer_types", None) or ()
     sliding = "sliding_attention" in types or getattr(text, "sliding_window", None) is not None
     if args.attention_sinks and not sliding:  # the engine's probe decides the other cases
