@@ -334,3 +334,13 @@ def test_random_drafts_keep_the_manager_consistent(
                 sampled[item.request_id] = (*item.draft_token_ids[:a], rng.randrange(50))
         s.update(out, sampled)
         s.manager.check_invariants()
+
+
+def test_whole_prefill_the_caller_set_is_named_not_the_model() -> None:
+    """lfm3 has no Mamba1 state; the refusal blamed one (found by review)."""
+    with pytest.raises(SpeculativeConfigError, match=r"SchedulerConfig\(whole_prefill=True\)"):
+        LLMEngine(
+            "lfm3",
+            scheduler=SchedulerConfig(whole_prefill=True),
+            speculative=SpeculativeConfig(NgramProposer(), 2),
+        )

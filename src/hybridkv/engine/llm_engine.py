@@ -247,6 +247,12 @@ class LLMEngine:
             logger.info("%s: whole-prompt prefill, no prefix hits (Mamba1 state)", name)
             sched = replace(sched, whole_prefill=True)
         if speculative is not None and sched.whole_prefill:
+            if not resumes_no_prefill(self.spec):  # the caller's whole_prefill, not the model
+                raise SpeculativeConfigError(
+                    "speculative: drafts are verified by multi-token passes that resume a "
+                    "request, and SchedulerConfig(whole_prefill=True) computes every prompt "
+                    "whole; leave whole_prefill off to speculate"
+                )
             raise no_drafts(name)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise SpeculativeConfigError(
