@@ -131,10 +131,10 @@ def test_bad_configuration_and_requests() -> None:
     refused: list[tuple[Any, dict[str, Any], str]] = [
         ([True, False], {}, "token id True (bool) is not a Python int"),
         (torch.tensor([1, 2]), {}, "token id tensor(1) (Tensor) is not a Python int"),
-        (5, {}, "the prompt must be a sequence of token ids, got int"),
+        (5, {}, "the prompt must be a sequence of token ids, got int 5"),
         ([1], {"max_tokens": 2.5}, "max_tokens must be an integer >= 1, got 2.5"),
         ([1], {"max_tokens": "3"}, "max_tokens must be an integer >= 1, got '3'"),
-        ([1], {"eos_token_ids": 5}, "eos_token_ids must be a sequence of token ids, got 5"),
+        ([1], {"eos_token_ids": 5}, "eos_token_ids must be a sequence of token ids, got int 5"),
         ([1], {"eos_token_ids": [-5]}, "eos_token_ids: -5 is not a token id of the vocabulary"),
     ]
     for prompt, extra, phrase in refused:

@@ -344,13 +344,7 @@ class LLMEngine:
     def _check_eos(self, request_id: str, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
         """``eos_token_ids`` as a tuple of token ids of the vocabulary, or a
         :class:`PromptError` naming the request and the bad value."""
-        given: object = eos_token_ids
-        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
-            raise PromptError(
-                f"request {request_id!r}: eos_token_ids must be a sequence of token ids, got "
-                f"{given!r}"
-            )
-        eos = tuple(given)
+        eos = _token_tuple(request_id, eos_token_ids, "eos_token_ids must be")
         for t in eos:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise PromptError(
@@ -364,13 +358,7 @@ class LLMEngine:
         naming ``request_id`` for a prompt that is not a sequence of Python ints, an empty
         prompt, a token id outside ``[0, vocab_size)``, or ``max_model_len`` tokens or more
         (one output token must fit).  Reads only."""
-        given: object = prompt_token_ids
-        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
-            raise PromptError(
-                f"request {request_id!r}: the prompt must be a sequence of token ids, got "
-                f"{type(given).__name__}"
-            )
-        prompt = tuple(given)
+        prompt = _token_tuple(request_id, prompt_token_ids, "the prompt must be")
         problem = prompt_problem(
             prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
@@ -635,6 +623,17 @@ class LLMEngine:
             disk_hit_tokens=c["disk"],
             moved_blocks=c["moved"],
         )
+
+
+def _token_tuple(request_id: str, value: object, what: str) -> tuple[Any, ...]:
+    """``value`` as a tuple, or a :class:`PromptError` (``request {id}: {what} a sequence of
+    token ids, got ...``) for a string, bytes or a non-iterable."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise PromptError(
+            f"request {request_id!r}: {what} a sequence of token ids, got "
+            f"{type(value).__name__} {value!r}"[:300]
+        )
+    return tuple(value)
 
 
 def _check_engine_args(model: object, cache: object, scheduler: object, seed: object) -> None:
