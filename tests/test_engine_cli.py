@@ -7,6 +7,7 @@ import argparse
 import gzip
 import json
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -623,3 +624,16 @@ def test_a_prompt_file_with_a_byte_order_mark_reads_as_without(tmp_path: Path) -
     marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
     assert run_prompts.prompt_lines(str(marked)) == run_prompts.prompt_lines(str(plain))
     assert run_prompts.prompt_lines(str(plain)) == ["1 2 3", "4 5 6"]
+
+
+def test_run_host_memory_zero_means_no_host_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    """As in ``simulate``: ``--host-memory 0`` (any unit) is no host tier, not an error
+    (found by review)."""
+    outs = []
+    for extra in ([], ["--host-memory", "0"], ["--host-memory", "0GiB"]):
+        assert main(["run", "--quiet", "--max-tokens", "2", *extra]) == 0
+        out = capsys.readouterr().out
+        outs.append(re.sub(r"in \d+\.\d+ s \([\d.]+ tokens/s\)", "", out))
+    assert outs[1:] == [outs[0]] * 2
+    assert main(["run", "--host-memory", "0", "--write-through", "host"]) == 2
+    assert "--write-through host: needs a host tier" in capsys.readouterr().err

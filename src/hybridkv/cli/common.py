@@ -9,6 +9,7 @@ only a spec.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ __all__ = [
     "check_positive",
     "check_state_options",
     "check_window_options",
+    "is_zero_size",
     "max_model_len_for",
     "model_name",
     "with_flag_names",
@@ -391,6 +393,15 @@ FIELD_FLAGS: dict[str, str] = {
     "disk_memory_bytes": "--disk-memory",
     "eviction": "--eviction",
 }
+
+
+#: A size of zero, in any unit or none (``0``, ``0GiB``, ``0.0 TB``): "no such tier".
+_ZERO_SIZE = re.compile(r"\+?(0+\.?0*|\.0+)\s*[A-Za-z]*")
+
+
+def is_zero_size(text: str) -> bool:
+    """Whether the size ``text`` is zero in any unit (a tier option's "none")."""
+    return _ZERO_SIZE.fullmatch(text.strip()) is not None
 
 
 def with_flag_names(message: str) -> str:

@@ -187,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="a host-memory tier below the device cache: evicted blocks are copied there and "
-        "prefix hits read them back (default: none)",
+        "prefix hits read them back; 0 = none (default: none)",
     )
     parser.add_argument(
         "--disk-cache",

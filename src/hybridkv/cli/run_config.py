@@ -12,6 +12,7 @@ from hybridkv.cli.common import (
     check_at_most,
     check_compaction,
     check_needs,
+    is_zero_size,
 )
 from hybridkv.cli.run_prompts import RunInputError
 from hybridkv.errors import HybridKVError
@@ -154,7 +155,7 @@ def configs(args: argparse.Namespace) -> tuple[CacheConfig, SchedulerConfig]:
 
     memory = None if args.memory is None else parse_bytes(args.memory, field="--memory")
     host = None
-    if args.host_memory is not None:
+    if args.host_memory is not None and not is_zero_size(args.host_memory):  # 0: none
         host = parse_bytes(args.host_memory, field="--host-memory")
     disk = None
     if args.disk_memory is not None:

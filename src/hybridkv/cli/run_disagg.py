@@ -8,6 +8,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.cli.common import is_zero_size
 from hybridkv.cli.run_prompts import RunInputError
 from hybridkv.cli.run_report import output_line, verify_lines
 
@@ -39,7 +40,7 @@ def check_disaggregate_options(args: argparse.Namespace, defaults: dict[str, Any
         flag
         for flag, on in (
             ("--speculate", args.speculate),
-            ("--host-memory", args.host_memory),
+            ("--host-memory", args.host_memory and not is_zero_size(args.host_memory)),
             ("--disk-cache", args.disk_cache),
             ("--write-through", args.write_through),
             ("--attention-sinks", args.attention_sinks),

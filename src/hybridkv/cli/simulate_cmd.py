@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,6 +50,7 @@ from hybridkv.cli.common import (
     check_state_split,
     check_window_options,
     chunk_alignment_arg,
+    is_zero_size,
     max_model_len_for,
     model_name,
 )
@@ -600,8 +600,4 @@ def _sizes(text: str | None) -> list[str]:
     if text is None:
         return []
     parts = [part.strip() for part in str(text).split(",")]
-    return ["0" if _ZERO_SIZE.fullmatch(part) else part for part in parts]
-
-
-#: A size of zero, in any unit or none.
-_ZERO_SIZE = re.compile(r"\+?(0+\.?0*|\.0+)\s*[A-Za-z]*")
+    return ["0" if is_zero_size(part) else part for part in parts]
