@@ -335,6 +335,11 @@ BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
         "gets 1 usable blocks of 18 KiB and needs 2; group 1 (full_attention) gets 1 usable "
         "blocks of 4 KiB and needs 32; give at least 32",
     ),
+    (  # found by review: it listed and exited 0, ignoring even invalid options
+        "list-models-with-others",
+        ("--list-models", "--max-tokens", "0"),
+        "--list-models: lists the models and exits; not with --max-tokens",
+    ),
     (  # found by review: every token a sink, nothing ever left the window
         "sinks-cover-every-position",
         ("--model", "gemma2", "--attention-sinks", "600"),

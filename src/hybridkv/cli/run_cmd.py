@@ -453,6 +453,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.list_models:
+        given = [
+            "--" + name.replace("_", "-")
+            for name, default in _defaults().items()
+            if name not in ("list_models", "quiet") and getattr(args, name, default) != default
+        ]
+        if given:  # it lists and exits: anything else would be ignored
+            raise RunInputError(f"--list-models: lists the models and exits; not with {given[0]}")
         return list_models()
     # Every check below comes before the model is loaded (seconds to minutes).
     _check_engine_extra()
