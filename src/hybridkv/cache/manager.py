@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from hybridkv.cache.arguments import check_group_id, check_index, check_request_id
 from hybridkv.cache.compaction import compact_for
 from hybridkv.cache.coordinator import HybridCoordinator
 from hybridkv.cache.errors import (
@@ -39,12 +40,7 @@ from hybridkv.cache.errors import (
 )
 from hybridkv.cache.events import EventLog, KVEvent
 from hybridkv.cache.hashing import BlockHasher, HasherError, make_hasher
-from hybridkv.cache.manager_tiers import (
-    TierCalls,
-    check_group_id,
-    check_index,
-    check_request_id,
-)
+from hybridkv.cache.manager_tiers import TierCalls
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, check_chances
 from hybridkv.cache.request import MultiModalItem, Request
 from hybridkv.cache.stats import PrefixCacheStats, StatsCollector

@@ -9,9 +9,9 @@ checks the requests both kinds of call take.  Bookkeeping only: see
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
+from hybridkv.cache.arguments import check_group_id, check_index, check_request_id
 from hybridkv.cache.coordinator import HybridCoordinator
 from hybridkv.cache.errors import (
     DuplicateRequestError,
@@ -25,43 +25,7 @@ from hybridkv.cache.tiers import TierOp
 from hybridkv.cache.types import ComputedBlocks
 from hybridkv.errors import PlanError, RequestError, StorageError, brief_repr
 
-__all__ = ["TierCalls", "check_group_id", "check_index", "check_request_id"]
-
-
-def check_request_id(where: str, request_id: object) -> None:
-    """Raise :class:`UnknownRequestError` for a ``request_id`` that is not a ``str`` (no request
-    has one; an unhashable value would otherwise fail the lookup with a ``TypeError``)."""
-    if not isinstance(request_id, str):
-        raise UnknownRequestError(
-            f"{where}: request_id must be a str naming a request, got {brief_repr(request_id)}"
-        )
-
-
-def check_index(where: str, name: str, value: object) -> int:
-    """``value`` as an int (any integer type but ``bool``, e.g. numpy's); raises
-    :class:`LayoutMismatchError` naming ``name`` otherwise."""
-    if type(value) is int:
-        return value
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise LayoutMismatchError(
-            f"{where}: {name} must be an integer, got {brief_repr(value)}"
-        ) from None
-
-
-def check_group_id(where: str, group_id: object, num_groups: int) -> int:
-    """``group_id`` as an int in ``[0, num_groups)``; raises :class:`LayoutMismatchError`
-    otherwise."""
-    group_id = check_index(where, "group_id", group_id)
-    if not 0 <= group_id < num_groups:
-        raise LayoutMismatchError(
-            f"{where}: group_id {group_id} is not a group of this layout "
-            f"(valid: 0..{num_groups - 1})"
-        )
-    return group_id
+__all__ = ["TierCalls"]
 
 
 class TierCalls:

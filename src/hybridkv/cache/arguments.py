@@ -1,0 +1,44 @@
+"""Checks of the manager's public arguments, done once per call at its boundary: a wrong
+type or an id out of range raises the cache's typed error naming the call, the argument and
+the value, instead of a ``TypeError`` or ``IndexError`` from deep inside."""
+
+from __future__ import annotations
+
+import operator
+from typing import SupportsIndex
+
+from hybridkv.cache.errors import LayoutMismatchError, UnknownRequestError
+from hybridkv.errors import brief_repr
+
+__all__ = ["check_group_id", "check_index", "check_request_id"]
+
+
+def check_request_id(where: str, request_id: object) -> None:
+    """Raise :class:`UnknownRequestError` for a ``request_id`` that is not a ``str`` (no request
+    has one; an unhashable value would otherwise fail the lookup with a ``TypeError``)."""
+    if not isinstance(request_id, str):
+        raise UnknownRequestError(
+            f"{where}: request_id must be a str naming a request, got {brief_repr(request_id)}"
+        )
+
+
+def check_index(where: str, name: str, value: object) -> int:
+    """``value`` as an int (any integer type but ``bool``, e.g. numpy's); raises
+    :class:`LayoutMismatchError` naming ``name`` otherwise."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise LayoutMismatchError(f"{where}: {name} must be an integer, got {brief_repr(value)}")
+    return operator.index(value)
+
+
+def check_group_id(where: str, group_id: object, num_groups: int) -> int:
+    """``group_id`` as an int in ``[0, num_groups)``; raises :class:`LayoutMismatchError`
+    otherwise."""
+    group_id = check_index(where, "group_id", group_id)
+    if not 0 <= group_id < num_groups:
+        raise LayoutMismatchError(
+            f"{where}: group_id {group_id} is not a group of this layout "
+            f"(valid: 0..{num_groups - 1})"
+        )
+    return group_id
