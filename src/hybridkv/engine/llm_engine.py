@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -62,12 +62,18 @@ from hybridkv.engine.cache_config import (
     preflight_plan,
 )
 from hybridkv.engine.device import resolve_device
+from hybridkv.engine.engine_args import (
+    check_engine_args,
+    check_eos,
+    check_max_tokens,
+    check_speculation,
+    resumes_no_prefill,
+    token_tuple,
+)
 from hybridkv.engine.errors import (
     BindingError,
     EngineError,
-    ModelSourceError,
     PromptError,
-    SpeculativeConfigError,
 )
 from hybridkv.engine.manager_bridge import step_from_tables
 from hybridkv.engine.metrics import CacheTracker, EngineStats, group_labels
@@ -88,18 +94,17 @@ from hybridkv.engine.speculative import (
 )
 from hybridkv.engine.tier_setup import fingerprint, open_tiers, tier_specs
 from hybridkv.engine.views import StorageViews
-from hybridkv.errors import InvariantError, PlanError
+from hybridkv.errors import InvariantError
 from hybridkv.plan import Plan
 from hybridkv.scheduler import (
     FinishReason,
     RequestOutput,
     Scheduler,
     SchedulerConfig,
-    SchedulerError,
     SchedulerOutput,
     SequenceState,
 )
-from hybridkv.specs import ModelSpec, StateMixer, StateSpec
+from hybridkv.specs import ModelSpec
 from hybridkv.storage import KVCacheStorage
 
 __all__ = [
@@ -115,6 +120,23 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# what LLMEngine.stats() sums up, step by step
+_COUNTERS = [
+    "steps",
+    "passes",
+    "batch",
+    "step_tokens",
+    "prompt",
+    "computed",
+    "gen",
+    "drafted",
+    "accepted",
+    "rewinds",
+    "host",
+    "disk",
+    "moved",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,7 +204,7 @@ class LLMEngine:
         keep_logits: bool = False,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
-        _check_engine_args(model, cache, scheduler, seed)
+        check_engine_args(model, cache, scheduler, seed, speculative)
         self.cache_config = cache = cache or CacheConfig()
         self._closed = False  # close() ran on an engine with tiers: no more steps
         device = resolve_device(device)
@@ -241,23 +263,13 @@ class LLMEngine:
         sched = scheduler or SchedulerConfig()
         if not sched.collect_block_ids:
             sched = replace(sched, collect_block_ids=True)
+        if speculative is not None:
+            check_speculation(name, self.spec, sched.whole_prefill)
         if resumes_no_prefill(self.spec) and not sched.whole_prefill:
             # transformers' Mamba1 scan starts every multi-token pass from a zero state, so a
             # prompt is computed whole, from token 0, and prefix hits are not used.
             logger.info("%s: whole-prompt prefill, no prefix hits (Mamba1 state)", name)
             sched = replace(sched, whole_prefill=True)
-        if speculative is not None and sched.whole_prefill:
-            if not resumes_no_prefill(self.spec):  # the caller's whole_prefill, not the model
-                raise SpeculativeConfigError(
-                    "speculative: drafts are verified by multi-token passes that resume a "
-                    "request, and SchedulerConfig(whole_prefill=True) computes every prompt "
-                    "whole; leave whole_prefill off to speculate"
-                )
-            raise no_drafts(name)
-        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise SpeculativeConfigError(
-                f"speculative: expected a SpeculativeConfig, got {speculative!r}"
-            )
         self.speculative = speculative
         store = self._tier_store
         self.scheduler = Scheduler(
@@ -275,24 +287,7 @@ class LLMEngine:
         self.completions: dict[str, Completion] = {}
         self._live: dict[str, _Live] = {}
         self._tracker = CacheTracker(self.layout)
-        self._counts = dict.fromkeys(
-            (
-                "steps",
-                "passes",
-                "batch",
-                "step_tokens",
-                "prompt",
-                "computed",
-                "gen",
-                "drafted",
-                "accepted",
-                "rewinds",
-                "host",
-                "disk",
-                "moved",
-            ),
-            0,
-        )
+        self._counts = dict.fromkeys(_COUNTERS, 0)
         self._block_sizes = [g.block_size for g in self.layout.groups]
         self._seconds = 0.0
         self._model_seconds = 0.0
@@ -319,11 +314,8 @@ class LLMEngine:
         under that session name (replacing the session's earlier prefix) until
         :meth:`unprotect` (:mod:`hybridkv.cache.tier_sessions`)."""
         prompt = self.check_prompt(request_id, prompt_token_ids)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise PromptError(
-                f"request {request_id!r}: max_tokens must be an integer >= 1, got {max_tokens!r}"
-            )
-        eos = self._check_eos(request_id, eos_token_ids)
+        check_max_tokens(request_id, max_tokens)
+        eos = check_eos(request_id, eos_token_ids, self.vocab_size)
         if protect_as is not None and self._tier_store is None:
             raise PromptError(
                 f"request {request_id!r}: protect_as={protect_as!r} keeps a prefix in the host "
@@ -341,24 +333,12 @@ class LLMEngine:
         self._live[request_id] = _Live(seq, prompt)
         self._counts["prompt"] += len(prompt)
 
-    def _check_eos(self, request_id: str, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
-        """``eos_token_ids`` as a tuple of token ids of the vocabulary, or a
-        :class:`PromptError` naming the request and the bad value."""
-        eos = _token_tuple(request_id, eos_token_ids, "eos_token_ids must be")
-        for t in eos:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise PromptError(
-                    f"request {request_id!r}: eos_token_ids: {t!r} is not a token id of the "
-                    f"vocabulary [0, {self.vocab_size})"
-                )
-        return eos
-
     def check_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[int, ...]:
         """The prompt as a tuple, if the engine can serve it.  Raises :class:`PromptError`
         naming ``request_id`` for a prompt that is not a sequence of Python ints, an empty
         prompt, a token id outside ``[0, vocab_size)``, or ``max_model_len`` tokens or more
         (one output token must fit).  Reads only."""
-        prompt = _token_tuple(request_id, prompt_token_ids, "the prompt must be")
+        prompt = token_tuple(request_id, prompt_token_ids, "the prompt must be")
         problem = prompt_problem(
             prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
@@ -623,45 +603,3 @@ class LLMEngine:
             disk_hit_tokens=c["disk"],
             moved_blocks=c["moved"],
         )
-
-
-def _token_tuple(request_id: str, value: object, what: str) -> tuple[Any, ...]:
-    """``value`` as a tuple, or a :class:`PromptError` (``request {id}: {what} a sequence of
-    token ids, got ...``) for a string, bytes or a non-iterable."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise PromptError(
-            f"request {request_id!r}: {what} a sequence of token ids, got "
-            f"{type(value).__name__} {value!r}"[:300]
-        )
-    return tuple(value)
-
-
-def _check_engine_args(model: object, cache: object, scheduler: object, seed: object) -> None:
-    """Typed errors for :class:`LLMEngine` arguments of the wrong type (before anything is
-    loaded): :class:`ModelSourceError` for ``model``, :class:`PlanError` for ``cache``,
-    :class:`~hybridkv.scheduler.SchedulerError` for ``scheduler``, :class:`EngineError` for
-    ``seed``."""
-    if not isinstance(model, (str, Path, torch.nn.Module)):
-        raise ModelSourceError(
-            f"model: expected a tiny model's name, a checkpoint directory or a loaded "
-            f"torch.nn.Module, got {type(model).__name__}"
-        )
-    if cache is not None and not isinstance(cache, CacheConfig):
-        raise PlanError(f"cache: expected a CacheConfig (or None), got {type(cache).__name__}")
-    if scheduler is not None and not isinstance(scheduler, SchedulerConfig):
-        raise SchedulerError(
-            f"scheduler: expected a SchedulerConfig (or None), got {type(scheduler).__name__}"
-        )
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63:
-        raise EngineError(f"seed: must be an integer in [0, 2^63), got {seed!r}")
-
-
-def resumes_no_prefill(spec: ModelSpec) -> bool:
-    """Whether ``spec`` has a recurrent state transformers cannot continue a prefill from: its
-    Mamba1 mixer (Jamba) runs a multi-token pass from a zero state, using the cached state only
-    for one-token decode steps."""
-    return any(
-        isinstance(c, StateSpec) and c.mixer is StateMixer.MAMBA1
-        for layer in spec.layers
-        for c in layer.caches
-    )
