@@ -111,7 +111,7 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     ),
     (  # the prefill budget is named, not --memory
         ["simulate", "--disaggregate", "--strategy", "arena", "--prefill-memory", "1B"],
-        "--prefill-memory: 1 B (1 B) holds no request of max_model_len",
+        "--prefill-memory: 1 B holds no request of max_model_len",
     ),
     (
         ["simulate", "--protect", "oracle", "--host-memory", "1GiB", "--disaggregate"],

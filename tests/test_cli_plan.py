@@ -75,7 +75,7 @@ def test_uniform_shows_pool_blocks(
 ) -> None:
     code, out, _ = _run(capsys, "tiny", *TINY, "--strategy", "uniform")
     assert code == 0
-    assert "pool 0: 67 blocks of 256 B (256 B), block 0 reserved, groups 0,1" in out
+    assert "pool 0: 67 blocks of 256 B, block 0 reserved, groups 0,1" in out
     assert "pool blocks" in out
 
 
@@ -145,7 +145,7 @@ def test_max_model_len_defaults(
         (["--pool-ratios", "1,2"], "--pool-ratios: only the pools strategy takes ratios"),
         (["--pool-ratios", "1", "--strategy", "pools"], "--pool-ratios: got 1 ratios"),
         (["--tp", "0"], "--tp: must be a positive integer, got 0"),
-        (["--memory", "1000"], "--memory: 1000 B (1000 B) holds no request"),
+        (["--memory", "1000"], "--memory: 1000 B holds no request"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from hybridkv.cli.main import main
-from hybridkv.units import format_bytes
+from hybridkv.units import format_bytes, format_bytes_exact
 
 
 @pytest.mark.parametrize(
@@ -36,3 +36,10 @@ def test_a_vanishing_pool_ratio_is_a_one_line_error(capsys: Any) -> None:
     assert out == "" and err.count("\n") == 1
     assert err.startswith("hybridkv plan: error: --pool-ratios: the fixed split by pool_ratios:")
     assert "this split needs more than any machine addresses" in err
+
+
+def test_format_bytes_exact_brackets_only_a_rounded_count() -> None:
+    assert format_bytes_exact(3225550848) == "3 GiB (3225550848 B)"
+    assert format_bytes_exact(1536) == "1.5 KiB (1536 B)"
+    assert format_bytes_exact(1000) == "1000 B"
+    assert format_bytes_exact(0) == "0 B"

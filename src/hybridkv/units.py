@@ -8,7 +8,7 @@ from decimal import Decimal, localcontext
 
 from hybridkv.errors import HybridKVError
 
-__all__ = ["MAX_BYTES", "SizeError", "format_bytes", "parse_bytes"]
+__all__ = ["MAX_BYTES", "SizeError", "format_bytes", "format_bytes_exact", "parse_bytes"]
 
 
 class SizeError(HybridKVError, ValueError):
@@ -76,6 +76,14 @@ def parse_bytes(text: str | int, *, field: str = "size") -> int:
 def _three_digits(value: float) -> str:
     # ``:.3g`` switches to exponent notation from 1000 up; a binary unit never reaches 1024.
     return f"{value:.0f}" if value >= 1000 else f"{value:.3g}"
+
+
+def format_bytes_exact(num: int) -> str:
+    """``format_bytes(num)`` followed by the exact count in brackets, unless they say the same:
+    ``'3 GiB (3225550848 B)'``, but ``'1000 B'``."""
+    rounded = format_bytes(num)
+    exact = f"{num} B"
+    return rounded if rounded == exact else f"{rounded} ({exact})"
 
 
 def format_bytes(num: float) -> str:

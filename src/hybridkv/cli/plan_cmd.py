@@ -39,7 +39,7 @@ from hybridkv.cli.common import (
 from hybridkv.cli.format import compact_ranges, percent, render_table
 from hybridkv.errors import PlanError
 from hybridkv.models.catalog import DEFAULT_MODEL
-from hybridkv.units import format_bytes, parse_bytes
+from hybridkv.units import format_bytes, format_bytes_exact, parse_bytes
 
 if TYPE_CHECKING:
     from hybridkv.plan import Plan, StrategyComparison
@@ -219,7 +219,7 @@ def _title(plan: Plan, *, strategy: bool = True) -> str:
     chosen = f"; strategy {plan.strategy.value}" if strategy else ""
     return (
         f"model {m.name} ({m.model_type}, {m.num_layers} layers, tp {m.tp_size}){chosen}; "
-        f"memory {format_bytes(plan.memory_bytes)} ({plan.memory_bytes} B); "
+        f"memory {format_bytes_exact(plan.memory_bytes)}; "
         f"max_model_len {plan.max_model_len}"
     )
 
@@ -270,7 +270,7 @@ def _header(plan: Plan) -> list[str]:
         for pool in layout.pools:
             lines.append(
                 f"pool {pool.pool_id}: {pool.num_blocks} blocks of "
-                f"{format_bytes(pool.block_bytes)} ({pool.block_bytes} B), block 0 reserved, "
+                f"{format_bytes_exact(pool.block_bytes)}, block 0 reserved, "
                 f"groups {compact_ranges(pool.group_ids)}"
             )
     return lines

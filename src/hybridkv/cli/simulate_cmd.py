@@ -334,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         tier_lines,
         write_report,
     )
-    from hybridkv.units import format_bytes, parse_bytes
+    from hybridkv.units import format_bytes, format_bytes_exact, parse_bytes
     from hybridkv.workloads import load_workload
 
     check_positive(
@@ -530,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
             runnable.append(config)
     if not runnable:
         if len(least) == len(failures):  # every strategy: the budget is too small, said once
-            needs = ", ".join(f"{s} {format_bytes(b)} ({b} B)" for s, b in least.items())
+            needs = ", ".join(f"{s} {format_bytes_exact(b)}" for s, b in least.items())
             raise SimulationError(
                 f"--memory {format_bytes(memory)}: no strategy holds a request of "
                 f"--max-model-len {configs[0].max_model_len} in it; one request needs {needs}; "

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 from hybridkv.errors import BudgetTooSmallError, PlanError
 from hybridkv.plan.layout import MemoryLayout
 from hybridkv.plan.search import first_true
-from hybridkv.units import format_bytes
+from hybridkv.units import format_bytes, format_bytes_exact
 
 __all__ = [
     "Ledger",
@@ -250,9 +250,9 @@ def too_small_error(
             levers.append("a smaller chunk_alignment")
     lever = ", ".join(levers[:-1]) + " or " + levers[-1]
     return BudgetTooSmallError(
-        f"memory_bytes: {format_bytes(memory_bytes)} ({memory_bytes} B) holds no request of "
+        f"memory_bytes: {format_bytes_exact(memory_bytes)} holds no request of "
         f"max_model_len {max_model_len} with the {strategy} strategy; one request needs "
-        f"{format_bytes(min_bytes)} ({min_bytes} B) including the reserved null {unit} (its "
+        f"{format_bytes_exact(min_bytes)} including the reserved null {unit} (its "
         f"cache data alone is {data_bytes} B), {format_bytes(min_bytes - memory_bytes)} more "
         f"than given; give at least that much {lever}",
         min_bytes,

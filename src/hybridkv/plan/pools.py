@@ -23,7 +23,7 @@ from hybridkv.plan.layout import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.plan.need import blocks_for_request
 from hybridkv.plan.options import PlanOptions
 from hybridkv.specs import CacheKind
-from hybridkv.units import MAX_BYTES, format_bytes
+from hybridkv.units import MAX_BYTES, format_bytes, format_bytes_exact
 
 __all__ = ["plan_pools", "pool_weights"]
 
@@ -158,9 +158,7 @@ def _split_error(
         for g, b, n in short
     )
     huge = least > MAX_BYTES  # a ratio so small no machine's memory would do
-    needs = (
-        "more than any machine addresses" if huge else f"at least {format_bytes(least)} ({least} B)"
-    )
+    needs = "more than any machine addresses" if huge else f"at least {format_bytes_exact(least)}"
     if blame_ratios:
         shares = ", ".join(
             f"group {g.group_id} at least {(1 + n) * g.block_bytes / memory_bytes:.4g}"
@@ -175,7 +173,7 @@ def _split_error(
             0 if huge else least,
         )
     return BudgetTooSmallError(
-        f"memory_bytes: {format_bytes(memory_bytes)} ({memory_bytes} B) holds no request of "
+        f"memory_bytes: {format_bytes_exact(memory_bytes)} holds no request of "
         f"max_model_len {max_model_len} with the pools strategy: the fixed split {split} "
         f"starves a pool: {starved}; this split needs {needs} although one request's cache "
         f"data is only {format_bytes(data_bytes)}; give more memory, a shorter max_model_len, "

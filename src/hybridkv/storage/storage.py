@@ -56,7 +56,7 @@ from hybridkv.storage.transfer import (
     scatter,
 )
 from hybridkv.storage.views import kernel_block_view, segment_tensor
-from hybridkv.units import format_bytes
+from hybridkv.units import format_bytes_exact
 
 __all__ = ["MOVE_RUN_BYTES", "KVCacheStorage", "KVView", "allocate_bytes"]
 
@@ -84,7 +84,7 @@ def allocate_bytes(
         else:
             reason = text.splitlines()[0] if text else type(exc).__name__
         raise StorageAllocationError(
-            f"{field}: cannot allocate {format_bytes(total)} ({total} B) on {device} "
+            f"{field}: cannot allocate {format_bytes_exact(total)} on {device} "
             f"({reason}); give a smaller size"
         ) from exc
 
