@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -54,12 +56,29 @@ def test_entries_survive_a_reopen_in_store_order(tmp_path: Path) -> None:
     assert again.entries[0, 12].offset == 0
 
 
-def test_a_second_process_on_the_directory_is_refused(tmp_path: Path) -> None:
+def test_a_second_open_in_this_process_is_refused_as_such(tmp_path: Path) -> None:
     first = slots(tmp_path)
-    with pytest.raises(DiskCacheError, match="in use by another process"):
+    with pytest.raises(DiskCacheError, match=r"is already open in this process .*close\(\)"):
         slots(tmp_path)
     first.close()
     slots(tmp_path).close()  # the lock went with the first
+
+
+def test_a_second_process_on_the_directory_is_refused(tmp_path: Path) -> None:
+    first = slots(tmp_path)
+    code = (
+        "import sys\n"
+        "from hybridkv.storage.disk_slots import DiskCacheError, DiskSlots\n"
+        "try:\n"
+        f"    DiskSlots({str(tmp_path)!r}, 4096, {FP!r}, {SIZES!r})\n"
+        "except DiskCacheError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"disk cache: {tmp_path} is in use by another process"
+    first.close()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout == ""  # the lock went with the first
 
 
 @pytest.mark.parametrize(
@@ -71,7 +90,13 @@ def test_a_second_process_on_the_directory_is_refused(tmp_path: Path) -> None:
             4096,
             "another layout (it has layout.groups[1]=2, this engine layout.groups[1]=3)",
         ),
-        (FP, 8192, "another capacity_bytes (it has capacity_bytes=4096, this engine"),
+        (
+            FP,
+            8192,
+            "another capacity_bytes (it has capacity_bytes=4096, this engine capacity_bytes=8192; "
+            "that is the disk tier's size, --disk-memory or disk_memory_bytes: give the size the "
+            "cache was made with)",
+        ),
         (  # the model is named first, whatever else differs
             {"model": "other", "layout": {"groups": [1, 3]}},
             4096,

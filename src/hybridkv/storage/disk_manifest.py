@@ -41,15 +41,24 @@ def check_manifest(manifest: Path, want: dict[str, Any]) -> None:
     ) or ["?"]
     where, theirs, mine = _first_difference(old.get(diff[0]), want.get(diff[0]))
     field = diff[0] + where
+    hint = _HINTS.get(diff[0], "")
     raise DiskCacheError(
         f"disk cache: {manifest.parent} holds a cache made for another "
         f"{', '.join(diff)} (it has {field}={_short(theirs)}, this engine "
-        f"{field}={_short(mine)}); use another directory or empty it"
+        f"{field}={_short(mine)}{hint}); use another directory or empty it"
     )
 
 
 #: Which differing manifest field a refusal names first (the rest alphabetically after).
 _PRIORITY = {"model": 0, "dtype": 1, "hasher": 2, "format": 3, "capacity_bytes": 4}
+
+#: What a manifest field is in the user's terms, where its name does not say.
+_HINTS = {
+    "capacity_bytes": (
+        "; that is the disk tier's size, --disk-memory or disk_memory_bytes: give the size "
+        "the cache was made with"
+    ),
+}
 
 
 def _first_difference(have: Any, want: Any, path: str = "") -> tuple[str, Any, Any]:

@@ -80,6 +80,9 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 _MANIFEST = "manifest.json"
 _DATA = "blocks.bin"
 _LOCK = "lock"
+#: The lock files this process holds (device, inode) -> pid, so that a second open of a
+#: directory in the same process is told apart from another process holding it.
+_HELD_HERE: dict[tuple[int, int], int] = {}
 
 
 #: ``(key, tag, payload)`` items :meth:`DiskSlots.write_many` stores.
@@ -96,6 +99,11 @@ class SlotEntry(NamedTuple):
     size: int
     offset: int
     stamp: int
+
+
+def _file_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _nbytes(data: memoryview | Sequence[memoryview]) -> int:
@@ -141,6 +149,7 @@ class DiskSlots:
         self.file_bytes = capacity_bytes + self.max_slots * (HEADER_BYTES + _ALIGN)
         self._fd = -1
         self._lock_fd = -1
+        self._lock_id = (-1, -1)
         self._open(dict(fingerprint))
         #: Committed entries by ``(group, hash)``.
         self.entries: dict[tuple[int, int], SlotEntry] = {}
@@ -181,12 +190,21 @@ class DiskSlots:
                     f"({', '.join(others[:3])}); use an empty directory"
                 )
         self._lock_fd = os.open(d / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        lock_id = _file_id(self._lock_fd)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(self._lock_fd)
             self._lock_fd = -1
+            if _HELD_HERE.get(lock_id) == os.getpid():
+                raise DiskCacheError(
+                    f"disk cache: {d} is already open in this process (another engine or disk "
+                    "tier on the same directory); close() that one first or use another "
+                    "directory"
+                ) from exc
             raise DiskCacheError(f"disk cache: {d} is in use by another process") from exc
+        _HELD_HERE[lock_id] = os.getpid()
+        self._lock_id = lock_id
         self._fd = os.open(d / _DATA, os.O_RDWR | os.O_CREAT, 0o644)
         if not known and os.fstat(self._fd).st_size:
             # No manifest says which model, layout and hasher wrote these slots (one was
@@ -450,6 +468,8 @@ class DiskSlots:
 
     def close(self) -> None:
         """Close the files and release the directory's lock."""
+        if self._lock_fd >= 0 and _HELD_HERE.get(self._lock_id) == os.getpid():
+            del _HELD_HERE[self._lock_id]
         for fd in (self._fd, self._lock_fd):
             if fd >= 0:
                 with contextlib.suppress(OSError):
