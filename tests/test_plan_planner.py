@@ -148,3 +148,23 @@ def test_plan_does_not_touch_the_model() -> None:
     before = m.to_dict()
     make_plan(m, memory_bytes=1 << 20, max_model_len=64, block_size=4, chunk_alignment=512)
     assert m.to_dict() == before
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_blocks_longer_than_max_model_len_get_a_note(strategy: Strategy) -> None:
+    m = model([full(), state((3, 8), (2, 4, 8), mixer="gated_deltanet")])
+    plan = make_plan(m, memory_bytes=1 << 24, max_model_len=16, strategy=strategy, block_size=64)
+    assert [n for n in plan.notes if n.startswith("block_size")] == [
+        "block_size 64 tokens is more than max_model_len 16: a request fills at most 25% of "
+        "each block it holds; a block_size of at most 16 leaves less of it empty"
+    ]
+    # a state group's block is a checkpoint interval: longer than max_model_len is no note
+    fits = make_plan(
+        m,
+        memory_bytes=1 << 24,
+        max_model_len=16,
+        strategy=strategy,
+        block_size=16,
+        state_block_size=64,
+    )
+    assert not [n for n in fits.notes if n.startswith("block_size")]

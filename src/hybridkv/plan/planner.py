@@ -40,7 +40,7 @@ from hybridkv.plan.options import (
 from hybridkv.plan.pools import plan_pools
 from hybridkv.plan.result import Capacity, PhysicalNeed, Plan
 from hybridkv.plan.uniform import plan_uniform
-from hybridkv.specs import MAX_TOKENS, ModelSpec
+from hybridkv.specs import MAX_TOKENS, ModelSpec, StateSpec
 from hybridkv.units import format_bytes
 
 __all__ = [
@@ -314,5 +314,24 @@ def make_plan(
         allocated_bytes=ledger_.allocated,
         free_bytes=ledger_.free,
         physical_need=PhysicalNeed.of(model, max_model_len, capacity.max_concurrent_requests),
-        notes=notes,
+        notes=(*notes, *_oversized_blocks(layout, max_model_len)),
+    )
+
+
+def _oversized_blocks(layout: MemoryLayout, max_model_len: int) -> tuple[str, ...]:
+    """A note for each block size of a token-proportional group (attention, windows, MLA)
+    larger than ``max_model_len``: no request fills such a block, so most of its bytes stay
+    empty.  A state group's block size is a checkpoint interval, which may exceed it."""
+    sizes = sorted(
+        {
+            g.block_size
+            for g in layout.groups
+            if not isinstance(g.spec, StateSpec) and g.block_size > max_model_len
+        }
+    )
+    return tuple(
+        f"block_size {size} tokens is more than max_model_len {max_model_len}: a request "
+        f"fills at most {max_model_len / size:.0%} of each block it holds; a block_size of at "
+        f"most {max_model_len} leaves less of it empty"
+        for size in sizes
     )
