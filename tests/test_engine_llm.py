@@ -161,6 +161,14 @@ def test_engine_arguments_of_the_wrong_type_are_typed_errors() -> None:
         CacheConfig(disk_cache_dir="", disk_memory_bytes=1 << 20)
     with pytest.raises(BindingError, match="attention_sinks: 64 sink tokens cover every posi"):
         LLMEngine("gemma2", cache=CacheConfig(attention_sinks=64, max_model_len=64))
+    # found by review: the CLI refused a max_model_len past the model's positions, the
+    # library planned it (before the weights load, and for a loaded model alike)
+    too_long = "max_model_len: 513 is above llama's own limit of 512 positions"
+    with pytest.raises(BindingError, match=too_long):
+        LLMEngine("llama", cache=CacheConfig(max_model_len=513))
+    with pytest.raises(BindingError, match=r"max_model_len: 513 is above .* 512 positions"):
+        LLMEngine(load_model("llama"), cache=CacheConfig(max_model_len=513))
+    assert LLMEngine("llama", cache=CacheConfig(max_model_len=512)).max_model_len == 512
 
 
 def test_model_sources(tmp_path: Path) -> None:

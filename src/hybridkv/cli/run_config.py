@@ -106,14 +106,15 @@ def check_model_limits(args: argparse.Namespace, config: Any) -> None:
     """Checks against the model's transformers ``config``, before its weights load: a
     ``--max-model-len`` beyond its positions, ``--attention-sinks`` on a model whose config
     names no sliding-window layer."""
+    from hybridkv.engine.model_source import default_max_model_len, position_limit
+
     text = config.get_text_config(decoder=True)
-    limit = getattr(text, "max_position_embeddings", None)
-    if args.max_model_len is not None and isinstance(limit, int) and args.max_model_len > limit:
+    limit = position_limit(config)
+    if args.max_model_len is not None and limit is not None and args.max_model_len > limit:
         raise RunInputError(
             f"--max-model-len {args.max_model_len}: above {args.model}'s own limit of {limit} "
             "positions (max_position_embeddings); give at most that"
         )
-    from hybridkv.engine.model_source import default_max_model_len
 
     max_len = args.max_model_len or default_max_model_len(config)
     if args.attention_sinks >= max_len:

@@ -15,11 +15,13 @@ import torch
 
 from hybridkv.engine.cache_config import CacheConfig
 from hybridkv.engine.errors import (
+    BindingError,
     EngineError,
     ModelSourceError,
     PromptError,
     SpeculativeConfigError,
 )
+from hybridkv.engine.model_source import position_limit
 from hybridkv.engine.speculative import SpeculativeConfig, no_drafts
 from hybridkv.errors import PlanError
 from hybridkv.scheduler import SchedulerConfig, SchedulerError
@@ -29,6 +31,7 @@ __all__ = [
     "check_engine_args",
     "check_eos",
     "check_max_tokens",
+    "check_positions",
     "check_speculation",
     "resumes_no_prefill",
     "token_tuple",
@@ -58,6 +61,17 @@ def check_engine_args(
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise SpeculativeConfigError(
             f"speculative: expected a SpeculativeConfig (or None), got {speculative!r}"[:300]
+        )
+
+
+def check_positions(name: str, config: Any, max_model_len: int | None) -> None:
+    """A :class:`BindingError` for a ``CacheConfig.max_model_len`` beyond the positions the
+    model (transformers ``config``) was made for."""
+    limit = position_limit(config)
+    if max_model_len is not None and limit is not None and max_model_len > limit:
+        raise BindingError(
+            f"max_model_len: {max_model_len} is above {name}'s own limit of {limit} positions "
+            "(max_position_embeddings); give at most that"
         )
 
 

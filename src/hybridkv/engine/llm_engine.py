@@ -66,6 +66,7 @@ from hybridkv.engine.engine_args import (
     check_engine_args,
     check_eos,
     check_max_tokens,
+    check_positions,
     check_speculation,
     resumes_no_prefill,
     token_tuple,
@@ -211,9 +212,11 @@ class LLMEngine:
         if isinstance(model, torch.nn.Module):
             net: Any = model
             name = str(getattr(net.config, "name_or_path", "") or net.config.model_type)
+            check_positions(name, net.config, cache.max_model_len)
         else:
             name = str(model)
             config = model_config(model)
+            check_positions(name, config, cache.max_model_len)
             max_len = cache.max_model_len or default_max_model_len(config)
             derived = preflight_plan(config, dtype, max_len, cache)
             if speculative is not None and derived is not None and resumes_no_prefill(derived):

@@ -16,19 +16,24 @@ __all__ = [
     "default_max_model_len",
     "eos_token_ids",
     "model_config",
+    "position_limit",
     "prompt_problem",
 ]
+
+
+def position_limit(config: Any) -> int | None:
+    """The positions a model with transformers config ``config`` was made for (its
+    ``max_position_embeddings``), or None where the config names none."""
+    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 
 def default_max_model_len(config: Any) -> int:
     """The engine's ``max_model_len`` for a model with transformers config ``config`` when
     :class:`CacheConfig` names none: its ``max_position_embeddings``, at most
     :data:`DEFAULT_MAX_MODEL_LEN` (that, when the config has no limit)."""
-    text = config.get_text_config(decoder=True)
-    limit = getattr(text, "max_position_embeddings", None)
-    if isinstance(limit, int) and limit > 0:
-        return min(limit, DEFAULT_MAX_MODEL_LEN)
-    return DEFAULT_MAX_MODEL_LEN
+    limit = position_limit(config)
+    return DEFAULT_MAX_MODEL_LEN if limit is None else min(limit, DEFAULT_MAX_MODEL_LEN)
 
 
 def config_vocab_size(config: Any) -> int:
