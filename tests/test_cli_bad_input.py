@@ -22,6 +22,8 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["models", "no-such-model"], "model: 'no-such-model' is neither a catalog name"),
     (["models", "gpt-oss-20b", "--tp", "0"], "--tp: must be a positive integer, got 0"),
     (["models", "gpt-oss-20b", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
+    # the catalog listing noted it on every row and exited 0 (found by review)
+    (["models", "--kv-cache-dtype", "int4"], "--kv-cache-dtype: unknown dtype 'int4'; valid: auto"),
     (["models", "{tmp}/empty_dir"], "empty_dir' is a directory without a config.json; give"),
     (["models", "{tmp}/missing.json"], "missing.json' does not exist; give a path to a config"),
     (["plan", "./no/such/dir"], "'./no/such/dir' does not exist; give a path to a config.json"),

@@ -25,8 +25,9 @@ from hybridkv.cli.common import (
 )
 from hybridkv.errors import ConfigError, HybridKVError, UnknownModelError
 from hybridkv.models import CatalogEntry, catalog_entries, catalog_entry, resolve_model
+from hybridkv.models.registry import parse_cache_dtype
 from hybridkv.models.summary import cache_detail, cache_label, format_kind_counts, kind_counts
-from hybridkv.specs import ModelSpec
+from hybridkv.specs import DType, ModelSpec
 from hybridkv.units import format_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -175,5 +176,7 @@ def run(args: argparse.Namespace) -> int:
     check_positive(args, ("tp",))
     name = model_name(args, "")
     if not name:
+        if args.kv_cache_dtype not in (None, "auto"):  # a bad name fails once, not per row
+            parse_cache_dtype(args.kv_cache_dtype, "--kv-cache-dtype", DType.FP32)
         return _list_catalog(args)
     return _show_model(args, name)

@@ -25,7 +25,7 @@ from hybridkv.models.generic import derive_generic, generic_refusal
 from hybridkv.models.mtp import mtp_layers
 from hybridkv.specs import DType, ModelSpec
 
-__all__ = ["ARCHITECTURES", "spec_from_config", "supported_model_types"]
+__all__ = ["ARCHITECTURES", "parse_cache_dtype", "spec_from_config", "supported_model_types"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ def supported_model_types() -> list[str]:
     return sorted(ARCHITECTURES)
 
 
-def _parse_dtype(value: str | DType | None, field: str, model_dtype: DType) -> DType:
+def parse_cache_dtype(value: str | DType | None, field: str, model_dtype: DType) -> DType:
+    """A cache dtype option: ``None`` or ``"auto"`` is ``model_dtype``, else a
+    :meth:`DType.parse` name; a :class:`SpecError` naming ``field`` lists ``auto`` too."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return model_dtype
     try:
@@ -110,10 +112,10 @@ def spec_from_config(
     ctx = DeriveContext(
         tp_size=tp,
         dtype=dtype,
-        kv_dtype=_parse_dtype(kv_cache_dtype, "kv_cache_dtype", dtype),
+        kv_dtype=parse_cache_dtype(kv_cache_dtype, "kv_cache_dtype", dtype),
         ssm_state_dtype=None
         if ssm_state_dtype is None
-        else _parse_dtype(ssm_state_dtype, "ssm_state_dtype", dtype),
+        else parse_cache_dtype(ssm_state_dtype, "ssm_state_dtype", dtype),
     )
     view = ConfigView(model_type, data, arch.defaults)
     layers = arch.derive(view, ctx)
