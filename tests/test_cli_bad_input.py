@@ -109,7 +109,7 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     ),
     (
         ["simulate", "--disaggregate", "--strategy", "all"],
-        "--disaggregate: one strategy at a time (add --strategy arena)",
+        "--disaggregate: one strategy at a time, not --strategy all (leave it out for arena)",
     ),
     (  # the prefill budget is named, not --memory
         ["simulate", "--disaggregate", "--strategy", "arena", "--prefill-memory", "1B"],

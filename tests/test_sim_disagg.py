@@ -98,6 +98,18 @@ def test_cli_simulate_disaggregate_all_rejected(capsys: pytest.CaptureFixture[st
     assert main([*args, "--max-model-len", "64", "--quiet"]) == 0
     assert capsys.readouterr().err == ""  # --quiet: no warnings
     assert main([*args, "--max-model-len", "64", "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    # found by review: --json printed no warning (stdout stays the JSON alone)
+    assert err.startswith("warning: 6 of 6 requests rejected: prompt of max_model_len 64")
     assert summary["rejected"] == 6 and summary["finished"] == 0
     assert summary["ttft_mean_s"] is None and summary["tpot_mean_s"] is None
+
+
+def test_cli_disaggregate_defaults_to_the_arena(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --strategy, --disaggregate simulates the arena (it refused the default 'all'
+    and asked for a strategy; found by review)."""
+    args = ["simulate", "gpt-oss-20b", "--trace", "synthetic:chat", "--requests", "4"]
+    assert main([*args, "--disaggregate"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("| arena")

@@ -87,9 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_memory(parser)
     parser.add_argument(
         "--strategy",
-        default="all",
+        default=None,
         choices=["arena", "uniform", "pools", "all"],
-        help="memory layout, or all of them side by side",
+        help="memory layout, or all of them side by side (default: all; arena with "
+        "--disaggregate, which simulates one)",
     )
     parser.add_argument(
         "--requests",
@@ -126,7 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a prefill instance and a decode instance (each with --memory, or the prefill "
         "one with --prefill-memory) joined by a --link-bandwidth link; prints prefill and "
-        "decode hit rates, bytes moved, TTFT and TPOT (default: one instance)",
+        "decode hit rates, bytes moved, TTFT and TPOT (default: one instance).  One "
+        "--strategy (arena unless given); not with --report, --host-memory, --disk-memory "
+        "or --protect",
     )
     parser.add_argument(
         "--prefill-memory",
@@ -337,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.units import format_bytes, format_bytes_exact, parse_bytes
     from hybridkv.workloads import load_workload
 
+    if args.strategy is None:  # --disaggregate simulates one layout: the default one
+        args.strategy = "arena" if args.disaggregate else "all"
     check_positive(
         args,
         (
@@ -505,7 +510,10 @@ def run(args: argparse.Namespace) -> int:
         if any(c.host_memory_bytes or c.disk_memory_bytes for c in configs):
             raise CliInputError("--disaggregate: not with --host-memory / --disk-memory")
         if len(configs) != 1:
-            raise CliInputError("--disaggregate: one strategy at a time (add --strategy arena)")
+            raise CliInputError(
+                "--disaggregate: one strategy at a time, not --strategy all (leave it out for "
+                "arena)"
+            )
         return run_disaggregated(args, model, profile, workload, configs[0], title_of=name)
     # Plans are cheap: make them all before simulating, so a plan that cannot exist is
     # reported at once (exit 2 for one strategy, n/a among several).

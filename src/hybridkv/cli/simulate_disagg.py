@@ -50,14 +50,6 @@ def run_disaggregated(
     link = parse_bytes(args.link_bandwidth or DEFAULT_LINK_BANDWIDTH, field="--link-bandwidth")
     result = simulate_pd(model, profile, workload, prefill, config, link_bandwidth=float(link))
     summary = result.summary()
-    if args.json:
-        print(json.dumps(summary, indent=1))
-        return 0
-    print(
-        f"{title_of} | {workload.summary()} | prefill {format_bytes(prefill.memory_bytes)}, "
-        f"decode {format_bytes(config.memory_bytes)}, link {format_bytes(link)}/s | "
-        f"{config.strategy}"
-    )
     if result.rejected and not args.quiet:
         print(
             f"warning: {result.rejected} of {summary['requests']} requests rejected: prompt of "
@@ -66,6 +58,14 @@ def run_disaggregated(
             "--max-model-len to admit them",
             file=sys.stderr,
         )
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(
+        f"{title_of} | {workload.summary()} | prefill {format_bytes(prefill.memory_bytes)}, "
+        f"decode {format_bytes(config.memory_bytes)}, link {format_bytes(link)}/s | "
+        f"{config.strategy}"
+    )
     print(
         f"requests {summary['requests']}, finished {summary['finished']}, rejected "
         f"{summary['rejected']}; prompt tokens hit: "
