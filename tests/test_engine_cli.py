@@ -491,7 +491,7 @@ def test_run_without_the_engine_extra() -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == (
         "hybridkv run: error: needs the engine extra (torch, transformers): pip install "
-        "'hybridkv[engine]' (in a checkout: pip install -c constraints.txt '.[engine]'; "
+        "'hybridkv[engine]' (in a checkout: pip install -c constraints.txt -e '.[engine]'; "
         "cannot import torch, transformers)\n"
     )
     # help and the model list need neither

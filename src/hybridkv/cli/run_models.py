@@ -45,11 +45,13 @@ def tiny_choices() -> str:
 
 
 def real_choices() -> str:
-    """``"gemma-3-270m (gemma3_text, pip install 'hybridkv[gemma]')"`` for the help."""
+    """``"gemma-3-270m (gemma3_text, pip install 'hybridkv[gemma]', in a checkout ...)"``
+    for the help."""
     from hybridkv.models.real import REAL_MODELS
 
     return ", ".join(
-        f"{m.name} ({m.architecture}, pip install 'hybridkv[{m.extra}]')"
+        f"{m.name} ({m.architecture}, pip install 'hybridkv[{m.extra}]', in a checkout "
+        f"pip install -c constraints.txt -e '.[{m.extra}]')"
         for m in REAL_MODELS.values()
     )
 

@@ -69,7 +69,7 @@ def prepare(
     if missing:
         raise ModelSourceError(
             f"model: {name} needs the {model.extra} extra: pip install 'hybridkv[{model.extra}]' "
-            f"(in a checkout: pip install -c constraints.txt '.[{model.extra}]'; cannot import "
+            f"(in a checkout: pip install -c constraints.txt -e '.[{model.extra}]'; cannot import "
             f"{', '.join(missing)})"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
