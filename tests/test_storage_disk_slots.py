@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hybridkv.storage import disk_slots
 from hybridkv.storage.disk_slots import HEADER_BYTES, DiskCacheError, DiskSlots, checksum
 
 FP = {"model": "m", "layout": {"groups": [1, 2]}}
@@ -367,6 +368,48 @@ def test_write_many_fails_only_the_entry_whose_payload_failed(
     failed = s.entries[0, 1].offset + 256  # the slot between the two committed ones
     assert s.write((0, 5), 0, memoryview(payload(5, 96)))  # reuses the failed entry's slot
     assert s.entries[0, 5].offset == failed and read(s, (0, 5), 96) == payload(5, 96)
+
+
+@pytest.mark.parametrize("helper", [None, _HASHER], ids=["inline", "helper-thread"])
+def test_write_many_fails_only_the_entry_whose_payload_raised_something_else(
+    tmp_path: Path,
+    helper: ThreadPoolExecutor | None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: an error other than an I/O error (here from the checksum) escaped
+    write_many, leaving its slots taken and the rest of the batch unwritten."""
+    s = slots(tmp_path)
+    real_checksum = disk_slots.checksum
+
+    def broken(data: Any) -> int:
+        if bytes(data) == payload(2, 96):
+            raise ValueError("a payload released under the write")
+        return real_checksum(data)
+
+    monkeypatch.setattr(disk_slots, "checksum", broken)
+    items = [((0, k), 0, memoryview(payload(k, 96))) for k in (1, 2, 3)]
+    assert s.write_many(items, helper) == [True, False, True]
+    monkeypatch.undo()
+    assert set(s.entries) == {(0, 1), (0, 3)} and s.write_errors == 1
+    assert "writing group 0 block 0x2 failed" in caplog.text and "Traceback" in caplog.text
+    failed = s.entries[0, 1].offset + 256  # its slot went back to the free list
+    assert s.write((0, 5), 0, memoryview(payload(5, 96)))
+    assert s.entries[0, 5].offset == failed and read(s, (0, 5), 96) == payload(5, 96)
+    s.close()
+    assert [e.block_hash for e in slots(tmp_path).recovered] == [1, 3, 5]
+
+
+def test_write_many_with_a_payload_it_cannot_size_changes_nothing(tmp_path: Path) -> None:
+    s = slots(tmp_path)
+    assert s.write((0, 1), 0, memoryview(payload(1, 96)))
+    before = (dict(s.entries), s.write_errors, s.no_room)
+    gone = memoryview(payload(2, 96))
+    gone.release()
+    with pytest.raises(ValueError, match="released memoryview"):
+        s.write_many([((0, 1), 0, memoryview(payload(3, 96))), ((0, 2), 0, gone)])
+    assert (dict(s.entries), s.write_errors, s.no_room) == before
+    assert read(s, (0, 1), 96) == payload(1, 96)  # the rewrite of (0, 1) never began
 
 
 def test_write_many_with_a_repeated_key_writes_in_order(tmp_path: Path) -> None:

@@ -293,15 +293,17 @@ class DiskTier:
         owners: list[torch.Tensor] = []
 
         def flush_run() -> None:
-            for event in ready:
-                event.synchronize()
-            if run:
-                slots.write_many(run, self._helper)
-            for owner in owners:
-                self.give(owner)
-            run.clear()
-            ready.clear()
-            owners.clear()
+            try:
+                for event in ready:
+                    event.synchronize()
+                if run:
+                    slots.write_many(run, self._helper)
+            finally:  # a failed wait (a device error) raises to the caller; the staging
+                for owner in owners:  # tensors still go back
+                    self.give(owner)
+                run.clear()
+                ready.clear()
+                owners.clear()
 
         for item in batch:
             if item is None:

@@ -335,11 +335,12 @@ class DiskSlots:
         keys = [key for key, _, _ in items]
         if len(set(keys)) != len(keys):
             return [self.write(key, tag, data) for key, tag, data in items]
+        sizes = [_nbytes(data) for _, _, data in items]  # a bad payload raises before any change
         places: list[tuple[int, int] | None] = []
-        for key, _, data in items:
+        for (key, _, _), size in zip(items, sizes, strict=True):
             if key in self.entries:
                 self.drop(key)
-            offset = self._take(_nbytes(data))
+            offset = self._take(size)
             if offset is None:
                 self.no_room += 1
                 places.append(None)
@@ -348,16 +349,16 @@ class DiskSlots:
                 self._stamp += 1
         errors = self._put_shared(items, places, helper)
         done = []
-        for (key, tag, data), place, error in zip(items, places, errors, strict=True):
+        for (key, tag, _), size, place, error in zip(items, sizes, places, errors, strict=True):
             if place is None:
                 done.append(False)
                 continue
             offset, stamp = place
             if error is not None:
-                self._failed(key, tag, _nbytes(data), offset, error)
+                self._failed(key, tag, size, offset, error)
                 done.append(False)
             else:
-                self.entries[key] = SlotEntry(key[0], key[1], tag, _nbytes(data), offset, stamp)
+                self.entries[key] = SlotEntry(key[0], key[1], tag, size, offset, stamp)
                 done.append(True)
         return done
 
@@ -366,10 +367,10 @@ class DiskSlots:
         items: _Items,
         places: Sequence[tuple[int, int] | None],
         helper: Executor | None,
-    ) -> list[OSError | None]:
+    ) -> list[Exception | None]:
         """Write the items that have a slot, this thread and ``helper`` each taking the next
         one when done with its last; per item the error its write raised, else None."""
-        out: list[OSError | None] = [None] * len(items)
+        out: list[Exception | None] = [None] * len(items)
         todo = iter([i for i, place in enumerate(places) if place is not None])
         lock = threading.Lock()
 
@@ -397,26 +398,36 @@ class DiskSlots:
         data: memoryview | Sequence[memoryview],
         offset: int,
         stamp: int,
-    ) -> OSError | None:
+    ) -> Exception | None:
         """Checksum ``data`` and write it with its committed header into the slot at
-        ``offset`` (one ``pwritev``); the error the write raised, if any.  Touches no
-        bookkeeping (threads share :meth:`write_many`)."""
-        head = _header(key[0], key[1], tag, _nbytes(data), stamp, checksum(data), _COMMITTED)
-        pieces: list[bytes | memoryview] = [head]
-        if isinstance(data, memoryview):
-            pieces.append(data)
-        else:
-            pieces.extend(data)
+        ``offset`` (one ``pwritev``); the error the checksum or the write raised, if any: an
+        I/O error, or anything else (a payload released under it), which fails this entry
+        alone, never the rest of a batch or the slots' bookkeeping.  Touches no bookkeeping
+        (threads share :meth:`write_many`)."""
         try:
+            head = _header(key[0], key[1], tag, _nbytes(data), stamp, checksum(data), _COMMITTED)
+            pieces: list[bytes | memoryview] = [head]
+            if isinstance(data, memoryview):
+                pieces.append(data)
+            else:
+                pieces.extend(data)
             self._pwritev(pieces, offset)
-        except OSError as exc:
+        except Exception as exc:  # a failed entry reads as missing
             return exc
         return None
 
-    def _failed(self, key: tuple[int, int], tag: int, size: int, offset: int, exc: OSError) -> None:
+    def _failed(
+        self, key: tuple[int, int], tag: int, size: int, offset: int, exc: Exception
+    ) -> None:
         """A write of ``key`` into the slot at ``offset`` failed: mark it empty and free it."""
         g, h = key
-        logger.warning("disk cache: writing group %d block %#x failed: %s", g, h, exc)
+        logger.warning(
+            "disk cache: writing group %d block %#x failed: %s",
+            g,
+            h,
+            exc,
+            exc_info=None if isinstance(exc, OSError) else exc,  # not an I/O error: a bug
+        )
         self.write_errors += 1
         with contextlib.suppress(OSError):
             self._pwrite(_header(g, h, tag, size, 0, 0, _EMPTY), offset)
