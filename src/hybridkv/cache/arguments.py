@@ -5,12 +5,20 @@ the value, instead of a ``TypeError`` or ``IndexError`` from deep inside."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from typing import SupportsIndex
 
-from hybridkv.cache.errors import LayoutMismatchError, UnknownRequestError
-from hybridkv.errors import brief_repr
+from hybridkv.cache.errors import LayoutMismatchError, RequestLengthError, UnknownRequestError
+from hybridkv.cache.tiers import TierSpec
+from hybridkv.errors import PlanError, brief_repr
 
-__all__ = ["check_group_id", "check_index", "check_request_id"]
+__all__ = [
+    "check_count",
+    "check_group_id",
+    "check_index",
+    "check_request_id",
+    "check_tier_specs",
+]
 
 
 def check_request_id(where: str, request_id: object) -> None:
@@ -42,3 +50,24 @@ def check_group_id(where: str, group_id: object, num_groups: int) -> int:
             f"(valid: 0..{num_groups - 1})"
         )
     return group_id
+
+
+def check_tier_specs(tiers: object) -> tuple[TierSpec, ...]:
+    """``tiers`` as a tuple of :class:`TierSpec`; raises :class:`PlanError` otherwise."""
+    valid = "a sequence of TierSpec (host, then disk), e.g. [TierSpec('host', 64 << 30)]"
+    if isinstance(tiers, (str, bytes, TierSpec)) or not isinstance(tiers, Iterable):
+        raise PlanError(f"tiers: expected {valid}, got {brief_repr(tiers)}")
+    specs = tuple(tiers)
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, TierSpec):
+            raise PlanError(
+                f"tiers[{i}]: expected a TierSpec, got {brief_repr(spec)}; give {valid}"
+            )
+    return specs
+
+
+def check_count(name: str, value: object) -> int:
+    """``value`` if it is an integer >= 0, else a :class:`RequestLengthError` naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RequestLengthError(f"{name}: must be an integer >= 0, got {value!r}")
+    return value

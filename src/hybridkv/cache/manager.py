@@ -29,7 +29,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hybridkv.cache.arguments import check_group_id, check_index, check_request_id
+from hybridkv.cache.arguments import (
+    check_count,
+    check_group_id,
+    check_index,
+    check_request_id,
+    check_tier_specs,
+)
 from hybridkv.cache.compaction import compact_for
 from hybridkv.cache.coordinator import HybridCoordinator
 from hybridkv.cache.errors import (
@@ -51,26 +57,6 @@ from hybridkv.errors import InvariantError, PlanError, RequestError, brief_repr
 from hybridkv.plan.layout import MemoryLayout
 
 __all__ = ["KVCacheManager"]
-
-
-def _tier_specs(tiers: object) -> tuple[TierSpec, ...]:
-    """``tiers`` as a tuple of :class:`TierSpec`; raises :class:`PlanError` otherwise."""
-    valid = "a sequence of TierSpec (host, then disk), e.g. [TierSpec('host', 64 << 30)]"
-    if isinstance(tiers, (str, bytes, TierSpec)) or not isinstance(tiers, Iterable):
-        raise PlanError(f"tiers: expected {valid}, got {brief_repr(tiers)}")
-    specs = tuple(tiers)
-    for i, spec in enumerate(specs):
-        if not isinstance(spec, TierSpec):
-            raise PlanError(
-                f"tiers[{i}]: expected a TierSpec, got {brief_repr(spec)}; give {valid}"
-            )
-    return specs
-
-
-def _count(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise RequestLengthError(f"{name}: must be an integer >= 0, got {value!r}")
-    return value
 
 
 class KVCacheManager(TierCalls):
@@ -171,11 +157,11 @@ class KVCacheManager(TierCalls):
     ) -> None:
         if not isinstance(layout, MemoryLayout):
             raise LayoutMismatchError(f"layout: expected a MemoryLayout, got {type(layout)}")
-        if max_model_len is not None and _count("max_model_len", max_model_len) < 1:
+        if max_model_len is not None and check_count("max_model_len", max_model_len) < 1:
             raise RequestLengthError(
                 "max_model_len: must be a positive integer (or None: no limit), got 0"
             )
-        tiers = _tier_specs(tiers)
+        tiers = check_tier_specs(tiers)
         given_hasher: object = hasher  # checked as an object: the compiled build too
         if not isinstance(given_hasher, (BlockHasher, str)):
             raise HasherError(
@@ -328,10 +314,10 @@ class KVCacheManager(TierCalls):
             and num_lookahead_tokens >= 0
             and num_reserved_tokens >= 0
         ):
-            _count("num_new_tokens", num_new_tokens)
-            _count("num_new_computed_tokens", num_new_computed_tokens)
-            _count("num_lookahead_tokens", num_lookahead_tokens)
-            _count("num_reserved_tokens", num_reserved_tokens)
+            check_count("num_new_tokens", num_new_tokens)
+            check_count("num_new_computed_tokens", num_new_computed_tokens)
+            check_count("num_lookahead_tokens", num_lookahead_tokens)
+            check_count("num_reserved_tokens", num_reserved_tokens)
         if new_computed_blocks is not None and not isinstance(new_computed_blocks, ComputedBlocks):
             raise RequestError(
                 "new_computed_blocks: expected the ComputedBlocks get_computed_blocks returned "
@@ -468,8 +454,8 @@ class KVCacheManager(TierCalls):
         handed to someone else, e.g. a finished request held for a handover).
         Raises :class:`UnknownRequestError` when ``request`` holds no blocks and
         :class:`RequestLengthError` for counts past its tokens."""
-        _count("num_new_tokens", num_new_tokens)
-        _count("num_lookahead_tokens", num_lookahead_tokens)
+        check_count("num_new_tokens", num_new_tokens)
+        check_count("num_lookahead_tokens", num_lookahead_tokens)
         given: object = pinned  # checked as an object: the compiled build too
         if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
             raise RequestError(
@@ -524,7 +510,7 @@ class KVCacheManager(TierCalls):
         rs = self._coord.requests.get(request_id)
         if rs is None:
             raise UnknownRequestError(f"drop_unread: request {request_id!r} holds no blocks")
-        n = _count("drop_unread: num_tokens", num_tokens)
+        n = check_count("drop_unread: num_tokens", num_tokens)
         if not rs.request.num_computed_tokens <= n <= rs.num_slots:
             raise RequestLengthError(
                 f"drop_unread: num_tokens {n} outside [{rs.request.num_computed_tokens}, "
