@@ -27,8 +27,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from hybridkv.cache import AllocationResult
+from hybridkv.engine.completion import Completion, LiveRequest
 from hybridkv.engine.errors import EngineError
-from hybridkv.engine.llm_engine import Completion, LLMEngine, _Live
+from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.engine.tp_shards import (
     Shard,
     TPSplitError,
@@ -220,7 +221,7 @@ def import_request(
             reasons[rid] = reason
         engine.add_request(rid, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids)
         return False
-    live = _Live(seq, prompt, tokens=list(handover.token_ids))
+    live = LiveRequest(seq, prompt, tokens=list(handover.token_ids))
     if engine.keep_logits:
         live.logits.extend(handover.logits)
     engine._live[rid] = live

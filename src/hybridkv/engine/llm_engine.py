@@ -45,7 +45,7 @@ import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from hybridkv.engine.cache_config import (
     plan_cache,
     preflight_plan,
 )
+from hybridkv.engine.completion import Completion, LiveRequest
 from hybridkv.engine.device import resolve_device
 from hybridkv.engine.engine_args import (
     check_engine_args,
@@ -98,12 +99,10 @@ from hybridkv.engine.views import StorageViews
 from hybridkv.errors import InvariantError
 from hybridkv.plan import Plan
 from hybridkv.scheduler import (
-    FinishReason,
     RequestOutput,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
-    SequenceState,
 )
 from hybridkv.specs import ModelSpec
 from hybridkv.storage import KVCacheStorage
@@ -138,32 +137,6 @@ _COUNTERS = [
     "disk",
     "moved",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Completion:
-    """A finished request.
-
-    ``token_ids`` are the generated tokens; ``num_cached_tokens`` the prefix-cache hit of its
-    first admission; ``logits[i]`` the float32 logits ``token_ids[i]`` is the argmax of (kept
-    only when the engine was built with ``keep_logits=True``, else empty).
-    """
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason
-    num_cached_tokens: int
-    num_preemptions: int
-    logits: tuple[torch.Tensor, ...] = ()
-
-
-@dataclass
-class _Live:
-    seq: SequenceState
-    prompt: tuple[int, ...]
-    tokens: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -288,7 +261,7 @@ class LLMEngine:
         self.vocab_size = config_vocab_size(net.config)
         self.keep_logits = keep_logits
         self.completions: dict[str, Completion] = {}
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._tracker = CacheTracker(self.layout)
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._block_sizes = [g.block_size for g in self.layout.groups]
@@ -333,7 +306,7 @@ class LLMEngine:
             hold=hold,
             protect_as=protect_as,
         )
-        self._live[request_id] = _Live(seq, prompt)
+        self._live[request_id] = LiveRequest(seq, prompt)
         self._counts["prompt"] += len(prompt)
 
     def check_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[int, ...]:
