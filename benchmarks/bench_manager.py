@@ -82,6 +82,11 @@ CLOCKS: dict[str, Callable[[], int]] = {"wall": time.perf_counter_ns, "cpu": tim
 POOL_WEIGHTS = {CacheKind.FULL: 1.0, CacheKind.SLIDING: 0.8, CacheKind.STATE: 0.9}
 
 
+#: The layouts (``--models``) and strategies (``--strategies``) this benchmark builds.
+LAYOUTS = ("full+swa", "full+state", "full+swa+state")
+STRATEGIES = ("uniform", "pools", "arena", "arena_own")
+
+
 def _specs(name: str) -> list[CacheSpec]:
     full = FullAttentionSpec(**_ATTN)  # type: ignore[arg-type]
     swa = SlidingWindowSpec(window=128, **_ATTN)  # type: ignore[arg-type]
@@ -141,6 +146,7 @@ class _Live:
     spec: StepRequest
     req: Request
     generated: int = 0
+    admitted: bool = False  # a first admission counted its hit (later ones re-read its own)
 
 
 @dataclass
@@ -156,6 +162,8 @@ class RunResult:
     hit_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
+    #: Requests that did not fit the cache even with nothing else in it (dropped, not run).
+    rejected: int = 0
     peak_usage: float = 0.0
 
 
@@ -199,7 +207,7 @@ def simulate(
     total = len(workload)
     start = time.perf_counter()
     step = 0
-    while res.finished < total and step < max_steps:
+    while res.finished + res.rejected < total and step < max_steps:
         while pending and pending[0].arrival_step <= step:
             w = pending.popleft()
             waiting.append(_Live(w, mgr.make_request(w.request_id, list(w.prompt_token_ids))))
@@ -260,10 +268,21 @@ def simulate(
             waiting.popleft()
             running.append(live)
             req.num_computed_tokens = h
-            res.hit_tokens += h
-            res.prompt_tokens += req.num_tokens
+            if not live.admitted:  # the first admission's hit; a preempted request's return
+                live.admitted = True  # re-reads its own blocks, which is no prefix reuse
+                res.hit_tokens += h
+                res.prompt_tokens += req.num_tokens
             scheduled.append((live, n))
             left -= n
+        if not scheduled and not running and waiting and not preempted:
+            # The cache holds nothing running, and the head of the queue still does not fit:
+            # it never will, so it is dropped (with the turns that continue it) and counted.
+            # (It holds no blocks: a failed allocation takes none, a preemption freed them.)
+            dropped = [waiting.popleft().spec]
+            while dropped:
+                spec = dropped.pop()
+                res.rejected += 1
+                dropped.extend(children.pop(spec.request_id, ()))
         res.peak_usage = max(res.peak_usage, mgr.usage)
         for live, n in scheduled:
             req = live.req
@@ -338,6 +357,9 @@ def run_one(
         "steps": res.steps,
         "steps_per_s": res.steps / res.wall_s if res.wall_s else 0.0,
         "wall_s": res.wall_s,
+        "manager_us_per_step": sum(map(sum, res.times.values())) / 1000 / res.steps
+        if res.steps
+        else 0.0,
         "token_hit_rate": res.hit_tokens / res.prompt_tokens if res.prompt_tokens else 0.0,
         "manager_hit_rate": stats.hit_rate,
         "alone_hit_rate": [a / stats.query_tokens for a in stats.group_alone_hit_tokens]
@@ -345,6 +367,8 @@ def run_one(
         else [],
         "preemptions": res.preemptions,
         "finished": res.finished,
+        "rejected": res.rejected,
+        "requests": len(workload),
         "peak_usage": res.peak_usage,
     }
 
@@ -369,10 +393,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="per-call timer")
     p.add_argument("--out", type=Path, default=Path("results/bench_manager.json"))
     args = p.parse_args(argv)
+    models, strategies = args.models.split(","), args.strategies.split(",")
+    for flag, names, valid in (
+        ("--models", models, LAYOUTS),
+        ("--strategies", strategies, STRATEGIES),
+    ):
+        bad = [n for n in names if n not in valid]
+        if bad:
+            p.error(f"{flag}: unknown {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
+    for name in ("num_requests", "num_blocks", "chunk_blocks", "budget", "requests", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+    if args.out.is_dir():
+        p.error(f"--out: {args.out} is a directory; give a file path")
 
     if args.trace is not None:
         path = DEFAULT_TRACE if str(args.trace) == "default" else args.trace
         if not path.exists():
+            if str(args.trace) != "default":  # a path the user gave must exist
+                p.error(f"--trace: {path} does not exist")
             print(f"bench_manager: trace {path} not found; skipping")
             return 0
         try:
@@ -395,22 +434,37 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload {source}: {json.dumps(info)}; build: {'compiled' if compiled() else 'pure'}")
     results = []
     header = (
-        f"{'layout':<16}{'strategy':<9}{'gcb mean/p50/p99 us':>22}{'alloc mean/p50/p99 us':>24}"
-        f"{'free mean us':>13}{'steps/s':>9}{'hit':>7}{'preempt':>8}"
+        f"{'layout':<16}{'strategy':<10}{'gcb mean/p50/p99 us':>22}{'alloc mean/p50/p99 us':>24}"
+        f"{'free mean us':>13}{'us/step':>9}{'steps/s':>9}{'hit':>7}{'preempt':>8}{'done':>12}"
     )
     print(header)
-    for model in args.models.split(","):
-        for strategy in args.strategies.split(","):
+    incomplete = []
+    for model in models:
+        for strategy in strategies:
             r = run_one(model, strategy, workload, args)
             results.append(r)
             g, a, f = (r["calls"][k] for k in ("get_computed_blocks", "allocate_slots", "free"))
+            done = f"{r['finished']}/{r['requests']}"
             print(
-                f"{model:<16}{strategy:<9}"
+                f"{model:<16}{strategy:<10}"
                 f"{g['mean_us']:>8.1f}/{g['p50_us']:>5.1f}/{g['p99_us']:>6.1f}"
                 f"{a['mean_us']:>10.1f}/{a['p50_us']:>5.1f}/{a['p99_us']:>6.1f}"
-                f"{f['mean_us']:>13.1f}{r['steps_per_s']:>9.0f}{r['token_hit_rate']:>7.1%}"
-                f"{r['preemptions']:>8}"
+                f"{f['mean_us']:>13.1f}{r['manager_us_per_step']:>9.1f}{r['steps_per_s']:>9.0f}"
+                f"{r['token_hit_rate']:>7.1%}{r['preemptions']:>8}{done:>12}"
             )
+            if r["rejected"]:
+                print(
+                    f"  warning: {r['rejected']} requests never fit this cache alone and were "
+                    "dropped (not in the hit rate); give more --num-blocks",
+                    file=sys.stderr,
+                )
+            if r["finished"] + r["rejected"] < r["requests"]:
+                incomplete.append(f"{model}/{strategy}")
+    print(
+        "gcb: get_computed_blocks (hashing is in make_request, not timed); us/step: every "
+        "timed manager call per step; hit: prompt tokens served from cache at each request's "
+        "first admission; done: finished/requests"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     payload = {
@@ -422,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {args.out}")
+    if incomplete:
+        print(
+            f"bench_manager: {', '.join(incomplete)} stopped at the step limit with requests "
+            "unfinished; their timings are not comparable",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
