@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from bench_transfer import _paired
+from hybridkv.errors import HybridKVError
 from hybridkv.models.catalog import resolve_model
 from hybridkv.plan.planner import make_plan
 from hybridkv.storage import KVCacheStorage, LayoutKind, copy_blocks
@@ -60,17 +61,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice; on a machine other work keeps busy, "
+        "1 keeps copies from waiting for a second thread)",
+    )
     parser.add_argument("--out", default="results/bench_moves.json")
     args = parser.parse_args(argv)
     if args.moves < 1 or args.repeats < 1:
         parser.error(f"--moves and --repeats must be at least 1, got {args.moves}, {args.repeats}")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads: must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine's torch has no CUDA")
     device = torch.device(args.device)
-    plan = make_plan(
-        resolve_model(args.model),
-        memory_bytes=parse_bytes(args.memory, field="--memory"),
-        max_model_len=args.max_model_len,
-        strategy="arena",
-    )
+    try:
+        plan = make_plan(
+            resolve_model(args.model),
+            memory_bytes=parse_bytes(args.memory, field="--memory"),
+            max_model_len=args.max_model_len,
+            strategy="arena",
+        )
+    except HybridKVError as exc:
+        parser.error(str(exc))
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     for kind in (LayoutKind.CROSS_LAYER, LayoutKind.PER_LAYER):
@@ -113,7 +130,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f" {row['move_blocks_gbps']:6.2f} GB/s   {row['speedup']:.2f}x"
                 f"   identical {identical}"
             )
-    result = {"config": vars(args), "device": str(device), "rows": rows, "skipped": skipped}
+    result = {
+        "config": vars(args),
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "rows": rows,
+        "skipped": skipped,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

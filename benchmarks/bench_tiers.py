@@ -288,7 +288,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for n in sweep
         for kind in kinds
     ]
-    result = {"config": vars(args), "rows": rows, "disk_rows": disk_rows, "sweep": sweep_rows}
+    result = {
+        "config": vars(args),
+        "torch_threads": torch.get_num_threads(),
+        "rows": rows,
+        "disk_rows": disk_rows,
+        "sweep": sweep_rows,
+    }
     for r in rows:
         print(
             f"{r['kind']:<12} {r['blocks']} blocks, {r['bytes'] / 2**20:.1f} MiB: store "
