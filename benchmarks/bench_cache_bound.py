@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridkv.errors import HybridKVError
 from hybridkv.models import resolve_model
 from hybridkv.specs import ModelSpec
 from hybridkv.units import format_bytes, parse_bytes
@@ -41,30 +42,37 @@ def prefix_bytes_per_token(model: ModelSpec) -> int:
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt-oss-20b,Qwen3-Next-80B-A3B")
-    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--trace", default=None, help="Mooncake trace (default: the shared one)")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--sizes", default="16GiB,144GiB,272GiB,528GiB")
     p.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
     p.add_argument("--out", default="results/bench_cache_bound.json")
     args = p.parse_args(argv)
-    trace = Path(args.trace)
+    trace = Path(args.trace or DEFAULT_TRACE)
     if not trace.exists():
+        if args.trace is not None:  # a path the user gave must exist
+            p.error(f"--trace: {trace} does not exist")
         print(f"bench_cache_bound: no trace at {trace}; nothing to measure")
         return None
+    if args.requests < 1 or args.block_size < 1:
+        p.error("--requests and --block-size must be at least 1")
+    try:
+        models = {name: resolve_model(name) for name in args.models.split(",")}
+        sizes = [parse_bytes(s, field="--sizes") for s in args.sizes.split(",")]
+    except HybridKVError as exc:
+        p.error(str(exc))
     t0 = time.perf_counter()
     workload = load_mooncake_trace(trace, limit=args.requests)
     reqs = list(workload.requests)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     ideal = ideal_hit_tokens(reqs, args.block_size) / prompt_tokens
-    sizes = [parse_bytes(s, field="--sizes") for s in args.sizes.split(",")]
     rows = []
     print(
         f"{trace.name}: {len(reqs)} requests, {prompt_tokens} prompt tokens; unbounded-cache "
         f"ideal {ideal:.2%} at {args.block_size}-token blocks"
     )
     print(f"{'model':22} {'size':>9} {'blocks':>9} {'LRU':>7} {'Belady':>7} {'LRU/ideal':>9}")
-    for name in args.models.split(","):
-        model = resolve_model(name)
+    for name, model in models.items():
         per_token = prefix_bytes_per_token(model)
         caps = [max(1, s // (per_token * args.block_size)) for s in sizes]
         lru = replay_hit_tokens(reqs, args.block_size, caps, "lru")

@@ -22,7 +22,7 @@ from typing import Any
 from hybridkv.errors import PlanError
 from hybridkv.models import catalog_names, resolve_model
 from hybridkv.plan import Strategy, StrategyComparison, compare_strategies
-from hybridkv.units import parse_bytes
+from hybridkv.units import SizeError, parse_bytes
 
 SEED = 0
 STRATEGIES = [s.value for s in Strategy]
@@ -90,7 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/plan_catalog.json", help="JSON result path")
     args = parser.parse_args(argv)
     random.seed(SEED)
-    memory = parse_bytes(args.memory, field="--memory")
+    try:
+        memory = parse_bytes(args.memory, field="--memory")
+    except SizeError as exc:
+        parser.error(str(exc))
+    if memory < 1 or args.max_model_len < 1:
+        parser.error(
+            f"--memory and --max-model-len must be positive, got {args.memory!r}, "
+            f"{args.max_model_len}"
+        )
 
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
