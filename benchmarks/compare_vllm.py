@@ -64,7 +64,9 @@ from hybridkv.workloads import (  # noqa: E402
 import vllm_driver as vd  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-MANAGER_OPS = ("get_computed_blocks", "allocate_slots", "free", "end_step")
+#: What counts as manager time per step.  ``admission_check`` is hybridkv's copy of vLLM's
+#: ``full_sequence_must_fit`` gate, which vLLM runs inside its timed ``allocate_slots``.
+MANAGER_OPS = ("get_computed_blocks", "allocate_slots", "free", "end_step", "admission_check")
 
 
 class HybridkvAdapter:
@@ -91,7 +93,7 @@ class HybridkvAdapter:
         self.mamba_align = any(g.spec.kind is CacheKind.STATE for g in layout.groups)
         self.partial_hash_hits = False
         self.bytes_per_block = 1
-        self.timings: dict[str, list[int]] = {op: [] for op in vd.OPS}
+        self.timings: dict[str, list[int]] = {op: [] for op in (*vd.OPS, "admission_check")}
         self._reqs: dict[str, Request] = {}
         self._pending: dict[str, ComputedBlocks] = {}
 
@@ -128,7 +130,9 @@ class HybridkvAdapter:
         r = self._reqs[req.request_id]
         hit = self._pending.get(req.request_id)
         if hit is not None and not self.manager.has_blocks(req.request_id):
-            if kw.get("full_sequence_must_fit") and not self._full_sequence_fits(req, hit):
+            if kw.get("full_sequence_must_fit") and not self._timed(
+                "admission_check", self._full_sequence_fits, req, hit
+            ):
                 return False
             r.num_computed_tokens = 0
             res = self._timed(
@@ -471,11 +475,11 @@ def _print(result: dict[str, Any]) -> None:
     gib = float(1 << 30)
     print(f"\n{result['model']} at {result['memory_bytes'] / gib:.1f} GiB")
     print(
-        f"  {'':10} {'hit rate':>9} {'preempt':>8} {'steps':>7} {'peak GiB':>9} {'mgr us/step':>12}"
+        f"  {'':16} {'hit rate':>9} {'preempt':>8} {'steps':>7} {'peak GiB':>9} {'mgr us/step':>12}"
     )
     for label, s in (("vLLM 0.33", v), (f"hybridkv/{h['strategy']}", h)):
         print(
-            f"  {label:10} {s['token_hit_rate']:9.1%} {s['preemptions']:8d} {s['steps']:7d} "
+            f"  {label:16} {s['token_hit_rate']:9.1%} {s['preemptions']:8d} {s['steps']:7d} "
             f"{s['peak_used_bytes'] / gib:9.2f} {s['manager_us_per_step']:12.1f}"
         )
     hr = "n/a" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}x"
@@ -573,16 +577,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeat < 1:
         print(f"compare_vllm: --repeat must be at least 1, got {args.repeat}", file=sys.stderr)
         return 2
+    from hybridkv.errors import HybridKVError
+    from hybridkv.units import parse_bytes
+
+    try:
+        memory = parse_bytes(args.memory, field="--memory")
+        for name in args.models.split(","):
+            resolve_model(name)
+    except HybridKVError as exc:
+        p.error(str(exc))
+    trace = Path(args.trace)
+    if not trace.is_file() and args.trace != str(DEFAULT_TRACE):  # a path the user gave
+        p.error(f"--trace: {trace} is not a file")
     if not vd.vllm_available():
         print("compare_vllm: vLLM is not importable here; see docs/vllm.md (skipped)")
         return 0
-    trace = Path(args.trace)
     if not trace.is_file():
         print(f"compare_vllm: trace {trace} not found (skipped)")
         return 0
-    from hybridkv.units import parse_bytes
-
-    memory = parse_bytes(args.memory, field="--memory")
     try:
         workload = load_mooncake_trace(
             trace, limit=args.requests, max_prompt_tokens=args.max_model_len - 1
