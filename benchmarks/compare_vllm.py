@@ -188,7 +188,8 @@ class HybridkvAdapter:
         nothing changes."""
         length = req.num_tokens
         needs = []
-        for g, held in zip(self.manager.layout.groups, hit.blocks, strict=True):
+        touches = [[b for b in held if b] for held in hit.blocks]  # the hit's real blocks
+        for g, held in zip(self.manager.layout.groups, touches, strict=True):
             spec, bs = g.spec, g.block_size
             if spec.kind is CacheKind.STATE:
                 # the running slot and the checkpoint its first chunk ends with, both new:
@@ -201,10 +202,9 @@ class HybridkvAdapter:
                 need = -(-min(spec.chunk_size - 1 + self.token_budget, length) // bs) + 1
             else:
                 need = -(-length // bs)
-            needs.append(max(0, need - sum(1 for b in held if b)))
+            needs.append(max(0, need - len(held)))
         none: list[None] = [None] * len(needs)
-        touches = [[b for b in held if b] or None for held in hit.blocks]
-        return bool(self.manager.pool.fits(none, none, touches, needs))
+        return bool(self.manager.pool.fits(none, none, [t or None for t in touches], needs))
 
     def append_token(self, req: vd.SimRequest, token_id: int) -> None:
         r = self._reqs[req.request_id]
