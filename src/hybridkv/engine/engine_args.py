@@ -21,7 +21,7 @@ from hybridkv.engine.errors import (
     PromptError,
     SpeculativeConfigError,
 )
-from hybridkv.engine.model_source import position_limit
+from hybridkv.engine.model_source import is_token_id, position_limit
 from hybridkv.engine.speculative import SpeculativeConfig, no_drafts
 from hybridkv.errors import PlanError
 from hybridkv.scheduler import SchedulerConfig, SchedulerError
@@ -105,7 +105,7 @@ def check_eos(request_id: str, eos_token_ids: object, vocab_size: int) -> tuple[
     :class:`PromptError` naming the request and the bad value."""
     eos = token_tuple(request_id, eos_token_ids, "eos_token_ids must be")
     for t in eos:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+        if not is_token_id(t, vocab_size):
             raise PromptError(
                 f"request {request_id!r}: eos_token_ids: {t!r} is not a token id of the "
                 f"vocabulary [0, {vocab_size})"

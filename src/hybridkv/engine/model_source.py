@@ -15,6 +15,7 @@ __all__ = [
     "config_vocab_size",
     "default_max_model_len",
     "eos_token_ids",
+    "is_token_id",
     "model_config",
     "position_limit",
     "prompt_problem",
@@ -84,6 +85,11 @@ def eos_token_ids(source: str | Path) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
+
+
+def is_token_id(value: object, vocab_size: int) -> bool:
+    """Whether ``value`` is a Python int (not a bool) in ``[0, vocab_size)``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def prompt_problem(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> str | None:

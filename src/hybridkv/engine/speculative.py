@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from hybridkv.engine.errors import EngineError, SpeculativeConfigError
+from hybridkv.engine.model_source import is_token_id
 
 __all__ = [
     "DraftProposer",
@@ -151,7 +152,7 @@ def checked_draft(draft: Sequence[int], room: int, vocab_size: int) -> tuple[int
     :class:`SpeculativeConfigError` for a token outside the vocabulary."""
     out = tuple(draft)[:room]
     for t in out:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+        if not is_token_id(t, vocab_size):
             raise SpeculativeConfigError(
                 f"speculative: the proposer drafted token {t!r}, outside the vocabulary "
                 f"[0, {vocab_size})"
