@@ -31,6 +31,8 @@ BAD_INPUT: list[tuple[list[str], str]] = [
     (["models", "gpt-oss-20b", "--model", "gemma-3-1b"], "name the model once"),
     # plan
     (["plan", "--memory", "12XB"], "--memory: cannot parse '12XB' as a size"),
+    # a zero that is no size is not "no tier" (it read as none before: review)
+    (["simulate", "--host-memory", "0foo"], "--host-memory: cannot parse '0foo' as a size"),
     (["plan", "--memory", "0"], "--memory: size must be positive"),
     (["plan", "--max-model-len", "0"], "--max-model-len: must be a positive integer, got 0"),
     (["plan", "--block-size", "-4"], "--block-size: must be a positive integer, got -4"),

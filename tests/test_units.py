@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from hybridkv.cli.main import main
-from hybridkv.units import format_bytes, format_bytes_exact
+from hybridkv.units import SizeError, format_bytes, format_bytes_exact, parse_bytes
 
 
 @pytest.mark.parametrize(
@@ -43,3 +43,11 @@ def test_format_bytes_exact_brackets_only_a_rounded_count() -> None:
     assert format_bytes_exact(1536) == "1.5 KiB (1536 B)"
     assert format_bytes_exact(1000) == "1000 B"
     assert format_bytes_exact(0) == "0 B"
+
+
+def test_parse_bytes_allows_zero_only_when_asked() -> None:
+    assert parse_bytes("0GiB", allow_zero=True) == parse_bytes("0.0 TB", allow_zero=True) == 0
+    with pytest.raises(SizeError, match="size must be positive"):
+        parse_bytes("0GiB")
+    with pytest.raises(SizeError, match="cannot parse '0foo'"):
+        parse_bytes("0foo", allow_zero=True)

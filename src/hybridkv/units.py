@@ -38,13 +38,14 @@ MAX_BYTES = 1 << 64
 _SIZE_RE = re.compile(r"^\s*(-?)\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str | int, *, field: str = "size") -> int:
+def parse_bytes(text: str | int, *, field: str = "size", allow_zero: bool = False) -> int:
     """Parse ``text`` (``"40GiB"``, ``"512 MB"``, ``"1000"``) into a positive number of bytes.
 
     Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers
     of 1024.  A fraction of a unit is rounded down to whole bytes (``3.2GiB`` is 3435973836
     bytes); a fraction of a byte (``1.5``, ``0.5B``) is refused.  Raises :class:`SizeError`
-    naming ``field`` when the text is not a positive size or is past :data:`MAX_BYTES`.
+    naming ``field`` when the text is not a positive size (``allow_zero``: not a size >= 0) or
+    is past :data:`MAX_BYTES`.
     """
     if isinstance(text, int):
         value = text
@@ -63,7 +64,7 @@ def parse_bytes(text: str | int, *, field: str = "size") -> int:
         if unit == 1 and exact != exact.to_integral_value():
             raise SizeError(f"{field}: {text!r} is not a whole number of bytes")
         value = -int(exact) if match.group(1) else int(exact)  # int() rounds towards 0
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise SizeError(f"{field}: size must be positive, got {text!r}")
     if value > MAX_BYTES:
         raise SizeError(

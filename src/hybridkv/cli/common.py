@@ -9,7 +9,6 @@ only a spec.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -395,13 +394,15 @@ FIELD_FLAGS: dict[str, str] = {
 }
 
 
-#: A size of zero, in any unit or none (``0``, ``0GiB``, ``0.0 TB``): "no such tier".
-_ZERO_SIZE = re.compile(r"\+?(0+\.?0*|\.0+)\s*[A-Za-z]*")
-
-
 def is_zero_size(text: str) -> bool:
-    """Whether the size ``text`` is zero in any unit (a tier option's "none")."""
-    return _ZERO_SIZE.fullmatch(text.strip()) is not None
+    """Whether the size ``text`` is zero in any unit (``0``, ``0GiB``, ``0.0 TB``: a tier
+    option's "none"); False for text that is no size, which its option's parse then refuses."""
+    from hybridkv.units import SizeError, parse_bytes
+
+    try:
+        return parse_bytes(text, allow_zero=True) == 0
+    except SizeError:
+        return False
 
 
 def with_flag_names(message: str) -> str:
