@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench_cli import out_path
 from hybridkv.errors import HybridKVError
 from hybridkv.models import resolve_model
 from hybridkv.specs import ModelSpec
@@ -61,22 +63,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         sizes = [parse_bytes(s, field="--sizes") for s in args.sizes.split(",")]
     except HybridKVError as exc:
         p.error(str(exc))
+    out = out_path(p, args.out)
     t0 = time.perf_counter()
     workload = load_mooncake_trace(trace, limit=args.requests)
     reqs = list(workload.requests)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     ideal = ideal_hit_tokens(reqs, args.block_size) / prompt_tokens
     rows = []
+    tty = sys.stderr.isatty()
     print(
         f"{trace.name}: {len(reqs)} requests, {prompt_tokens} prompt tokens; unbounded-cache "
         f"ideal {ideal:.2%} at {args.block_size}-token blocks"
     )
-    print(f"{'model':22} {'size':>9} {'blocks':>9} {'LRU':>7} {'Belady':>7} {'LRU/ideal':>9}")
+    print(
+        f"{'model':22} {'size':>9} {'blocks':>9} {'LRU':>7} {'Belady':>7} {'LRU/ideal':>9} "
+        f"{'Belady/ideal':>12}"
+    )
     for name, model in models.items():
+        if tty:  # the replays take about a minute per model on the full trace
+            print(
+                f"replaying {name}: LRU and Belady at {len(sizes)} sizes ...",
+                end="\r",
+                file=sys.stderr,
+            )
         per_token = prefix_bytes_per_token(model)
         caps = [max(1, s // (per_token * args.block_size)) for s in sizes]
         lru = replay_hit_tokens(reqs, args.block_size, caps, "lru")
         belady = replay_hit_tokens(reqs, args.block_size, caps, "belady")
+        if tty:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
         for size, cap, lr, bl in zip(sizes, caps, lru, belady, strict=True):
             row = {
                 "model": name,
@@ -89,7 +104,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             rows.append(row)
             print(
                 f"{name:22} {format_bytes(size):>9} {cap:9d} {row['lru_hit_rate']:7.2%} "
-                f"{row['belady_hit_rate']:7.2%} {row['lru_hit_rate'] / ideal:9.2f}"
+                f"{row['belady_hit_rate']:7.2%} {row['lru_hit_rate'] / ideal:9.2f} "
+                f"{row['belady_hit_rate'] / ideal:12.2f}",
+                flush=True,
             )
     result = {
         "config": vars(args),
@@ -98,8 +115,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "rows": rows,
         "wall_s": time.perf_counter() - t0,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out} ({result['wall_s']:.0f} s)")
     return result

@@ -12,8 +12,9 @@ run three ways on one model:
   fastest simple mode; padding changes its numerics, so its tokens are not compared).
 
 Each mode runs once to warm up, then ``--repeats`` times; the fastest repeat is reported (a
-shared machine adds noise, never speed).  Throughput is generated tokens per second of wall
-time, and per second of process CPU time (less sensitive to other processes; with
+shared machine adds noise, never speed).  The engine is built afresh (empty prefix cache)
+before each run, outside the timed region.  Throughput is generated tokens per second of
+wall time, and per second of process CPU time (less sensitive to other processes; with
 ``--threads 1`` the two agree on an idle machine).
 
 The model is a built-in tiny one (random weights, float32) whose config ``--override``
@@ -40,9 +41,11 @@ from typing import Any
 
 import torch
 
+from bench_cli import at_least, out_path
 from hybridkv.engine import CacheConfig, LLMEngine
 from hybridkv.engine.demo import shared_prefix_prompts
 from hybridkv.engine.models import TINY_MODELS, load_model, tiny_config
+from hybridkv.errors import HybridKVError
 from hybridkv.scheduler import SchedulerConfig
 
 
@@ -80,18 +83,22 @@ def _sync(device: str) -> None:
 Outcome = tuple[list[list[int]], dict[str, Any]]
 
 
-def _timed(fn: Callable[[], Outcome], device: str) -> tuple[Outcome, float, float]:
-    """``fn()``, its wall seconds and its process CPU seconds."""
+def _timed(
+    fn: Callable[[Any], Outcome], setup: Callable[[], Any], device: str
+) -> tuple[Outcome, float, float]:
+    """``fn(setup())``, the wall seconds and process CPU seconds of ``fn`` alone."""
+    state = setup()
     _sync(device)
     wall, cpu = time.perf_counter(), time.process_time()
-    out = fn()
+    out = fn(state)
     _sync(device)
     return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run_engine(model: Any, prompts: list[list[int]], args: argparse.Namespace) -> Outcome:
-    """A fresh engine (empty prefix cache) generating every prompt; tokens and its stats."""
-    engine = LLMEngine(
+def new_engine(model: Any, args: argparse.Namespace) -> LLMEngine:
+    """A fresh engine (empty prefix cache); built outside the timed region (transformers'
+    side has no such setup)."""
+    return LLMEngine(
         model,
         cache=CacheConfig(
             memory_bytes=args.memory_mib << 20,
@@ -101,6 +108,10 @@ def run_engine(model: Any, prompts: list[list[int]], args: argparse.Namespace) -
         ),
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_num_seqs=args.max_num_seqs),
     )
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], args: argparse.Namespace) -> Outcome:
+    """``engine`` generating every prompt; tokens and its stats."""
     done = engine.generate(prompts, max_tokens=args.max_tokens)
     stats = engine.stats()
     info = {
@@ -168,30 +179,63 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_engine.json")
     args = parser.parse_args(argv)
+    for flag in (
+        "num_requests",
+        "max_tokens",
+        "block_size",
+        "state_block_size",
+        "memory_mib",
+        "max_model_len",
+        "token_budget",
+        "max_num_seqs",
+        "repeats",
+        "threads",
+    ):
+        at_least(parser, "--" + flag.replace("_", "-"), getattr(args, flag))
+    at_least(parser, "--shared-prefix", args.shared_prefix, 0)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
+    if args.override and args.model not in TINY_MODELS:
+        parser.error(
+            f"--override: applies to the built-in tiny models ({', '.join(sorted(TINY_MODELS))}) "
+            f"only, not to {args.model!r}"
+        )
+    if args.override:
+        fields = tiny_config(args.model).to_dict()
+        for key, _ in args.override:
+            if key not in fields:
+                parser.error(f"--override {key}: {args.model}'s config has no field {key!r}")
+    out_path(parser, args.out)
     torch.set_num_threads(args.threads)
 
-    model = _model(args)
+    try:
+        model = _model(args)
+    except HybridKVError as exc:
+        parser.error(str(exc))
     reference = copy.deepcopy(model)  # the engine switches `model` to paged attention
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     prompts = shared_prefix_prompts(
         args.num_requests, vocab_size=vocab, shared_prefix=args.shared_prefix, seed=args.seed
     )
     n, dev = args.max_tokens, args.device
-    modes: dict[str, Callable[[], Outcome]] = {
-        "engine": lambda: run_engine(model, prompts, args),
-        "hf_sequential": lambda: (run_hf_sequential(reference, prompts, n, dev), {}),
-        "hf_batched": lambda: (run_hf_batched(reference, prompts, n, dev), {}),
+
+    def nothing() -> None:
+        return None
+
+    # each mode: its untimed setup, and the timed run given what the setup returned
+    modes: dict[str, tuple[Callable[[], Any], Callable[[Any], Outcome]]] = {
+        "engine": (lambda: new_engine(model, args), lambda e: run_engine(e, prompts, args)),
+        "hf_sequential": (nothing, lambda _: (run_hf_sequential(reference, prompts, n, dev), {})),
+        "hf_batched": (nothing, lambda _: (run_hf_batched(reference, prompts, n, dev), {})),
     }
     results: dict[str, Any] = {}
     tokens: dict[str, list[list[int]]] = {}
     generated = n * len(prompts)
-    for name, fn in modes.items():
-        fn()  # warm-up
+    for name, (setup, fn) in modes.items():
+        fn(setup())  # warm-up
         best: dict[str, Any] | None = None
         for _ in range(args.repeats):
-            (out, info), wall, cpu = _timed(fn, dev)
+            (out, info), wall, cpu = _timed(fn, setup, dev)
             if best is None or wall < best["wall_seconds"]:
                 tokens[name] = out
                 best = {"wall_seconds": wall, "cpu_seconds": cpu, **info}

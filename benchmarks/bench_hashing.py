@@ -23,9 +23,9 @@ import platform
 import random
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from bench_cli import out_path
 from hybridkv.cache import Request, compiled, make_hasher
 from hybridkv.errors import HybridKVError
 
@@ -96,6 +96,7 @@ def main() -> None:
             make_hasher(name)
         except HybridKVError as exc:
             parser.error(f"--hashers: {exc}")
+    out = out_path(parser, args.out)
     rng = random.Random(SEED)
     rows = []
     for length in lengths:
@@ -122,8 +123,6 @@ def main() -> None:
             f"xxh3 vs sha256 at {longest} tokens: request {h['request_ms'] / x['request_ms']:.2f}x"
             f" faster, per-block hashing alone {h['per_block_ms'] / x['per_block_ms']:.2f}x"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"seed": SEED, "block": BLOCK, "python": platform.python_version(), "build": build}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench_cli import out_path
 from hybridkv.cache import KVCacheManager, Request, compiled
 from hybridkv.plan.layout import ArenaPlan, GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import (
@@ -404,8 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("num_requests", "num_blocks", "chunk_blocks", "budget", "requests", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
-    if args.out.is_dir():
-        p.error(f"--out: {args.out} is a directory; give a file path")
+    args.out = out_path(p, args.out)
 
     if args.trace is not None:
         path = DEFAULT_TRACE if str(args.trace) == "default" else args.trace
@@ -465,7 +465,6 @@ def main(argv: list[str] | None = None) -> int:
         "timed manager call per step; hit: prompt tokens served from cache at each request's "
         "first admission; done: finished/requests"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     payload = {
         "source": source,

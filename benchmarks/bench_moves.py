@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench_cli import out_path
 from bench_transfer import _paired
 from hybridkv.errors import HybridKVError
 from hybridkv.models.catalog import resolve_model
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine's torch has no CUDA")
+    out = out_path(parser, args.out)
     device = torch.device(args.device)
     try:
         plan = make_plan(
@@ -137,8 +138,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "skipped": skipped,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return result

@@ -22,13 +22,13 @@ import json
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench_cli import at_least, out_path
 from hybridkv.plan import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import FullAttentionSpec, StateMixer, StateSpec, StateTensor
 from hybridkv.storage import KVCacheStorage, LayoutKind
@@ -130,8 +130,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, box: Any) -> None:
             torch.equal(storage.buffers[db][do : do + n].cpu(), src_buffers[sb][so : so + n])
             for sb, so, db, do, n in plan.runs()
         )
-        block = layout.groups[0].block_bytes
-        runs_attn = sum(1 for n in plan.length.tolist() if n % block == 0)
+        # a run is the attention group's when it lands inside that group's destination bytes
+        attn = storage.descriptor(0, tables[0]).ranges
+        runs_attn = sum(
+            1
+            for _, _, db, do, n in plan.runs()
+            if any(
+                r.buffer_id == db and r.offset <= do and do + n <= r.offset + r.length for r in attn
+            )
+        )
         box.put(
             {
                 "bytes": plan.total_bytes,
@@ -161,6 +168,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_pd.json")
     args = parser.parse_args(argv)
+    for flag in ("blocks", "layers", "state_layers", "heads", "head_dim", "block_size", "repeats"):
+        at_least(parser, "--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        parser.error(
+            f"--device cuda: needs two CUDA devices (one per process), this machine has "
+            f"{torch.cuda.device_count()}"
+        )
+    if args.device == "cuda" and not dist.is_nccl_available():
+        parser.error("--device cuda: this torch has no NCCL (torch.distributed)")
+    out = out_path(parser, args.out)
     port = free_port()
     ctx = mp.get_context("spawn")
     box = ctx.Queue()
@@ -174,8 +191,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"runs {row['attention_runs']} for {row['attention_blocks']} attention blocks, "
         f"{row['state_runs']} for the state slot (target: one per block); exact {row['exact']}"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result

@@ -42,9 +42,9 @@ import json
 import platform
 import random
 import time
-from pathlib import Path
 from typing import Any
 
+from bench_cli import out_path
 from hybridkv.cache import KVCacheManager
 from hybridkv.errors import HybridKVError
 from hybridkv.models import resolve_model
@@ -208,6 +208,7 @@ def main() -> None:
         parser.error(f"--repeat: must be at least 1, got {args.repeat}")
     if args.state_split != "auto" and not (args.state_split.isdigit() and int(args.state_split)):
         parser.error(f"--state-split: a positive integer or auto, got {args.state_split!r}")
+    out = out_path(parser, args.out)
     split: int | str = "auto" if args.state_split == "auto" else int(args.state_split)
     rng = random.Random(SEED)
     prompt_rows = [
@@ -253,8 +254,6 @@ def main() -> None:
         for s, r in top.items()
     )
     print(f"\nsummary: {longest}-token prompt: {summary}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": model.name,
         "seed": SEED,
@@ -263,6 +262,7 @@ def main() -> None:
         "python": platform.python_version(),
     }
     out.write_text(json.dumps({"meta": meta, "prompt": prompt_rows, "live": live_rows}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

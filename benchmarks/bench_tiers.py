@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from bench_transfer import _layout, _paired, _sync, add_block_arguments
+from bench_cli import at_least, out_path
+from bench_transfer import _layout, _paired, _sync, add_block_arguments, check_block_arguments
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine.block_places import BlockPlaces
 from hybridkv.engine.host_runs import load_rows, store_rows
@@ -79,8 +80,11 @@ def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> 
     staging = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
     flat = storage.buffers[0][:total]
 
+    def clear() -> object:  # untimed before each store: the same slots are written again
+        store.apply([TierOp("clear", "", 0, 0, 0)])
+        return None
+
     def out() -> object:
-        store.apply([TierOp("clear", "", 0, 0, 0)])  # as a prefix-cache reset: slots reused
         store.apply(stores)
         return None
 
@@ -94,13 +98,13 @@ def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> 
     def h2d_one() -> object:
         return flat.copy_(staging)
 
+    t_out, t_d2h = _paired((out, d2h_one), device, args.repeats, reset=clear)
+    clear()
     out()  # the entries the loads read
-    t_out, t_d2h = _paired((out, d2h_one), device, args.repeats)
-    out()
     t_back, t_h2d = _paired((back, h2d_one), device, args.repeats)
     # where the time goes: the host's share (until the calls return, queued copies not
     # waited for), and the same blocks as one run each way (one indexed copy, no walk)
-    host_out = _host_time(out, device, args.repeats)
+    host_out = _host_time(out, device, args.repeats, reset=clear)
     host_back = _host_time(back, device, args.repeats)
     places = BlockPlaces(storage, pin)
     table = places.place(0, evicted[0])[1]
@@ -117,6 +121,7 @@ def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> 
     t_out_one, _ = _paired((out_one, d2h_one), device, args.repeats) if one else (0.0, 0.0)
     t_back_one, _ = _paired((back_one, h2d_one), device, args.repeats) if one else (0.0, 0.0)
     # a clean round trip: the stored blocks, read back into the other blocks, are identical
+    clear()
     out()
     back()
     same = all(
@@ -141,11 +146,19 @@ def _bench(kind: LayoutKind, args: argparse.Namespace, device: torch.device) -> 
     }
 
 
-def _host_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+def _host_time(
+    fn: Callable[[], object],
+    device: torch.device,
+    repeats: int,
+    reset: Callable[[], object] | None = None,
+) -> float:
     """Best seconds until ``fn`` returns, the device idle before each run (on CUDA the copies
-    it queues are not waited for: the host's own share of the work)."""
+    it queues are not waited for: the host's own share of the work); ``reset`` (untimed)
+    before each run."""
     best = float("inf")
     for _ in range(max(1, repeats)):
+        if reset is not None:
+            reset()
         _sync(device)
         start = time.perf_counter()
         fn()
@@ -264,14 +277,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="comma-separated layer counts: the host round trip at each block size too",
     )
     args = parser.parse_args(argv)
+    check_block_arguments(parser, args)
+    at_least(parser, "--readers", args.readers)
+    if args.disk_dir is not None and not Path(args.disk_dir).is_dir():
+        parser.error(f"--disk-dir: {args.disk_dir} is not a directory")
+    out = out_path(parser, args.out)
     try:
         sweep = [int(x) for x in args.sweep.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--sweep: {args.sweep!r} is not a comma-separated list of layer counts")
     if any(n <= 0 for n in sweep):
         parser.error(f"--sweep: layer counts must be positive, got {args.sweep!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -328,8 +344,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{r['store_gbps']:>10.2f} {r['load_gbps']:>9.2f} {r['ratio_to_contiguous']:>6.2f} "
                 f"{host:>21} {'-' if one is None else f'{one:.2f}':>7}"
             )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result

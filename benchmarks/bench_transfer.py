@@ -22,11 +22,12 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench_cli import at_least, out_path
+from hybridkv.errors import HybridKVError
 from hybridkv.plan import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import FullAttentionSpec
 from hybridkv.storage import (
@@ -46,19 +47,29 @@ def _sync(device: torch.device) -> None:
 
 
 def _paired(
-    fns: tuple[Callable[[], object], Callable[[], object]], device: torch.device, repeats: int
+    fns: tuple[Callable[[], object], Callable[[], object]],
+    device: torch.device,
+    repeats: int,
+    reset: Callable[[], object] | None = None,
 ) -> tuple[float, float]:
     """Best seconds of ``repeats`` interleaved runs of each of two functions (after a warm-up).
 
     Interleaving and taking the minimum keep the comparison fair on a shared, noisy machine:
     both functions see the same background load, and the minimum is the least disturbed run.
+    ``reset`` (untimed) runs before each run of the first function: what it needs to start
+    from the same state again.
     """
     best = [float("inf"), float("inf")]
     for fn in fns:
+        if reset is not None and fn is fns[0]:
+            reset()
         fn()
     _sync(device)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
+            if reset is not None and i == 0:
+                reset()
+                _sync(device)
             start = time.perf_counter()
             fn()
             _sync(device)
@@ -197,19 +208,34 @@ def add_block_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_block_arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> MemoryLayout:
+    """Refuse, as one-line errors, what :func:`add_block_arguments` took but cannot run:
+    counts below 1, an unknown dtype, CUDA on a machine without it.  Returns the layout."""
+    for flag in ("blocks", "layers", "heads", "head_dim", "block_size", "repeats", "threads"):
+        at_least(parser, "--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    try:
+        return _layout(args)
+    except HybridKVError as exc:
+        parser.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_block_arguments(parser)
     parser.add_argument("--chunk-mib", type=int, default=64)
     parser.add_argument("--out", default="results/bench_transfer.json")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available")
+    layout = check_block_arguments(parser, args)
+    at_least(parser, "--chunk-mib", args.chunk_mib)
+    out = out_path(parser, args.out)
     torch.manual_seed(args.seed)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    layout = _layout(args)
     rng = random.Random(args.seed)
     id_sets = {
         "contiguous": list(range(1, args.blocks + 1)),
@@ -256,9 +282,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{per_layer:.2f}; all round trips identical: "
         f"{all(r['round_trip_identical'] for r in rows)}"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
     return result
 
 

@@ -16,9 +16,9 @@ import argparse
 import json
 import random
 import time
-from pathlib import Path
 from typing import Any
 
+from bench_cli import out_path
 from hybridkv.errors import PlanError
 from hybridkv.models import catalog_names, resolve_model
 from hybridkv.plan import Strategy, StrategyComparison, compare_strategies
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--memory and --max-model-len must be positive, got {args.memory!r}, "
             f"{args.max_model_len}"
         )
+    out = out_path(parser, args.out)
 
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
@@ -129,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{elapsed:.2f} s"
     )
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "plan_catalog",
         "seed": SEED,
