@@ -196,6 +196,7 @@ _EXPECTED = "give a text file, one prompt per line (plain or gzip-compressed)"
 BAD_INPUTS: list[tuple[str, tuple[str, ...], str]] = [
     ("device-tpu", ("--device", "tpu"), "--device: cannot parse 'tpu'; valid: cpu, cuda or cuda:N"),
     ("device-meta", ("--device", "meta"), "--device: 'meta' is a meta device"),
+    ("device-cpu-5", ("--device", "cpu:5"), "--device: 'cpu:5': the CPU is one device (cpu or"),
     ("device-cuda", ("--device", "cuda"), _NO_CUDA_MESSAGE),
     (
         "device-cuda-99",

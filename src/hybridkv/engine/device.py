@@ -15,14 +15,18 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """``device`` as a :class:`torch.device` this process can use.
 
     Raises :class:`DeviceError` for a name torch cannot parse, a device type other than CPU
-    and CUDA, CUDA on a torch build or machine without a CUDA device, or a CUDA index past
-    the devices present.
+    and CUDA, a CPU index other than 0, CUDA on a torch build or machine without a CUDA
+    device, or a CUDA index past the devices present.
     """
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise DeviceError(f"device: cannot parse {str(device)!r}; valid: {_VALID}") from None
     if dev.type == "cpu":
+        if dev.index:  # torch takes any index and ignores it: one CPU device
+            raise DeviceError(
+                f"device: {str(device)!r}: the CPU is one device (cpu or cpu:0); valid: {_VALID}"
+            )
         return dev
     if dev.type != "cuda":
         raise DeviceError(
