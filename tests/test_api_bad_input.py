@@ -325,6 +325,24 @@ def test_simulate_arguments_of_the_wrong_type(model: ModelSpec) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("use_arrivals", "yes", "use_arrivals: must be True or False, got 'yes' (str)"),
+        ("compaction", 1, "compaction: must be True or False, got 1 (int)"),
+        ("checkpoint_before_end", "x", "checkpoint_before_end: must be True, False or None"),
+        ("timeline_points", 0, "timeline_points: must be a positive integer, got 0 (int)"),
+        ("timeline_points", 2.0, "timeline_points: must be a positive integer, got 2.0"),
+        ("label", 5, "label: must be a string or None, got 5 (int)"),
+    ],
+)
+def test_sim_config_fields_only_it_sees(field: str, value: Any, message: str) -> None:
+    # the other fields are make_plan's, KVCacheManager's or SchedulerConfig's, checked there
+    with pytest.raises(SimulationError) as exc:
+        SimConfig(memory_bytes=GiB, max_model_len=4096, **{field: value})
+    assert message in str(exc.value)
+
+
 def test_sim_model_config_arguments(tmp_path: Path) -> None:
     _raises(
         UnknownModelError,

@@ -9,7 +9,7 @@ from hybridkv.cache import TierSpec
 from hybridkv.cache.pool_base import DEFAULT_CHANCES
 from hybridkv.cache.tier_sessions import DEFAULT_PROTECT_SHARE
 from hybridkv.cache.tiers import check_protect_share
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import HybridKVError, brief_repr
 from hybridkv.plan import Strategy
 from hybridkv.plan.options import AUTO_STATE_SPLIT, DEFAULT_CHUNK_ALIGNMENT
 from hybridkv.sim.cost import ACCELERATORS
@@ -95,6 +95,27 @@ class SimConfig:
         return tuple(out)
 
     def __post_init__(self) -> None:
+        # The fields make_plan, KVCacheManager and SchedulerConfig do not see are checked
+        # here; theirs are checked (and named) there when the run starts.
+        for name in ("use_arrivals", "compaction"):
+            if not isinstance(getattr(self, name), bool):
+                raise SimulationError(
+                    f"{name}: must be True or False, got {brief_repr(getattr(self, name))}"
+                )
+        if self.checkpoint_before_end is not None and not isinstance(
+            self.checkpoint_before_end, bool
+        ):
+            raise SimulationError(
+                "checkpoint_before_end: must be True, False or None (by the alignment), got "
+                f"{brief_repr(self.checkpoint_before_end)}"
+            )
+        points = self.timeline_points
+        if type(points) is not int or points < 1:
+            raise SimulationError(
+                f"timeline_points: must be a positive integer, got {brief_repr(points)}"
+            )
+        if self.label is not None and not isinstance(self.label, str):
+            raise SimulationError(f"label: must be a string or None, got {brief_repr(self.label)}")
         for name in ("host_memory_bytes", "disk_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
