@@ -16,7 +16,6 @@ does it before calling in.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -28,9 +27,9 @@ from hybridkv.cache.admission import (
 from hybridkv.cache.coupling import CheckpointCoupling
 from hybridkv.cache.dead_tails import DeadTails
 from hybridkv.cache.events import EventLog
+from hybridkv.cache.group_tuning import set_refresh_from, set_window_grids
 from hybridkv.cache.hit_grid import HitGrid
-from hybridkv.cache.kinds import KindManager, StateManager, StepOutputs, StepPlan, manager_class
-from hybridkv.cache.kinds.state import REFRESH_SHARE
+from hybridkv.cache.kinds import KindManager, StepOutputs, StepPlan, manager_class
 from hybridkv.cache.policies import (
     PUBLISH_MODES,
     WINDOW_RETENTION,
@@ -48,7 +47,7 @@ from hybridkv.cache.tiers import TierSpec, TierStack, check_protect_share
 from hybridkv.cache.types import AllocationResult, BlockId, TierLoad
 from hybridkv.cache.window_spread import WindowSpread
 from hybridkv.plan.layout import MemoryLayout, Strategy
-from hybridkv.specs import CacheKind, SlidingWindowSpec
+from hybridkv.specs import CacheKind
 
 __all__ = ["PUBLISH_MODES", "WINDOW_RETENTION", "HybridCoordinator"]
 
@@ -116,13 +115,13 @@ class HybridCoordinator:
             m.dense_windows = window_retention == "all"
         self._closed = [m for m in self.managers if m.prefix_closed]
         self._open = [m for m in self.managers if not m.prefix_closed]
-        self._set_window_grids()
+        set_window_grids(self._open, self._closed, self.alignment)
         #: A state checkpoint's parts (one per state group) leave the cache together, and
         #: under ``checkpoint_life="kv"`` with the prefix-closed block they end.
         with_kv = lives_with_kv(checkpoint_life, bool(tiers))
         self.coupling = CheckpointCoupling(self.managers, self.pool, events, with_kv)
         if with_kv:
-            self._set_refresh_from()
+            set_refresh_from(self.managers, self._closed)
         for g in self.coupling.groups[1:]:
             self.managers[g].credits = False
         self._attention = [m.group_id for m in self.managers if m.spec.kind is not CacheKind.STATE]
@@ -180,36 +179,6 @@ class HybridCoordinator:
         self.sessions = TierSessions(
             self.tiers, hash_limit(self.tiers, layout.total_bytes, per_hash)
         )
-
-    def _set_refresh_from(self) -> None:
-        """Where a freed request's own checkpoints start being refreshed: from the token
-        where the prefix-closed KV before them holds ``1 / REFRESH_SHARE`` times a whole
-        checkpoint's bytes (every state group's part); from the first without such KV."""
-        states = [m for m in self.managers if isinstance(m, StateManager)]
-        checkpoint = sum(m.block_bytes for m in states)
-        per_token = sum(m.block_bytes / m.block_size for m in self._closed)
-        start = math.ceil(checkpoint / (REFRESH_SHARE * per_token)) if per_token else 1
-        for m in states:
-            m.refresh_from = max(1, start)
-
-    def _set_window_grids(self) -> None:
-        """Tail retention also keeps the window before every multiple of a grid, where the
-        window's bytes are a sixteenth of the prefix-closed groups' bytes up to that point:
-        ``grid = 16 * W * window bytes per token / prefix bytes per token`` (gpt-oss-20b:
-        2,048 tokens for its 128-token window; gemma-3-27b: none below 85k).  Measured on the
-        Mooncake trace (gpt-oss-20b, 64 GiB: 4.8% hit rate without a grid, 7.8%, 8.9%, 9.3%
-        and 9.2% with a 512, 1,024, 2,048 and 4,096-token grid)."""
-        prefix = sum(m.spec.bytes_per_token * m.group.num_members for m in self._closed)
-        if not prefix:
-            return
-        align = self.alignment
-        for m in self._open:
-            spec = m.spec
-            if not isinstance(spec, SlidingWindowSpec):
-                continue
-            own = spec.bytes_per_token * m.group.num_members
-            grid = -(-16 * spec.window * own // prefix)
-            m.window_grid = -(-grid // align) * align
 
     # -- hits -------------------------------------------------------------------------------
     def find_hit(
