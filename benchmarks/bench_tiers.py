@@ -6,7 +6,8 @@ blocks of a ``--layers``-layer full-attention group in a cross-layer storage, an
 against one contiguous copy of the same bytes each way (device -> host, host -> device).
 Reports GB/s, the ratio to the contiguous copies (target >= 0.8) and whether the round trip
 is byte-identical.  Blocks are copied one at a time, as evictions and hits arrive, into the
-store's host buffer; the per-layer layout is measured too (one range per layer and block).
+store's host buffer, emptied (untimed) before each timed store so that every run writes
+the same slots; the per-layer layout is measured too (one range per layer and block).
 Each row also says where the time goes: how long the store's calls take to return (on CUDA
 the copies they queue are not waited for: the host's own share), and the round trip of the
 same blocks as one run each way (one indexed gather / scatter and one copy, no per-block
