@@ -306,3 +306,73 @@ def test_plan_errors_name_the_array() -> None:
     with pytest.raises(TransferError, match=r"tokens: need 0 <= start <= end"):
         plan_transfer(reg, st, reg, dt, tokens=(5, 2))
     assert isinstance(plan_transfer(reg, st, reg, dt, tokens=(3, 3)), TransferPlan)
+
+
+def test_plan_refuses_tables_and_tokens_it_cannot_move_exactly() -> None:
+    sp = specs(1)
+    layout = pools_layout(tuple(group(i, s, (2 * i, 2 * i + 1)) for i, s in enumerate(sp.values())))
+    src = filled(layout, LayoutKind.CROSS_LAYER, "nhd", 1)
+    dst = filled(layout, LayoutKind.CROSS_LAYER, "nhd", 2)
+    reg_s, reg_d = register(src.placement), register(dst.placement)
+    n = layout.pools[0].num_blocks
+    st = {g.group_id: [1, 3] for g in layout.groups}
+    dt = {g.group_id: [4, 2] for g in layout.groups}
+    st[3], dt[3] = [1], [5]
+    before = [b.clone() for b in dst.buffers]
+    cases: list[tuple[dict[int, list[int]], dict[int, list[int]], object, str]] = [
+        ({**st, 0: [-2, 3]}, dt, (0, 8), r"source tables\[0\]: block id -2 is not a block of"),
+        (st, {**dt, 0: [4, n]}, (0, 8), rf"destination tables\[0\]: block id {n} is not a "),
+        (st, {**dt, 0: [4, 4]}, (0, 8), r"destination tables\[0\]: block 4 appears twice"),
+        (st, {**dt, 0: [1.7, 2]}, (0, 8), r"need a 1-D sequence of integer block ids"),
+        ({**st, 3: [0]}, dt, (0, 8), r"the source's state slot is the null block 0"),
+        (st, {**dt, 3: [0]}, (0, 8), r"the destination's state slot is the null block 0"),
+        (st, dt, (0.5, 7.9), r"tokens: need two integers \(start, end\), got \(0.5, 7.9\)"),
+    ]
+    for s_tab, d_tab, tokens, message in cases:
+        with pytest.raises(TransferError, match=message):
+            plan_transfer(reg_s, s_tab, reg_d, d_tab, tokens=tokens)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(before, dst.buffers, strict=True))
+    # the null block on the destination of a token array is skipped, as a window's recycled
+    # block, and may repeat
+    assert plan_transfer(reg_s, st, reg_d, {**dt, 0: [0, 0]}, tokens=(0, 8)).num_runs == 5
+
+
+def test_plan_refuses_another_element_type_of_the_same_size() -> None:
+    def reg(dtype: str) -> object:
+        sp = {"full": FullAttentionSpec(num_kv_heads=2, head_dim=8, dtype=dtype)}
+        return register(
+            filled(pools_layout(groups(sp, 4)), LayoutKind.CROSS_LAYER, "nhd", 1).placement
+        )
+
+    t = {0: [1, 2]}
+    for a, b, shown in (
+        ("bf16", "fp16", "bfloat16, the destination float16"),
+        ("fp8_e4m3", "fp8_e5m2", "float8_e4m3fn, the destination float8_e5m2"),
+    ):
+        with pytest.raises(TransferError, match=rf"layer 0 slot 0 'k': the source stores {shown}"):
+            plan_transfer(reg(a), t, reg(b), t, tokens=(0, 8))  # type: ignore[arg-type]
+
+
+def test_executing_a_plan_checks_every_buffer_before_copying() -> None:
+    sp = specs(1, state=False)
+    layout = pools_layout(groups(sp, 4))
+    src = filled(layout, LayoutKind.CROSS_LAYER, "nhd", 1)
+    dst = filled(layout, LayoutKind.PER_LAYER, "hnd", 2)
+    st, dt = tables(layout, 0), tables(layout, 1)
+    plan = plan_transfer(register(src.placement), st, register(dst.placement), dt, tokens=(0, 7))
+    last = len(dst.buffers) - 1
+    short = [*dst.buffers[:last], dst.buffers[last][:1].clone()]
+    before = [b.clone() for b in dst.buffers]
+    with pytest.raises(TransferError, match=rf"destination buffers\[{last}\]: 1 bytes, the plan"):
+        plan.copy(src.buffers, [*dst.buffers[:last], short[last]])
+    with pytest.raises(TransferError, match=r"source buffers: the plan uses buffer"):
+        plan.copy(src.buffers[:0], dst.buffers)
+    floats = [b.view(torch.float16) if b.numel() % 2 == 0 else b.float() for b in src.buffers]
+    with pytest.raises(TransferError, match=r"source buffers\[0\]: need a flat contiguous uint8"):
+        plan.copy(floats, dst.buffers)
+    with pytest.raises(TransferError, match=r"packed: need a flat contiguous uint8 tensor"):
+        plan.unpack(torch.zeros(2, plan.total_bytes, dtype=torch.uint8), dst.buffers)
+    with pytest.raises(TransferError, match=r"packed: 3 bytes, the plan moves"):
+        plan.pack(src.buffers, torch.zeros(3, dtype=torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(before, dst.buffers, strict=True))
+    plan.unpack(plan.pack(src.buffers), dst.buffers)  # the checks pass good buffers

@@ -8,8 +8,9 @@ needs two things from each side, and nothing about the model:
 * :class:`SegmentRef` per stored array: for layer ``layer`` (cache ``slot``), segment
   ``name`` (``k``, ``v``, ``latent``, or a state tensor such as ``conv`` / ``ssm``), the
   affine map from a block and an element index to a byte offset (``offset``,
-  ``block_stride``, ``strides``) in buffer ``buffer_id``, its logical ``shape`` per block, the
-  group it belongs to (``group_id``, ``block_size`` tokens per block; 0 for a state slot),
+  ``block_stride``, ``strides``) in buffer ``buffer_id``, its element type (``dtype``,
+  ``itemsize``) and logical ``shape`` per block, the group it belongs to (``group_id``,
+  ``num_blocks`` block ids, ``block_size`` tokens per block; 0 for a state slot),
   and which slice of a tensor-parallel split it holds: along ``shard_axis`` (the KV-head
   axis of attention, axis 0 of a state tensor) the global indices ``[shard_first,
   shard_first + shape[shard_axis])`` of ``shard_total``.
@@ -63,6 +64,11 @@ class SegmentRef:
     group_id: int
     block_size: int
     itemsize: int
+    #: The element type's name (``DType`` value, e.g. ``bfloat16``): arrays of one item
+    #: size but another type (bf16 / fp16, the two fp8 kinds) are not interchangeable.
+    dtype: str
+    #: Blocks of the group's table (ids ``0 .. num_blocks - 1``; 0 is the null block).
+    num_blocks: int
     shape: tuple[int, ...]
     buffer_id: int
     offset: int
@@ -167,6 +173,8 @@ def register(
                         group_id=gp.group_id,
                         block_size=plan.block_size if token_axis is not None else 0,
                         itemsize=seg.dtype.itemsize,
+                        dtype=seg.dtype.value,
+                        num_blocks=gp.num_blocks,
                         shape=shape,
                         buffer_id=sp.buffer_id,
                         offset=sp.offset,

@@ -20,8 +20,9 @@ layer and segment.
 
 A destination block that is the null block (a sliding window's recycled block) is skipped;
 a source block that is null where the destination needs data raises
-:class:`~hybridkv.storage.errors.TransferError`, as do arrays the source lacks and shapes
-that differ.  Runs never overlap on the destination side.
+:class:`~hybridkv.storage.errors.TransferError`, as do arrays the source lacks, shapes or
+element types that differ, block ids outside a group, a destination block named twice and a
+null state slot on either side.  Runs never overlap on the destination side.
 
 Executing a plan: :meth:`TransferPlan.copy` (both sides in one process),
 :meth:`TransferPlan.pack` / :meth:`TransferPlan.unpack` (through one contiguous stream in run
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridkv.errors import brief_repr
 from hybridkv.storage.connector import Registration, SegmentRef
 from hybridkv.storage.errors import TransferError
 
@@ -73,9 +75,47 @@ class TransferPlan:
             )
         )
 
+    def check_buffers(self, buffers: Sequence[torch.Tensor], side: str) -> None:
+        """Raise :class:`TransferError`, before anything is copied, unless ``buffers`` can
+        serve every run of ``side`` (``source`` or ``destination``): each buffer a run names
+        present, a flat contiguous uint8 tensor holding the run."""
+        ids = self.src_buffer if side == "source" else self.dst_buffer
+        offs = self.src_offset if side == "source" else self.dst_offset
+        if not ids.size:
+            return
+        ends = offs + self.length
+        for b in np.unique(ids).tolist():
+            if not 0 <= b < len(buffers):
+                raise TransferError(
+                    f"{side} buffers: the plan uses buffer {b}, {len(buffers)} buffers given"
+                )
+            buf = buffers[b]
+            if (
+                not isinstance(buf, torch.Tensor)
+                or buf.dtype != torch.uint8
+                or buf.dim() != 1
+                or not buf.is_contiguous()
+            ):
+                got = (
+                    f"dtype {buf.dtype}, shape {tuple(buf.shape)}"
+                    if isinstance(buf, torch.Tensor)
+                    else type(buf).__name__
+                )
+                raise TransferError(
+                    f"{side} buffers[{b}]: need a flat contiguous uint8 tensor, got {got}"
+                )
+            need = int(ends[ids == b].max())
+            if buf.numel() < need:
+                raise TransferError(
+                    f"{side} buffers[{b}]: {buf.numel()} bytes, the plan's runs reach byte {need}"
+                )
+
     def copy(self, src_buffers: Sequence[torch.Tensor], dst_buffers: Sequence[torch.Tensor]) -> int:
         """Copy every run from ``src_buffers`` into ``dst_buffers`` (flat uint8 tensors);
-        returns the bytes copied."""
+        returns the bytes copied.  Buffers that cannot serve the runs raise
+        :class:`TransferError` before anything is copied."""
+        self.check_buffers(src_buffers, "source")
+        self.check_buffers(dst_buffers, "destination")
         for sb, so, db, do, n in self.runs():
             dst_buffers[db][do : do + n].copy_(src_buffers[sb][so : so + n])
         return self.total_bytes
@@ -85,9 +125,13 @@ class TransferPlan:
     ) -> torch.Tensor:
         """The runs' source bytes, concatenated in run order, into ``out`` (or a new tensor
         on the first buffer's device)."""
+        self.check_buffers(src_buffers, "source")
         total = self.total_bytes
         if out is None:
-            out = torch.empty(total, dtype=torch.uint8, device=src_buffers[0].device)
+            device = src_buffers[0].device if len(src_buffers) else "cpu"
+            out = torch.empty(total, dtype=torch.uint8, device=device)
+        else:
+            _check_stream(out, total)
         pos = 0
         for sb, so, _, _, n in self.runs():
             out[pos : pos + n].copy_(src_buffers[sb][so : so + n])
@@ -96,14 +140,29 @@ class TransferPlan:
 
     def unpack(self, packed: torch.Tensor, dst_buffers: Sequence[torch.Tensor]) -> None:
         """Write a stream from :meth:`pack` into the runs' destinations."""
-        if packed.numel() < self.total_bytes:
-            raise TransferError(
-                f"packed: {packed.numel()} bytes, the plan moves {self.total_bytes}"
-            )
+        _check_stream(packed, self.total_bytes)
+        self.check_buffers(dst_buffers, "destination")
         pos = 0
         for _, _, db, do, n in self.runs():
             dst_buffers[db][do : do + n].copy_(packed[pos : pos + n])
             pos += n
+
+
+def _check_stream(packed: torch.Tensor, total: int) -> None:
+    if (
+        not isinstance(packed, torch.Tensor)
+        or packed.dtype != torch.uint8
+        or packed.dim() != 1
+        or not packed.is_contiguous()
+    ):
+        got = (
+            f"dtype {packed.dtype}, shape {tuple(packed.shape)}"
+            if isinstance(packed, torch.Tensor)
+            else type(packed).__name__
+        )
+        raise TransferError(f"packed: need a flat contiguous uint8 tensor, got {got}")
+    if packed.numel() < total:
+        raise TransferError(f"packed: {packed.numel()} bytes, the plan moves {total}")
 
 
 def plan_transfer(
@@ -125,10 +184,13 @@ def plan_transfer(
     whole (MLA latents, unsplit states): every tensor-parallel rank has them, so a
     destination filled from several source ranks takes them from the first only.  Pure.
 
-    Raises :class:`TransferError` for an array the source lacks, shapes that differ, a table
-    too short for the tokens, or a null source block where the destination needs data.
+    Raises :class:`TransferError` for an array the source lacks, shapes or element types
+    that differ, a table too short for the tokens, block ids that are not integers of the
+    group's range, a destination block twice, a null source block where the destination
+    needs data, or a null state slot.
     """
     pair = _token_pairs(tokens)
+    checked: dict[tuple[str, int], np.ndarray] = {}
     parts: list[tuple[np.ndarray, ...]] = []
     for d in dst.segments:
         s = src.segment(d.key)
@@ -139,7 +201,9 @@ def plan_transfer(
             )
         if (d.token_axis is None and not state) or (not unsplit and s.shard_axis is None):
             continue
-        part = _segment_units(s, src_tables, d, dst_tables, pair)
+        s_tab = _table(src_tables, s, "source", checked)
+        d_tab = _table(dst_tables, d, "destination", checked)
+        part = _segment_units(s, s_tab, d, d_tab, pair)
         if part is not None:
             parts.append(part)
     if not parts:
@@ -149,21 +213,58 @@ def plan_transfer(
     return _coalesce(sb, so, db, do, n)
 
 
-def _table(tables: Mapping[int, Sequence[int]], seg: SegmentRef, side: str) -> np.ndarray:
-    table = tables.get(seg.group_id)
+def _table(
+    tables: Mapping[int, Sequence[int]],
+    seg: SegmentRef,
+    side: str,
+    checked: dict[tuple[str, int], np.ndarray],
+) -> np.ndarray:
+    """Group ``seg.group_id``'s table on ``side`` as int64, checked once: integers in
+    ``[0, num_blocks)``; on the destination no block twice (but the null block 0)."""
+    g = seg.group_id
+    done = checked.get((side, g))
+    if done is not None:
+        return done
+    table = tables.get(g)
     if table is None:
-        raise TransferError(f"{side} tables: no block table for group {seg.group_id}")
-    return np.asarray(table, dtype=np.int64)
+        raise TransferError(f"{side} tables: no block table for group {g}")
+    arr = np.asarray(table)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TransferError(
+            f"{side} tables[{g}]: need a 1-D sequence of integer block ids, got {brief_repr(table)}"
+        )
+    arr = arr.astype(np.int64)
+    bad = arr[(arr < 0) | (arr >= seg.num_blocks)]
+    if bad.size:
+        raise TransferError(
+            f"{side} tables[{g}]: block id {int(bad[0])} is not a block of group {g}; valid: "
+            f"0 .. {seg.num_blocks - 1}"
+        )
+    if side == "destination":
+        used = arr[arr != 0]
+        ids, counts = np.unique(used, return_counts=True)
+        if np.any(counts > 1):
+            raise TransferError(
+                f"destination tables[{g}]: block {int(ids[counts > 1][0])} appears twice (the "
+                "runs would overwrite each other)"
+            )
+    checked[side, g] = arr
+    return arr
 
 
 def _segment_units(
     s: SegmentRef,
-    s_tables: Mapping[int, Sequence[int]],
+    s_tab: np.ndarray,
     d: SegmentRef,
-    d_tables: Mapping[int, Sequence[int]],
+    d_tab: np.ndarray,
     pair: tuple[np.ndarray, np.ndarray],
 ) -> tuple[np.ndarray, ...] | None:
     where = f"layer {d.layer} slot {d.slot} {d.name!r}"
+    if s.dtype != d.dtype:
+        raise TransferError(
+            f"{where}: the source stores {s.dtype}, the destination {d.dtype} (the bytes of "
+            "one are not the other's)"
+        )
     if s.itemsize != d.itemsize or len(s.shape) != len(d.shape) or s.token_axis != d.token_axis:
         raise TransferError(
             f"{where}: the source stores {s.shape} x {s.itemsize} B, the destination "
@@ -190,12 +291,17 @@ def _segment_units(
         if hi <= lo:
             return None  # no slice in common (another source rank holds it)
         ranges.append((lo, hi))
-    s_tab, d_tab = _table(s_tables, s, "source"), _table(d_tables, d, "destination")
     src = np.array([s.offset], dtype=np.int64)
     dst = np.array([d.offset], dtype=np.int64)
     if d.token_axis is None:  # a state slot
         if not len(s_tab) or not len(d_tab):
             raise TransferError(f"{where}: a state group needs its slot in both tables")
+        if not s_tab[0] or not d_tab[0]:
+            side = "source" if not s_tab[0] else "destination"
+            raise TransferError(
+                f"{where}: the {side}'s state slot is the null block 0 (it holds no state and "
+                "is never written)"
+            )
         src += int(s_tab[0]) * s.block_stride
         dst += int(d_tab[0]) * d.block_stride
     last = ndim - 1
@@ -250,13 +356,19 @@ def _token_pairs(
     """``(destination positions, source positions)`` of the tokens to move."""
     a, b = tokens
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        td = np.asarray(a, dtype=np.int64)
-        ts = np.asarray(b, dtype=np.int64)
+        na, nb = np.asarray(a), np.asarray(b)
+        if (na.size and na.dtype.kind not in "iu") or (nb.size and nb.dtype.kind not in "iu"):
+            raise TransferError("tokens: a token map's positions must be integers")
+        td, ts = na.astype(np.int64), nb.astype(np.int64)
         if td.shape != ts.shape or td.ndim != 1 or (td.size and min(td.min(), ts.min()) < 0):
             raise TransferError(
                 "tokens: a token map needs two equal-length 1-D arrays of positions >= 0"
             )
+        if np.unique(td).size != td.size:
+            raise TransferError("tokens: a token map names a destination position twice")
         return td, ts
+    if not all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in (a, b)):
+        raise TransferError(f"tokens: need two integers (start, end), got {brief_repr(tokens)}")
     start, end = int(a), int(b)
     if not 0 <= start <= end:
         raise TransferError(f"tokens: need 0 <= start <= end, got {tokens}")

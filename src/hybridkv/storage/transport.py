@@ -60,7 +60,9 @@ def schedule(
 
 
 def _views(plan: TransferPlan, buffers: Sequence[torch.Tensor], side: str) -> list[torch.Tensor]:
-    """Each run's contiguous slice of its buffer on ``side`` (``src`` or ``dst``)."""
+    """Each run's contiguous slice of its buffer on ``side`` (``src`` or ``dst``); buffers
+    that cannot serve the runs raise :class:`TransferError` before any message goes out."""
+    plan.check_buffers(buffers, "source" if side == "src" else "destination")
     bufs = plan.src_buffer if side == "src" else plan.dst_buffer
     offs = plan.src_offset if side == "src" else plan.dst_offset
     return [
