@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridkv.errors import StorageError
 from hybridkv.storage import (
     KVCacheStorage,
     LayoutKind,
@@ -275,3 +277,36 @@ def test_the_tail_past_the_last_chunk_is_committed_at_once_and_holds_its_host_bl
             memory.commit(4)
     with pytest.raises(MemoryBackendError, match=r"tail_bytes: must be in \[0, chunk_bytes"):
         OnDemandArena(chunk_bytes=4096, num_chunks=2, tail_bytes=4096)
+
+
+def test_closing_memory_that_tensors_still_view_is_refused_and_changes_nothing() -> None:
+    # torch.frombuffer of the mapping held no export: close() unmapped memory under live
+    # views, and the next read crashed the process.
+    layout = arena_layout(mixed_groups())
+    storage = KVCacheStorage.on_demand(layout, kind=LayoutKind.CROSS_LAYER)
+    memory = storage.memory
+    assert memory is not None
+    memory.commit(1)
+    view = storage.buffers[0][memory.chunk_bytes : memory.chunk_bytes + 8]
+    view.fill_(3)
+    with pytest.raises(MemoryBackendError, match="tensors still view this memory"):
+        storage.close()
+    assert storage.memory is memory and 1 in memory.committed_chunks
+    assert int(view.sum()) == 24 and int(storage.buffers[0][memory.chunk_bytes]) == 3
+    memory.check_invariants()
+    del view
+    storage.close()
+    assert storage.memory is None and storage.buffers == ()
+    storage.close()  # twice: nothing
+
+
+def test_storage_refuses_a_device_it_cannot_use() -> None:
+    layout = arena_layout(mixed_groups())
+    for device, message in (
+        ("nope", "device: cannot parse 'nope'; valid: cpu, cuda or cuda:N"),
+        ("cpu:3", "device: 'cpu:3': the CPU is one device (cpu or cpu:0)"),
+    ):
+        with pytest.raises(StorageError, match=re.escape(message)):
+            KVCacheStorage(layout, device=device)
+        with pytest.raises(StorageError, match=re.escape(message)):
+            KVCacheStorage.on_demand(layout, device=device)

@@ -117,8 +117,15 @@ class CpuMmapBackend:
             raise MemoryBackendError(
                 f"total_bytes: cannot reserve {self.size} bytes of address space: {exc}"
             ) from None
-        self._tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._tensor = self._view_tensor()
         self.populate = populate
+
+    def _view_tensor(self) -> torch.Tensor:
+        """A tensor over the mapping through a ``memoryview`` of it: every tensor viewing the
+        memory keeps that export alive, so the mapping cannot be closed under them
+        (``torch.frombuffer`` of the mapping itself holds no export)."""
+        assert self._mm is not None
+        return torch.frombuffer(memoryview(self._mm), dtype=torch.uint8)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -136,14 +143,15 @@ class CpuMmapBackend:
         self._mm.madvise(mmap.MADV_DONTNEED, first * self.page_bytes, count * self.page_bytes)
 
     def close(self) -> None:
-        """Unmap the range; raises :class:`MemoryBackendError` while views of it are alive."""
+        """Unmap the range; raises :class:`MemoryBackendError`, changing nothing, while
+        tensors other than :attr:`tensor` view it (drop them first)."""
         if self._mm is None:
             return
         del self._tensor
         try:
             self._mm.close()
         except BufferError:
-            self._tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+            self._tensor = self._view_tensor()
             raise MemoryBackendError(
                 "close: tensors still view this memory; drop them before closing"
             ) from None
@@ -289,10 +297,12 @@ class OnDemandArena:
         return True
 
     def close(self) -> None:
-        """Release every chunk and the reservation."""
-        for chunk in sorted(self._committed):
-            self.release(chunk)
+        """Give the reservation back, every committed chunk's memory with it.  The backend
+        closes first: when it refuses (:class:`MemoryBackendError`: the CPU backend while
+        tensors still view its memory) every chunk stays committed, bytes unchanged."""
         self.backend.close()
+        self._committed.clear()
+        self._shared.clear()
 
     def check_invariants(self) -> None:
         counts: dict[int, int] = {}

@@ -34,6 +34,7 @@ from hybridkv.storage.block_table import BlockTable, kernel_ratio
 from hybridkv.storage.errors import (
     BlockRangeError,
     LayoutUnsupportedError,
+    MemoryBackendError,
     StorageAllocationError,
     ViewKindError,
 )
@@ -120,7 +121,7 @@ class KVCacheStorage:
         self.layout = layout
         sizes = self.placement.buffer_bytes
         if buffers is None:
-            self.device = torch.device(device)
+            self.device = _device(device)
             pin = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
             buffers = allocate_bytes(sizes, self.device, pin, "memory_bytes")
         else:
@@ -156,7 +157,7 @@ class KVCacheStorage:
                 f"{layout.strategy.value!r}"
             )
         placement = place(layout, kind, page_order)
-        dev = torch.device(device)
+        dev = _device(device)
         if backend is None:
             if dev.type == "cuda":
                 from hybridkv.storage.cuda_vmm import CudaVMMBackend
@@ -176,6 +177,22 @@ class KVCacheStorage:
         storage = cls(layout, kind=kind, page_order=page_order, buffers=[memory.tensor])
         storage.memory = memory
         return storage
+
+    def close(self) -> None:
+        """Let go of the buffers and, for an :meth:`on_demand` storage, give its memory back
+        (:meth:`OnDemandArena.close`).  Views taken from the storage must be dropped first:
+        on the CPU the close then raises :class:`MemoryBackendError` and changes nothing; a
+        CUDA backend's views become invalid.  Closing twice does nothing."""
+        memory = self.memory
+        self.buffers = ()
+        if memory is None:
+            return
+        try:
+            memory.close()
+        except MemoryBackendError:
+            self.buffers = (memory.tensor,)
+            raise
+        self.memory = None
 
     # ------------------------------------------------------------------ lookups
 
@@ -385,6 +402,20 @@ def _check_block(group: GroupPlacement, block_id: int) -> None:
             f"block_id: {block_id} is out of range for group {group.group_id}; valid ids are "
             f"[0, {group.num_blocks})"
         )
+
+
+def _device(device: torch.device | str) -> torch.device:
+    """``device`` as a :class:`torch.device`; :class:`StorageError` for a name torch cannot
+    parse or a CPU index other than 0 (torch takes any and ignores it)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise StorageError(
+            f"device: cannot parse {str(device)!r}; valid: cpu, cuda or cuda:N"
+        ) from None
+    if dev.type == "cpu" and dev.index:
+        raise StorageError(f"device: {str(device)!r}: the CPU is one device (cpu or cpu:0)")
+    return dev
 
 
 def _check_buffers(buffers: Sequence[torch.Tensor], sizes: tuple[int, ...]) -> None:
