@@ -134,7 +134,8 @@ def test_flipped_bytes_are_misses(name: str, tmp_path: Path) -> None:
 
 
 def _committed_offsets(data: bytes) -> list[int]:
-    from hybridkv.storage.disk_slots import _parse, _stride
+    from hybridkv.storage.disk_format import parse_header as _parse
+    from hybridkv.storage.disk_format import slot_stride as _stride
 
     out, off = [], 0
     while off + HEADER_BYTES <= len(data):

@@ -532,3 +532,62 @@ TestDiskSlotsMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+@pytest.mark.parametrize(
+    ("key", "tag", "size", "message"),
+    [
+        ((-1, 5), 0, 96, r"key \(-1, 5\) is not \(group, block hash\)"),
+        ((0, 1 << 300), 0, 96, r"is not \(group, block hash\)"),
+        (("g", 5), 0, 96, r"key \('g', 5\) is not \(group, block hash\)"),
+        ((0, 5.5), 0, 96, r"key \(0, 5.5\) is not"),
+        ((0, 5), 1.5, 96, r"tag 1.5 \(float\) is not a 64-bit integer"),
+        ((0, 5), 0, 257, r"a 257-byte payload for key \(0, 5\); this cache stores payloads of "),
+        ((0, 5), 0, 0, r"a 0-byte payload"),
+    ],
+)
+def test_an_entry_the_slots_cannot_hold_is_refused_before_any_change(
+    tmp_path: Path, key: Any, tag: Any, size: int, message: str
+) -> None:
+    # Found by review: such a key raised out of the failure path with its slot taken and
+    # unwritten, and a payload past the largest size ended a later process's recovery walk:
+    # every entry after either was lost on reopen.
+    s = slots(tmp_path)
+    assert s.write((0, 1), 0, memoryview(payload(1, 96)))
+    with pytest.raises(DiskCacheError, match=message):
+        s.write_many([((0, 2), 0, memoryview(payload(2, 96))), (key, tag, memoryview(bytes(size)))])
+    assert set(s.entries) == {(0, 1)} and (s.write_errors, s.no_room) == (0, 0)
+    assert s.write((0, 4), 0, memoryview(payload(4, 96)))
+    s.close()
+    again = slots(tmp_path)
+    assert {(e.group_id, e.block_hash) for e in again.recovered} == {(0, 1), (0, 4)}
+    assert read(again, (0, 4), 96) == payload(4, 96)
+
+
+def test_a_closed_cache_refuses_reads_and_writes(tmp_path: Path) -> None:
+    s = slots(tmp_path)
+    assert s.write((0, 1), 0, memoryview(payload(1, 96)))
+    s.close()
+    with pytest.raises(DiskCacheError, match="is closed; open it again"):
+        s.write((0, 2), 0, memoryview(payload(2, 96)))
+    with pytest.raises(DiskCacheError, match="is closed; open it again"):
+        read(s, (0, 1), 96)
+
+
+def test_a_fingerprint_with_tuples_reopens_its_own_directory(tmp_path: Path) -> None:
+    fp = {"model": "m", "layout": {"members": ((0, 0), (1, 0))}}
+    s = slots(tmp_path, fp=fp)
+    assert s.write((0, 1), 0, memoryview(payload(1, 96)))
+    s.close()
+    assert [e.block_hash for e in slots(tmp_path, fp=fp).recovered] == [1]
+    with pytest.raises(DiskCacheError, match="the fingerprint must be JSON data"):
+        slots(tmp_path / "x", fp={"model": object()})
+
+
+def test_a_data_file_that_cannot_be_opened_is_refused(tmp_path: Path) -> None:
+    slots(tmp_path).close()
+    (tmp_path / "blocks.bin").unlink()
+    (tmp_path / "blocks.bin").mkdir()
+    for _ in range(2):  # the lock is given back: a second try says the same
+        with pytest.raises(DiskCacheError, match=r"cannot open .*blocks\.bin: Is a directory"):
+            slots(tmp_path)

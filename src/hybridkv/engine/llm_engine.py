@@ -234,6 +234,9 @@ class LLMEngine:
                 self.manager.hasher.name,
                 seed=seed if name in TINY_MODELS else None,
                 attention_sinks=cache.attention_sinks,
+                # what a payload's bytes mean: the storage's layout kind and page order
+                storage_kind=self.storage.kind.value,
+                page_order=self.storage.placement.page_order.value,
             ),
         )
         sched = scheduler or SchedulerConfig()

@@ -10,6 +10,14 @@ This is the first layer that imports torch.  Modules, one concept each:
 * :mod:`~hybridkv.storage.ondemand`    on-demand physical memory (CPU mmap backend)
 * :mod:`~hybridkv.storage.cuda_vmm`    CUDA virtual-memory backend (optional cuda-bindings)
 * :mod:`~hybridkv.storage.storage`     :class:`KVCacheStorage`, the facade
+* :mod:`~hybridkv.storage.connector`   what an instance tells a peer (buffers, array maps)
+* :mod:`~hybridkv.storage.transfer_plan` a request's bytes between two instances' layouts
+* :mod:`~hybridkv.storage.transport`   executing a plan over torch.distributed
+* :mod:`~hybridkv.storage.cp`          context-parallel token maps for transfer plans
+* :mod:`~hybridkv.storage.disk_slots`  a disk tier's file of checksummed slots
+* :mod:`~hybridkv.storage.disk_format` the slot header format and checksum
+* :mod:`~hybridkv.storage.disk_manifest` who made a disk-cache directory, checked on open
+* :mod:`~hybridkv.storage.errors`      the storage exceptions
 """
 
 from __future__ import annotations

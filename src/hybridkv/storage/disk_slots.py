@@ -13,10 +13,9 @@ The directory holds three files:
 * ``lock``: an exclusive ``flock`` while a process has the directory open (a second process
   on the same directory is refused; the lock dies with its process).
 
-Each slot is a 128-byte header and the payload.  The header names the entry (group, block
-hash, admission tag), its payload size, a store counter (the eviction order a later process
-adopts), the payload's checksum (XXH3-64, ~13 GB/s on one core where zlib's CRC-32 does ~3)
-and its own CRC-32.  A write computes the checksum first and puts header and payload out in
+Each slot is a 128-byte header and the payload (:mod:`hybridkv.storage.disk_format`: the
+entry's name and tag, payload size, store counter, payload checksum and the header's own
+CRC-32).  A write computes the checksum first and puts header and payload out in
 one ``pwritev`` (a separate header write cost a quarter of the disk tier's write throughput:
 a syscall per entry, and on two threads a wait for the GIL after each); a slot is reused
 only after its drop marked it empty.  A process killed in the middle of a write so leaves
@@ -41,16 +40,25 @@ import json
 import logging
 import os
 import shutil
-import struct
 import threading
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import xxhash
-
+from hybridkv.errors import brief_repr
+from hybridkv.storage.disk_format import (
+    COMMITTED,
+    EMPTY,
+    HEADER_BYTES,
+    HEADER_READ,
+    SLOT_ALIGN,
+    checksum,
+    pack_header,
+    parse_header,
+    payload_bytes,
+    slot_stride,
+)
 from hybridkv.storage.disk_manifest import DiskCacheError, check_manifest
 
 __all__ = [
@@ -66,15 +74,6 @@ logger = logging.getLogger(__name__)
 
 #: Bumped whenever the file format changes; a manifest of another version is refused.
 FORMAT_VERSION = 1
-#: Bytes before each payload.
-HEADER_BYTES = 128
-_ALIGN = 64
-_MAGIC = b"HKVSLOT1"
-_EMPTY, _COMMITTED = 0, 1
-# magic, payload size, group, state, tag, stamp, payload checksum (XXH3-64), hash (33 bytes
-# signed LE: a SHA-256 hash or a negative builtin one)
-_HEAD = struct.Struct("<8sQIIqQQ33s")
-_HCRC = struct.Struct("<I")
 #: Pieces one ``pwritev`` takes at most (the POSIX minimum of ``IOV_MAX``, 1024 on Linux).
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 _MANIFEST = "manifest.json"
@@ -106,22 +105,6 @@ def _file_id(fd: int) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _nbytes(data: memoryview | Sequence[memoryview]) -> int:
-    return data.nbytes if isinstance(data, memoryview) else sum(v.nbytes for v in data)
-
-
-def _stride(size: int) -> int:
-    return -(-(HEADER_BYTES + size) // _ALIGN) * _ALIGN
-
-
-def _header(group: int, h: int, tag: int, size: int, stamp: int, crc: int, state: int) -> bytes:
-    head = _HEAD.pack(
-        _MAGIC, size, group, state, tag, stamp, crc, h.to_bytes(33, "little", signed=True)
-    )
-    whole = head + _HCRC.pack(zlib.crc32(head))
-    return whole + bytes(HEADER_BYTES - len(whole))
-
-
 class DiskSlots:
     """The slots of one disk-cache directory, for entries of at most the payload ``sizes``
     given (one per group), within ``capacity_bytes`` of payload.
@@ -146,7 +129,7 @@ class DiskSlots:
         if not self.sizes:
             raise DiskCacheError("disk cache: no group has a positive block size")
         self.max_slots = capacity_bytes // self.sizes[0] + 1
-        self.file_bytes = capacity_bytes + self.max_slots * (HEADER_BYTES + _ALIGN)
+        self.file_bytes = capacity_bytes + self.max_slots * (HEADER_BYTES + SLOT_ALIGN)
         self._fd = -1
         self._lock_fd = -1
         self._lock_id = (-1, -1)
@@ -178,6 +161,13 @@ class DiskSlots:
             raise DiskCacheError(f"disk cache: directory {d} is not writable")
         manifest = d / _MANIFEST
         want = {"format": FORMAT_VERSION, "capacity_bytes": self.capacity_bytes, **fingerprint}
+        try:  # as the manifest will hold it (tuples become lists), so a reopen compares equal
+            want = json.loads(json.dumps(want, sort_keys=True))
+        except (TypeError, ValueError) as exc:
+            raise DiskCacheError(
+                f"disk cache: the fingerprint must be JSON data (str, int, float, bool, None, "
+                f"lists and dicts of them): {exc}"
+            ) from None
         ours = {_MANIFEST, _DATA, _LOCK, _MANIFEST + ".tmp"}
         known = manifest.exists()
         if known:
@@ -205,14 +195,22 @@ class DiskSlots:
             raise DiskCacheError(f"disk cache: {d} is in use by another process") from exc
         _HELD_HERE[lock_id] = os.getpid()
         self._lock_id = lock_id
-        self._fd = os.open(d / _DATA, os.O_RDWR | os.O_CREAT, 0o644)
-        if not known and os.fstat(self._fd).st_size:
-            # No manifest says which model, layout and hasher wrote these slots (one was
-            # removed, or a process died before writing it): checksums that hold prove
-            # nothing about that, so nothing in the file is read.
-            logger.warning("disk cache: %s has no %s; its %s is discarded", d, _MANIFEST, _DATA)
-            os.ftruncate(self._fd, 0)
-        more = self.file_bytes - os.fstat(self._fd).st_size
+        try:
+            self._fd = os.open(d / _DATA, os.O_RDWR | os.O_CREAT, 0o644)
+            if not known and os.fstat(self._fd).st_size:
+                # No manifest says which model, layout and hasher wrote these slots (one was
+                # removed, or a process died before writing it): checksums that hold prove
+                # nothing about that, so nothing in the file is read.
+                logger.warning("disk cache: %s has no %s; its %s is discarded", d, _MANIFEST, _DATA)
+                os.ftruncate(self._fd, 0)
+            size_now = os.fstat(self._fd).st_size
+        except OSError as exc:
+            self.close()
+            raise DiskCacheError(
+                f"disk cache: cannot open {d / _DATA}: {exc.strerror or exc}; use an empty "
+                "directory"
+            ) from None
+        more = self.file_bytes - size_now
         free = shutil.disk_usage(d).free
         if more > free:
             self._unmake(known, made)
@@ -264,25 +262,25 @@ class DiskSlots:
         largest = self.sizes[-1]
         while offset + HEADER_BYTES <= size_now:
             try:
-                raw = os.pread(self._fd, _HEAD.size + _HCRC.size, offset)
+                raw = os.pread(self._fd, HEADER_READ, offset)
             except OSError:
                 break
-            parsed = _parse(raw)
+            parsed = parse_header(raw)
             if parsed is None or not 0 < parsed[1] <= largest:
                 break
             group, size, state, tag, stamp, h, _ = parsed
-            end = offset + _stride(size)
+            end = offset + slot_stride(size)
             if end > self.file_bytes:
                 break
-            if state == _COMMITTED and (group, h) not in self.entries:
+            if state == COMMITTED and (group, h) not in self.entries:
                 entry = SlotEntry(group, h, tag, size, offset, stamp)
                 self.entries[group, h] = entry
                 found.append(entry)
                 self._stamp = max(self._stamp, stamp + 1)
             else:
-                if state == _COMMITTED:  # a second copy of an entry: the slot is free
+                if state == COMMITTED:  # a second copy of an entry: the slot is free
                     with contextlib.suppress(OSError):
-                        self._pwrite(_header(group, h, tag, size, 0, 0, _EMPTY), offset)
+                        self._pwrite(pack_header(group, h, tag, size, 0, 0, EMPTY), offset)
                 self._free.setdefault(size, []).append(offset)
             offset = end
         self._top = offset
@@ -311,7 +309,8 @@ class DiskSlots:
         entry ``key`` with admission ``tag``: its checksum, then header and payload by one
         ``pwritev`` (:meth:`write_many` of the one item).  Returns False, storing nothing,
         when no slot is left for its size or the write fails (the entry then reads as
-        missing)."""
+        missing).  Raises :class:`DiskCacheError`, storing nothing, for a key, tag or payload
+        size the slots cannot hold (:meth:`_check_item`) or a closed cache."""
         return self.write_many([(key, tag, data)])[0]
 
     def write_many(
@@ -332,10 +331,15 @@ class DiskSlots:
         one thread writing while the other checksums ahead; contiguous blocks 1.08 against
         0.83 for the latter.  The payloads are read from the callers' memory, which stays
         unchanged until this returns."""
+        if self._fd < 0:
+            raise DiskCacheError(f"disk cache: {self.directory} is closed; open it again")
         keys = [key for key, _, _ in items]
         if len(set(keys)) != len(keys):
             return [self.write(key, tag, data) for key, tag, data in items]
-        sizes = [_nbytes(data) for _, _, data in items]  # a bad payload raises before any change
+        # what the header cannot hold or no slot fits raises before any change
+        sizes = [payload_bytes(data) for _, _, data in items]
+        for (key, tag, _), size in zip(items, sizes, strict=True):
+            self._check_item(key, tag, size)
         places: list[tuple[int, int] | None] = []
         for (key, _, _), size in zip(items, sizes, strict=True):
             if key in self.entries:
@@ -361,6 +365,32 @@ class DiskSlots:
                 self.entries[key] = SlotEntry(key[0], key[1], tag, size, offset, stamp)
                 done.append(True)
         return done
+
+    def _check_item(self, key: tuple[int, int], tag: int, size: int) -> None:
+        """Raise :class:`DiskCacheError` for an entry the slots cannot store: a key that is
+        not ``(group, block hash)`` with ``0 <= group < 2**32`` and a hash of at most 33
+        signed bytes, a tag that is not a 64-bit integer, or an empty payload or one larger
+        than the largest of the ``sizes`` the cache was opened for (its slot would end the
+        recovery walk of a later process)."""
+        ok_key = (
+            isinstance(key, tuple)
+            and len(key) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in key)
+            and 0 <= key[0] < 1 << 32
+            and -(1 << 263) <= key[1] < 1 << 263
+        )
+        if not ok_key:
+            raise DiskCacheError(
+                f"disk cache: key {key!r} is not (group, block hash): two integers, "
+                "the group in [0, 2**32), the hash of at most 33 signed bytes"
+            )
+        if not isinstance(tag, int) or isinstance(tag, bool) or not -(1 << 63) <= tag < 1 << 63:
+            raise DiskCacheError(f"disk cache: tag {brief_repr(tag)} is not a 64-bit integer")
+        if not 0 < size <= self.sizes[-1]:
+            raise DiskCacheError(
+                f"disk cache: a {size}-byte payload for key {key}; this cache stores payloads "
+                f"of 1 to {self.sizes[-1]} bytes"
+            )
 
     def _put_shared(
         self,
@@ -405,7 +435,9 @@ class DiskSlots:
         alone, never the rest of a batch or the slots' bookkeeping.  Touches no bookkeeping
         (threads share :meth:`write_many`)."""
         try:
-            head = _header(key[0], key[1], tag, _nbytes(data), stamp, checksum(data), _COMMITTED)
+            head = pack_header(
+                key[0], key[1], tag, payload_bytes(data), stamp, checksum(data), COMMITTED
+            )
             pieces: list[bytes | memoryview] = [head]
             if isinstance(data, memoryview):
                 pieces.append(data)
@@ -430,13 +462,15 @@ class DiskSlots:
         )
         self.write_errors += 1
         with contextlib.suppress(OSError):
-            self._pwrite(_header(g, h, tag, size, 0, 0, _EMPTY), offset)
+            self._pwrite(pack_header(g, h, tag, size, 0, 0, EMPTY), offset)
         self._free.setdefault(size, []).append(offset)
 
     def read(self, key: tuple[int, int], out: memoryview) -> bool:
         """Read entry ``key`` into ``out`` (its size) and check it: the header must name
         ``key``, be committed and intact, and the payload must match its checksum.  Returns False
         (``out`` then holds garbage) for a missing, torn, truncated or corrupt entry."""
+        if self._fd < 0:
+            raise DiskCacheError(f"disk cache: {self.directory} is closed; open it again")
         entry = self.entries.get(key)
         if entry is None or out.nbytes != entry.size:
             return False
@@ -446,15 +480,12 @@ class DiskSlots:
         except OSError as exc:
             logger.warning("disk cache: reading group %d block %#x failed: %s", *key, exc)
             return False
-        parsed = _parse(bytes(head[: _HEAD.size + _HCRC.size]))
+        parsed = parse_header(bytes(head[:HEADER_READ]))
         if parsed is None or got != HEADER_BYTES + entry.size:
             return False
         group, size, state, _, _, h, crc = parsed
         return (
-            state == _COMMITTED
-            and (group, h) == key
-            and size == entry.size
-            and checksum(out) == crc
+            state == COMMITTED and (group, h) == key and size == entry.size and checksum(out) == crc
         )
 
     def drop(self, key: tuple[int, int]) -> bool:
@@ -464,7 +495,7 @@ class DiskSlots:
         if entry is None:
             return False
         with contextlib.suppress(OSError):  # a slot that stays committed is refused by name
-            self._pwrite(_header(*key, entry.tag, entry.size, 0, 0, _EMPTY), entry.offset)
+            self._pwrite(pack_header(*key, entry.tag, entry.size, 0, 0, EMPTY), entry.offset)
         self._free.setdefault(entry.size, []).append(entry.offset)
         return True
 
@@ -495,7 +526,7 @@ class DiskSlots:
         spare = self._free.get(size)
         if spare:
             return spare.pop()
-        end = self._top + _stride(size)
+        end = self._top + slot_stride(size)
         if end > self.file_bytes:
             return None
         offset, self._top = self._top, end
@@ -544,28 +575,3 @@ class DiskSlots:
             n = os.pwritev(self._fd, views[at : at + _IOV_MAX], offset)
             if n <= 0:
                 raise OSError(errno.EIO, "short write")
-
-
-def checksum(data: memoryview | Sequence[memoryview]) -> int:
-    """The payload checksum a slot header carries (XXH3-64), of ``data`` or of the
-    concatenation of its pieces (the same value: the hash is streamed over them)."""
-    if isinstance(data, memoryview):
-        return xxhash.xxh3_64_intdigest(data)
-    state = xxhash.xxh3_64()
-    for piece in data:
-        state.update(piece)
-    return state.intdigest()
-
-
-def _parse(raw: bytes) -> tuple[int, int, int, int, int, int, int] | None:
-    """``(group, size, state, tag, stamp, hash, checksum)`` of a header that checks out."""
-    if len(raw) < _HEAD.size + _HCRC.size:
-        return None
-    head = raw[: _HEAD.size]
-    (hcrc,) = _HCRC.unpack_from(raw, _HEAD.size)
-    if zlib.crc32(head) != hcrc:
-        return None
-    magic, size, group, state, tag, stamp, crc, h = _HEAD.unpack(head)
-    if magic != _MAGIC or state not in (_EMPTY, _COMMITTED):
-        return None
-    return group, size, state, tag, stamp, int.from_bytes(h, "little", signed=True), crc
