@@ -150,6 +150,52 @@ def test_gather_scatter_copy_round_trip_between_storages() -> None:
         assert torch.equal(got.view(torch.int16), sent.view(torch.int16))  # bits: NaNs inside
 
 
+def test_descriptors_of_other_layout_kinds_or_page_orders_do_not_match() -> None:
+    # Found by review: matching compared piece lengths only, so a byte copy from NHD pages
+    # into HND ones (or cross-layer into head-major) went through and scrambled K and V.
+    layout = build("pools", mixed_groups())
+    a = KVCacheStorage(layout, kind=LayoutKind.CROSS_LAYER, page_order="nhd")
+    for kind, order, shown in (
+        (LayoutKind.CROSS_LAYER, "hnd", "cross_layer/nhd, the destination's cross_layer/hnd"),
+        (
+            LayoutKind.CROSS_LAYER_HEAD_MAJOR,
+            "nhd",
+            "cross_layer/nhd, the destination's cross_layer_head_major/nhd",
+        ),
+    ):
+        b = KVCacheStorage(layout, kind=kind, page_order=order)
+        src, dst = a.descriptor(0, [1]), b.descriptor(0, [1])
+        assert src.piece_lengths == dst.piece_lengths and not src.matches(dst)
+        before = [x.clone() for x in b.buffers]
+        with pytest.raises(TransferError, match=f"laid out {shown}: a byte copy would scramble"):
+            copy_blocks(src, a.buffers, dst, b.buffers)
+        assert all(torch.equal(x, y) for x, y in zip(before, b.buffers, strict=True))
+    assert a.descriptor(0, [1]).matches(KVCacheStorage(layout).descriptor(0, [3]))
+
+
+@pytest.mark.parametrize("extra", [32, 0])  # padded blocks (a range each) / one range
+def test_copy_blocks_refuses_ranges_that_overlap_in_memory(extra: int) -> None:
+    # Found by review: blocks [1, 2] -> [2, 3] of one buffer copied block 1 into block 3 when
+    # padded (block 2 was overwritten before it was read) and raised torch's RuntimeError
+    # when not; a copy onto itself stays allowed.
+    storage = _full(extra=extra)
+    key = storage.kv_view(0).key
+    for b in range(1, 4):
+        key[b].fill_(b)
+    before = [x.clone() for x in storage.buffers]
+    with pytest.raises(TransferError, match="source and destination ranges overlap in memory"):
+        copy_blocks(
+            storage.descriptor(0, [1, 2]),
+            storage.buffers,
+            storage.descriptor(0, [2, 3]),
+            storage.buffers,
+        )
+    assert all(torch.equal(x, y) for x, y in zip(before, storage.buffers, strict=True))
+    same = storage.descriptor(0, [2, 5])
+    assert copy_blocks(same, storage.buffers, storage.descriptor(0, [2, 6]), storage.buffers)
+    assert [int(key[b].flatten()[0]) for b in (2, 5, 6)] == [2, 0, 0]
+
+
 def test_transfer_errors_change_nothing() -> None:
     a, b = _full(), _full(page_bytes=320)
     src, dst = a.descriptor(0, [1]), b.descriptor(0, [1])

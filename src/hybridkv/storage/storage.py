@@ -23,7 +23,7 @@ through the views or the transfer functions.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -129,6 +129,8 @@ class KVCacheStorage:
             self.device = buffers[0].device
         self.buffers: tuple[torch.Tensor, ...] = tuple(buffers)
         self.memory: OnDemandArena | None = None
+        #: Per group, what its descriptors' bytes are (``TransferDescriptor.stream``).
+        self._streams: dict[int, tuple[Any, ...]] = {}
 
     @classmethod
     def on_demand(
@@ -309,7 +311,18 @@ class KVCacheStorage:
     ) -> TransferDescriptor:
         """Coalesced byte ranges holding ``block_ids`` of ``group_id`` (see
         :mod:`hybridkv.storage.transfer`); ``liveness`` refuses freed blocks."""
-        return build_descriptor(self._group(group_id), block_ids, liveness=liveness)
+        group = self._group(group_id)
+        stream = self._streams.get(group_id)
+        if stream is None:
+            stream = self._streams[group_id] = (
+                self.placement.kind.value,
+                self.placement.page_order.value,
+                tuple(
+                    (m.layer, m.slot, *((s.segment.name, s.segment.nbytes) for s in m.segments))
+                    for m in group.members
+                ),
+            )
+        return build_descriptor(group, block_ids, liveness=liveness, stream=stream)
 
     def move_blocks(self, moves: Iterable[tuple[int, int, int]]) -> int:
         """Copy block ``src`` of group ``g`` to block ``dst`` for each ``(g, src, dst)``, as

@@ -9,9 +9,13 @@ layout become one range.  Padding (padded members, page tails, alignment gaps) i
 of a piece and is never transferred.  State tensors split by alignment gaps are separate
 pieces, hence separate ranges per slot.
 
-Two descriptors *match* when they have the same ``piece_lengths`` and the same number of
-blocks: their streams then have the same length and meaning, and :func:`copy_blocks` can move
-one into the other even if their ranges are cut differently (other block ids, other storage).
+Two descriptors *match* when they have the same ``piece_lengths``, the same number of blocks
+and the same ``stream`` (what the bytes of a piece are: the storage's layout kind, page order
+and the group's members and segments, which :meth:`KVCacheStorage.descriptor` records): their
+streams then have the same length and meaning, and :func:`copy_blocks` can move one into the
+other even if their ranges are cut differently (other block ids, other storage).  Between
+storages of another layout kind or page order the bytes mean other things: move those with
+:func:`hybridkv.storage.transfer_plan.plan_transfer`.
 :func:`gather` packs a stream into one contiguous buffer (e.g. pinned host memory) and
 :func:`scatter` unpacks it; both use nothing but the descriptor and flat buffers, so the
 buffers may be another process's shared memory.
@@ -27,7 +31,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -71,6 +75,9 @@ class TransferDescriptor:
     block_ids: tuple[int, ...]
     piece_lengths: tuple[int, ...]
     ranges: tuple[ByteRange, ...]
+    #: What the stream's bytes are (layout kind, page order, members and segments; empty:
+    #: not recorded, which matches only another descriptor that records none).
+    stream: tuple[Any, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -78,8 +85,10 @@ class TransferDescriptor:
 
     def matches(self, other: TransferDescriptor) -> bool:
         """True when ``other``'s stream has the same length and meaning as this one."""
-        return self.piece_lengths == other.piece_lengths and len(self.block_ids) == len(
-            other.block_ids
+        return (
+            self.piece_lengths == other.piece_lengths
+            and len(self.block_ids) == len(other.block_ids)
+            and self.stream == other.stream
         )
 
 
@@ -88,8 +97,10 @@ def build_descriptor(
     block_ids: Sequence[int],
     *,
     liveness: BlockLiveness | None = None,
+    stream: tuple[Any, ...] = (),
 ) -> TransferDescriptor:
-    """Descriptor of ``block_ids`` (in that order) of ``group``.  Pure.
+    """Descriptor of ``block_ids`` (in that order) of ``group`` (``stream``: what its bytes
+    are, see :attr:`TransferDescriptor.stream`).  Pure.
 
     Raises :class:`BlockRangeError` for an id outside ``[1, num_blocks)`` (the null block 0
     holds no data), a repeated id, or a non-integer; :class:`FreedBlockError` when
@@ -139,6 +150,7 @@ def build_descriptor(
         block_ids=ids,
         piece_lengths=tuple(p.length for p in group.pieces),
         ranges=ranges,
+        stream=stream,
     )
 
 
@@ -323,32 +335,70 @@ def copy_blocks(
 
     The descriptors must :meth:`~TransferDescriptor.matches`; ranges are walked in step and cut
     where either side's range ends, so one copy call per overlap of a source and a destination
-    range.  Mutates only ``dst``'s ranges.  Raises :class:`TransferError` on a mismatch.
+    range.  Mutates only ``dst``'s ranges.  Raises :class:`TransferError`, copying nothing, on
+    a mismatch or when a destination range overlaps a source range in memory.
     """
     if not src.matches(dst):
+        if src.stream[:2] != dst.stream[:2] and src.stream and dst.stream:
+            raise TransferError(
+                f"descriptors: the source's bytes are laid out {'/'.join(src.stream[:2])}, the "
+                f"destination's {'/'.join(dst.stream[:2])}: a byte copy would scramble them "
+                "(move them with plan_transfer)"
+            )
         raise TransferError(
             f"descriptors: source (pieces {src.piece_lengths}, {len(src.block_ids)} blocks) and "
             f"destination (pieces {dst.piece_lengths}, {len(dst.block_ids)} blocks) differ"
+            + ("" if src.stream == dst.stream else " in what their bytes are")
         )
     s_flat, d_flat = _flat(src_buffers, src), _flat(dst_buffers, dst)
+    # the copies: ranges walked in step, cut where either side's range ends
+    copies: list[tuple[int, int, int, int, int]] = []  # src buffer, offset, dst buffer, offset, n
     i = j = 0
     s_pos = d_pos = 0
-    copied = 0
     while i < len(src.ranges) and j < len(dst.ranges):
         s, d = src.ranges[i], dst.ranges[j]
         n = min(s.length - s_pos, d.length - d_pos)
-        a, b = s.offset + s_pos, d.offset + d_pos
-        d_flat[d.buffer_id][b : b + n].copy_(
-            s_flat[s.buffer_id][a : a + n], non_blocking=non_blocking
-        )
-        copied += n
+        copies.append((s.buffer_id, s.offset + s_pos, d.buffer_id, d.offset + d_pos, n))
         s_pos += n
         d_pos += n
         if s_pos == s.length:
             i, s_pos = i + 1, 0
         if d_pos == d.length:
             j, d_pos = j + 1, 0
+    _check_no_overlap(copies, s_flat, d_flat)
+    copied = 0
+    for sb, a, db, b, n in copies:
+        d_flat[db][b : b + n].copy_(s_flat[sb][a : a + n], non_blocking=non_blocking)
+        copied += n
     return copied
+
+
+def _check_no_overlap(
+    copies: Sequence[tuple[int, int, int, int, int]],
+    s_flat: Sequence[torch.Tensor],
+    d_flat: Sequence[torch.Tensor],
+) -> None:
+    """Raise :class:`TransferError` when a copy writes bytes another copy of the same call
+    reads (a copy onto itself aside): copied one after the other, a later copy would read
+    what an earlier one wrote (:meth:`KVCacheStorage.move_blocks` orders such moves)."""
+    s_ptr = {t.untyped_storage().data_ptr() for t in s_flat}
+    if not any(t.untyped_storage().data_ptr() in s_ptr for t in d_flat):
+        return  # no memory in common: nothing can overlap
+    marked = []
+    for sb, a, db, b, n in copies:
+        src_at, dst_at = s_flat[sb].data_ptr() + a, d_flat[db].data_ptr() + b
+        if src_at != dst_at:
+            marked += [(src_at, src_at + n, 0), (dst_at, dst_at + n, 1)]
+    marked.sort()
+    reach = [-1, -1]  # the furthest end so far of the reads, of the writes
+    for start, end, side in marked:
+        if start < reach[1 - side]:
+            raise TransferError(
+                "descriptors: source and destination ranges overlap in memory (a copy would "
+                "read bytes it already overwrote); copy through a staging buffer (gather, "
+                "then scatter) or use KVCacheStorage.move_blocks"
+            )
+        reach[side] = max(reach[side], end)
 
 
 def _check_packed(packed: torch.Tensor, total: int) -> None:
