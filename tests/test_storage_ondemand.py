@@ -310,3 +310,57 @@ def test_storage_refuses_a_device_it_cannot_use() -> None:
             KVCacheStorage(layout, device=device)
         with pytest.raises(StorageError, match=re.escape(message)):
             KVCacheStorage.on_demand(layout, device=device)
+
+
+def test_arena_refuses_extents_outside_its_reservation_and_odd_numbers() -> None:
+    arena = OnDemandArena.on_cpu(
+        chunk_bytes=4096, num_chunks=2, chunk_extents=lambda c: [(c * 4096, 8192)]
+    )
+    arena.commit(0)
+    with pytest.raises(MemoryBackendError, match=r"chunk 1 has \(4096, 8192\), outside the res"):
+        arena.commit(1)
+    assert arena.committed_chunks == {0}
+    with pytest.raises(MemoryBackendError, match="chunk: True is out of range"):
+        arena.commit(True)
+    with pytest.raises(MemoryBackendError, match=r"must be integers, got 4096\.5, 2, 0"):
+        OnDemandArena(chunk_bytes=4096.5, num_chunks=2)  # type: ignore[arg-type]
+    arena.close()
+
+
+def test_vmm_close_goes_on_past_a_failing_unmap() -> None:
+    drv = FakeDriver()
+    backend = CudaVMMBackend(4 * 8192, driver=drv)
+    arena = OnDemandArena(chunk_bytes=8192, num_chunks=4, backend=backend)
+    arena.commit(0)
+    arena.commit(2)
+    real = drv.cuMemUnmap
+    failed: list[int] = []
+
+    def unmap_once(ptr: int, size: int) -> tuple[Any, ...]:
+        if not failed:
+            failed.append(ptr)
+            return (2,)
+        return real(ptr, size)
+
+    drv.cuMemUnmap = unmap_once  # type: ignore[method-assign]
+    with pytest.raises(MemoryBackendError, match="cuMemUnmap: CUDA driver error 2"):
+        arena.close()
+    # the other run was unmapped and the reservation freed all the same
+    assert len(drv.mapped) == 1 and drv.calls[-1] == ("free", 4 * 8192)
+
+
+def test_a_failed_start_leaves_nothing_committed() -> None:
+    drv = FakeDriver()
+    backend = CudaVMMBackend(4 * 8192, driver=drv)
+    drv.fail = None
+    calls = {"n": 0}
+    real = drv.cuMemSetAccess
+
+    def second_fails(ptr: int, size: int, desc: list[Any], count: int) -> tuple[Any, ...]:
+        calls["n"] += 1
+        return (2,) if calls["n"] == 2 else real(ptr, size, desc, count)
+
+    drv.cuMemSetAccess = second_fails  # type: ignore[method-assign]
+    with pytest.raises(MemoryBackendError, match="commit: chunk 1 could not be mapped"):
+        OnDemandArena(chunk_bytes=8192, num_chunks=4, backend=backend, initial_chunks=(0, 1))
+    assert drv.mapped == {} and drv.handles == set()  # chunk 0 given back too

@@ -76,9 +76,12 @@ class CudaVMMBackend:
         self.device = device
         self._call("cuInit", drv.cuInit(0))
         ctx = self._call("cuCtxGetCurrent", drv.cuCtxGetCurrent())
+        #: The device whose primary context this backend retained (released by close).
+        self._retained: Any = None
         if ctx is None or int(ctx) == 0:
             dev = self._call("cuDeviceGet", drv.cuDeviceGet(device))
             ctx = self._call("cuDevicePrimaryCtxRetain", drv.cuDevicePrimaryCtxRetain(dev))
+            self._retained = dev
             self._call("cuCtxSetCurrent", drv.cuCtxSetCurrent(ctx))
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -157,16 +160,36 @@ class CudaVMMBackend:
         del self._maps[first]
 
     def close(self) -> None:
-        """Unmap every run and free the reservation; views of the range become invalid."""
+        """Unmap every run, free the reservation and release the primary context this backend
+        retained; views of the range become invalid.  A driver error does not stop the rest:
+        the first one is raised after every step was tried."""
+        first_error: MemoryBackendError | None = None
         for first, (count, _) in sorted(self._maps.items()):
-            self.unmap(first, count)
+            try:
+                self.unmap(first, count)
+            except MemoryBackendError as exc:
+                first_error = first_error or exc
+                self._maps.pop(first, None)  # the driver keeps what it could not give back
+        drv = self._drv
         if self.base:
-            drv = self._drv
-            self._call(
-                "cuMemAddressFree", drv.cuMemAddressFree(drv.CUdeviceptr(self.base), self.size)
-            )
+            try:
+                self._call(
+                    "cuMemAddressFree", drv.cuMemAddressFree(drv.CUdeviceptr(self.base), self.size)
+                )
+            except MemoryBackendError as exc:
+                first_error = first_error or exc
             self.base = 0
+        if self._retained is not None:
+            try:
+                self._call(
+                    "cuDevicePrimaryCtxRelease", drv.cuDevicePrimaryCtxRelease(self._retained)
+                )
+            except MemoryBackendError as exc:
+                first_error = first_error or exc
+            self._retained = None
         self._tensor = None
+        if first_error is not None:
+            raise first_error
 
     def _call(self, name: str, result: Any) -> Any:
         """Unpack a ``cuda.bindings`` result tuple ``(err, *values)``; raise on error."""

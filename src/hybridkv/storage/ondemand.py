@@ -184,6 +184,11 @@ class OnDemandArena:
         initial_chunks: Iterable[int] = (),
         tail_bytes: int = 0,
     ) -> None:
+        if not all(type(x) is int for x in (chunk_bytes, num_chunks, tail_bytes)):
+            raise MemoryBackendError(
+                "chunk_bytes, num_chunks, tail_bytes: must be integers, got "
+                f"{chunk_bytes!r}, {num_chunks!r}, {tail_bytes!r}"
+            )
         if chunk_bytes <= 0 or num_chunks <= 0:
             raise MemoryBackendError(
                 f"chunk_bytes, num_chunks: must be positive, got {chunk_bytes}, {num_chunks}"
@@ -196,6 +201,7 @@ class OnDemandArena:
         self.chunk_bytes = chunk_bytes
         self.num_chunks = num_chunks + (tail_bytes > 0)
         self.total_bytes = chunk_bytes * num_chunks + tail_bytes
+        own = backend is None  # a backend made here is closed here if the start fails
         self.backend: PageBackend = backend or CpuMmapBackend(self.total_bytes)
         self._extents = chunk_extents or (
             lambda c: [(c * chunk_bytes, tail_bytes if c == whole else chunk_bytes)]
@@ -203,8 +209,15 @@ class OnDemandArena:
         self._runs: dict[int, list[PageRun]] = {}
         self._committed: set[int] = set()
         self._shared: dict[int, int] = {}
-        for chunk in initial_chunks:
-            self.commit(chunk)
+        try:
+            for chunk in initial_chunks:
+                self.commit(chunk)
+        except BaseException:
+            for chunk in sorted(self._committed):
+                self.release(chunk)
+            if own:
+                self.backend.close()
+            raise
 
     @classmethod
     def on_cpu(
@@ -318,12 +331,23 @@ class OnDemandArena:
     def _page_runs(self, chunk: int) -> list[PageRun]:
         runs = self._runs.get(chunk)
         if runs is None:
-            runs = chunk_page_runs(self._extents(chunk), self.backend.page_bytes)
+            extents = self._extents(chunk)
+            for off, n in extents:
+                if off < 0 or n < 0 or off + n > self.total_bytes:
+                    raise MemoryBackendError(
+                        f"chunk_extents: chunk {chunk} has ({off}, {n}), outside the "
+                        f"reservation [0, {self.total_bytes})"
+                    )
+            runs = chunk_page_runs(extents, self.backend.page_bytes)
             self._runs[chunk] = runs
         return runs
 
     def _check_chunk(self, chunk: int) -> None:
-        if not isinstance(chunk, int) or not 0 <= chunk < self.num_chunks:
+        if (
+            not isinstance(chunk, int)
+            or isinstance(chunk, bool)
+            or not 0 <= chunk < self.num_chunks
+        ):
             raise MemoryBackendError(
                 f"chunk: {chunk!r} is out of range; valid chunks are [0, {self.num_chunks})"
             )

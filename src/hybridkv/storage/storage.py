@@ -160,6 +160,7 @@ class KVCacheStorage:
             )
         placement = place(layout, kind, page_order)
         dev = _device(device)
+        given = backend is not None  # a backend made here is closed here if the arena fails
         if backend is None:
             if dev.type == "cuda":
                 from hybridkv.storage.cuda_vmm import CudaVMMBackend
@@ -168,14 +169,19 @@ class KVCacheStorage:
                 backend = CudaVMMBackend(arena.total_bytes, device=index)
             else:
                 backend = CpuMmapBackend(arena.total_bytes, populate=populate)
-        memory = OnDemandArena(
-            chunk_bytes=arena.chunk_bytes,
-            num_chunks=arena.num_chunks,
-            backend=backend,
-            chunk_extents=placement.chunk_extents,
-            initial_chunks=(0, arena.num_chunks) if arena.tail_bytes else (0,),
-            tail_bytes=arena.tail_bytes,
-        )
+        try:
+            memory = OnDemandArena(
+                chunk_bytes=arena.chunk_bytes,
+                num_chunks=arena.num_chunks,
+                backend=backend,
+                chunk_extents=placement.chunk_extents,
+                initial_chunks=(0, arena.num_chunks) if arena.tail_bytes else (0,),
+                tail_bytes=arena.tail_bytes,
+            )
+        except BaseException:
+            if not given:
+                backend.close()
+            raise
         storage = cls(layout, kind=kind, page_order=page_order, buffers=[memory.tensor])
         storage.memory = memory
         return storage

@@ -80,8 +80,9 @@ def kernel_block_view(view: torch.Tensor, token_axis: int, ratio: int) -> torch.
         raise KernelViewError(
             f"kernel view: block stride {block_stride} is not block_size {tokens} x token "
             f"stride {token_stride} (elements), so kernel blocks of {tokens // ratio} tokens are "
-            "not uniformly strided; use layout kind per_layer with NHD pages, or index the "
-            "manager view as view.unflatten(1, (ratio, kernel_block_size))"
+            "not uniformly strided (they are where a block is one layer's pages alone: layout "
+            "kind per_layer with NHD pages, on a pools layout whose pool's groups share one "
+            "page profile); index the manager view as view.unflatten(1, (ratio, kernel_block_size))"
         )
     kbs = tokens // ratio
     shape = list(view.shape)
