@@ -80,6 +80,28 @@ def test_batch_kernel_table_pads_with_null() -> None:
         batch_kernel_table([BlockTable(1), BlockTable(2)])
 
 
+def test_counts_that_are_bools_floats_or_not_iterable_are_refused() -> None:
+    # Found by review: a bool ratio, a float num_blocks (2.5 let id 2 in) and bool lengths or
+    # indexes were taken as numbers; extend(5) and a huge pad raised raw TypeError/OverflowError.
+    with pytest.raises(KernelBlockSizeError, match="ratio: must be a positive integer, got True"):
+        BlockTable(True)  # type: ignore[arg-type]
+    for bad in (2.5, True):
+        with pytest.raises(BlockRangeError, match=f"num_blocks: must be in .*got {bad}"):
+            BlockTable(2, num_blocks=bad)  # type: ignore[arg-type]
+    table = BlockTable(1, block_ids=[5, 6])
+    with pytest.raises(BlockRangeError, match="truncate: length must be in"):
+        table.truncate(True)  # type: ignore[arg-type]
+    with pytest.raises(BlockRangeError, match="index: True is out of range"):
+        table[True]  # type: ignore[index]
+    with pytest.raises(BlockRangeError, match="block_ids: need an iterable of block ids, got int"):
+        table.extend(5)  # type: ignore[arg-type]
+    for pad in (-5, 2**40, 1.0):
+        with pytest.raises(BlockRangeError, match="pad: must be a kernel block id"):
+            batch_kernel_table([table], pad=pad)  # type: ignore[arg-type]
+    assert table.manager_ids.tolist() == [5, 6] and table[np.int64(1)] == 6
+    assert BlockTable(np.int64(2), num_blocks=np.int64(4)).num_blocks == 4
+
+
 NUM_BLOCKS = 12
 ids = st.integers(0, NUM_BLOCKS - 1)
 

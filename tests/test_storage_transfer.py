@@ -196,6 +196,21 @@ def test_copy_blocks_refuses_ranges_that_overlap_in_memory(extra: int) -> None:
     assert [int(key[b].flatten()[0]) for b in (2, 5, 6)] == [2, 0, 0]
 
 
+def test_storage_refuses_buffers_and_moves_of_the_wrong_shape() -> None:
+    layout = build("pools", mixed_groups())
+    with pytest.raises(StorageError, match=r"buffers\[0\]: need a flat uint8 tensor, got bytes"):
+        KVCacheStorage(layout, buffers=[b"x"])  # type: ignore[list-item]
+    with pytest.raises(StorageError, match="buffers: need a sequence of flat uint8 tensors"):
+        KVCacheStorage(layout, buffers=3)  # type: ignore[arg-type]
+    storage = KVCacheStorage(layout)
+    with pytest.raises(StorageError, match=r"moves: need an iterable of .* got NoneType"):
+        storage.move_blocks(None)  # type: ignore[arg-type]
+    with pytest.raises(StorageError, match=r"moves: \(0, 1\) is not a \(group, src, dst\) triple"):
+        storage.move_blocks([(0, 2, 3), (0, 1)])  # type: ignore[list-item]
+    shared = KVCacheStorage(layout, buffers=(b for b in storage.buffers))  # any iterable
+    assert shared.buffers[0].data_ptr() == storage.buffers[0].data_ptr()
+
+
 def test_transfer_errors_change_nothing() -> None:
     a, b = _full(), _full(page_bytes=320)
     src, dst = a.descriptor(0, [1]), b.descriptor(0, [1])

@@ -34,6 +34,11 @@ __all__ = ["BlockTable", "batch_kernel_table", "kernel_ratio"]
 _I32_MAX = int(np.iinfo(np.int32).max)
 
 
+def _is_count(x: object) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
 def kernel_ratio(group: GroupPlan, kernel_block_size: int | None = None) -> int:
     """Kernel blocks per manager block of ``group``.
 
@@ -65,15 +70,15 @@ class BlockTable:
     def __init__(
         self, ratio: int, *, num_blocks: int | None = None, block_ids: Iterable[int] = ()
     ) -> None:
-        if not isinstance(ratio, int) or ratio <= 0:
+        if not _is_count(ratio) or ratio <= 0:
             raise KernelBlockSizeError(f"ratio: must be a positive integer, got {ratio!r}")
         limit = _I32_MAX // ratio + 1
-        if num_blocks is not None and not 0 < num_blocks <= limit:
+        if num_blocks is not None and not (_is_count(num_blocks) and 0 < num_blocks <= limit):
             raise BlockRangeError(
                 f"num_blocks: must be in [1, {limit}] for ratio {ratio}, got {num_blocks}"
             )
-        self.ratio = ratio
-        self.num_blocks = num_blocks
+        self.ratio = int(ratio)
+        self.num_blocks = None if num_blocks is None else int(num_blocks)
         self._offsets = np.arange(ratio, dtype=np.int32)
         self._manager = np.zeros(8, dtype=np.int32)
         self._kernel = np.zeros(8 * ratio, dtype=np.int32)
@@ -136,13 +141,13 @@ class BlockTable:
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` entries (``0 <= length <= len``)."""
-        if not isinstance(length, int) or not 0 <= length <= self._len:
+        if not _is_count(length) or not 0 <= length <= self._len:
             raise BlockRangeError(f"truncate: length must be in [0, {self._len}], got {length!r}")
         self._len = length
 
     def resize(self, length: int, fill: int = NULL_BLOCK_ID) -> None:
         """Truncate to ``length``, or grow to it by appending ``fill`` (the null block)."""
-        if not isinstance(length, int) or length < 0:
+        if not _is_count(length) or length < 0:
             raise BlockRangeError(f"resize: length must be an integer >= 0, got {length!r}")
         if length <= self._len:
             self._len = length
@@ -186,14 +191,19 @@ class BlockTable:
     # ------------------------------------------------------------------ internals
 
     def _position(self, index: int) -> int:
-        if not isinstance(index, int) or not -self._len <= index < self._len:
+        if not _is_count(index) or not -self._len <= index < self._len:
             raise BlockRangeError(
                 f"index: {index!r} is out of range for a block table of {self._len} entries"
             )
-        return index % self._len
+        return int(index) % self._len
 
     def _checked(self, block_ids: Iterable[int]) -> npt.NDArray[np.int32]:
-        ids = list(block_ids)
+        try:
+            ids = list(block_ids)
+        except TypeError:
+            raise BlockRangeError(
+                f"block_ids: need an iterable of block ids, got {type(block_ids).__name__}"
+            ) from None
         upper = _I32_MAX // self.ratio + 1 if self.num_blocks is None else self.num_blocks
         bad = [
             b
@@ -232,6 +242,8 @@ def batch_kernel_table(
     kernel block 0 by default).  Every table must share one ratio.  Raises
     :class:`BlockRangeError` when a row is longer than ``width`` or the ratios differ.
     """
+    if not _is_count(pad) or not 0 <= pad <= _I32_MAX:
+        raise BlockRangeError(f"pad: must be a kernel block id in [0, {_I32_MAX}], got {pad!r}")
     ratios = {t.ratio for t in tables}
     if len(ratios) > 1:
         raise BlockRangeError(f"tables: all tables need one ratio, got {sorted(ratios)}")

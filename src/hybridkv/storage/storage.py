@@ -125,6 +125,7 @@ class KVCacheStorage:
             pin = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
             buffers = allocate_bytes(sizes, self.device, pin, "memory_bytes")
         else:
+            buffers = _listed_buffers(buffers)
             _check_buffers(buffers, sizes)
             self.device = buffers[0].device
         self.buffers: tuple[torch.Tensor, ...] = tuple(buffers)
@@ -340,10 +341,19 @@ class KVCacheStorage:
         wrote, or overlaps itself) and before it passes :data:`MOVE_RUN_BYTES`.  Raises
         :class:`~hybridkv.storage.errors.BlockRangeError` for a block id out of range (and
         :class:`StorageError` for an unknown group) before copying anything."""
+        try:
+            listed = [tuple(m) for m in moves]
+        except TypeError:
+            raise StorageError(
+                f"moves: need an iterable of (group, src, dst) triples, got {type(moves).__name__}"
+            ) from None
+        if any(len(m) != 3 for m in listed):
+            bad = next(m for m in listed if len(m) != 3)
+            raise StorageError(f"moves: {bad!r} is not a (group, src, dst) triple")
         runs: list[tuple[int, list[int], list[int]]] = []
         touched: set[int] = set()
         size = 0
-        for g, src, dst in moves:
+        for g, src, dst in listed:
             block = self.group(g).block_bytes  # a bad group id: StorageError, nothing copied
             if (
                 not runs
@@ -435,6 +445,20 @@ def _device(device: torch.device | str) -> torch.device:
     if dev.type == "cpu" and dev.index:
         raise StorageError(f"device: {str(device)!r}: the CPU is one device (cpu or cpu:0)")
     return dev
+
+
+def _listed_buffers(buffers: object) -> list[torch.Tensor]:
+    """``buffers`` as a list of tensors; :class:`StorageError` for anything else."""
+    try:
+        out: list[torch.Tensor] = list(buffers)  # type: ignore[call-overload]
+    except TypeError:
+        raise StorageError(
+            f"buffers: need a sequence of flat uint8 tensors, got {type(buffers).__name__}"
+        ) from None
+    for i, buf in enumerate(out):
+        if not isinstance(buf, torch.Tensor):
+            raise StorageError(f"buffers[{i}]: need a flat uint8 tensor, got {type(buf).__name__}")
+    return out
 
 
 def _check_buffers(buffers: Sequence[torch.Tensor], sizes: tuple[int, ...]) -> None:
