@@ -25,12 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_cli import out_path
 from hybridkv.errors import HybridKVError
 from hybridkv.models import resolve_model
 from hybridkv.specs import ModelSpec
 from hybridkv.units import format_bytes, parse_bytes
 from hybridkv.workloads import ideal_hit_tokens, load_mooncake_trace, replay_hit_tokens
+
+from bench_cli import out_path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -41,12 +41,13 @@ from typing import Any
 
 import torch
 
-from bench_cli import at_least, out_path
 from hybridkv.engine import CacheConfig, LLMEngine
 from hybridkv.engine.demo import shared_prefix_prompts
 from hybridkv.engine.models import TINY_MODELS, load_model, tiny_config
 from hybridkv.errors import HybridKVError
 from hybridkv.scheduler import SchedulerConfig
+
+from bench_cli import at_least, out_path
 
 
 def _parse_override(text: str) -> tuple[str, Any]:

@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench_cli import out_path
 from hybridkv.cache import Request, compiled, make_hasher
 from hybridkv.errors import HybridKVError
+
+from bench_cli import out_path
 
 SEED = 0
 BLOCK = 16

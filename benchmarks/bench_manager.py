@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_cli import out_path
 from hybridkv.cache import KVCacheManager, Request, compiled
 from hybridkv.plan.layout import ArenaPlan, GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import (
@@ -67,6 +66,8 @@ from hybridkv.workloads import (
     step_requests,
     step_summary,
 )
+
+from bench_cli import out_path
 
 #: Where the Mooncake conversation trace lives in this workspace (not in the repository).
 DEFAULT_TRACE = (

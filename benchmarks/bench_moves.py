@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 
-from bench_cli import out_path
-from bench_transfer import _paired
 from hybridkv.errors import HybridKVError
 from hybridkv.models.catalog import resolve_model
 from hybridkv.plan.planner import make_plan
 from hybridkv.storage import KVCacheStorage, LayoutKind, copy_blocks
 from hybridkv.storage.errors import LayoutUnsupportedError
 from hybridkv.units import parse_bytes
+
+from bench_cli import out_path
+from bench_transfer import _paired
 
 
 def _per_move(storage: KVCacheStorage, moves: list[tuple[int, int, int]]) -> None:

@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench_cli import at_least, out_path
 from hybridkv.plan import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import FullAttentionSpec, StateMixer, StateSpec, StateTensor
 from hybridkv.storage import KVCacheStorage, LayoutKind
 from hybridkv.storage.connector import register_storage
 from hybridkv.storage.transfer_plan import plan_transfer
 from hybridkv.storage.transport import free_port, recv_object, recv_plan, send_object, send_plan
+
+from bench_cli import at_least, out_path
 
 
 def _layout(args: argparse.Namespace) -> MemoryLayout:

@@ -44,12 +44,13 @@ import random
 import time
 from typing import Any
 
-from bench_cli import out_path
 from hybridkv.cache import KVCacheManager
 from hybridkv.errors import HybridKVError
 from hybridkv.models import resolve_model
 from hybridkv.plan import Strategy, make_plan
 from hybridkv.specs import ModelSpec
+
+from bench_cli import out_path
 
 SEED = 0
 LIVE_TOKENS = 512  # the decode step reaches the first block boundary at or past this

@@ -45,8 +45,6 @@ from typing import Any
 
 import torch
 
-from bench_cli import at_least, out_path
-from bench_transfer import _layout, _paired, _sync, add_block_arguments, check_block_arguments
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine.block_places import BlockPlaces
 from hybridkv.engine.host_runs import load_rows, store_rows
@@ -54,6 +52,9 @@ from hybridkv.engine.tier_store import TierStore
 from hybridkv.plan import MemoryLayout
 from hybridkv.storage import KVCacheStorage, LayoutKind, gather
 from hybridkv.storage.disk_slots import DiskSlots
+
+from bench_cli import at_least, out_path
+from bench_transfer import _layout, _paired, _sync, add_block_arguments, check_block_arguments
 
 
 def _filled(

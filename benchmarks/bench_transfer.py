@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from bench_cli import at_least, out_path
 from hybridkv.errors import HybridKVError
 from hybridkv.plan import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.specs import FullAttentionSpec
@@ -39,6 +38,8 @@ from hybridkv.storage import (
     scatter,
 )
 from hybridkv.storage.ondemand import CpuMmapBackend, PageBackend
+
+from bench_cli import at_least, out_path
 
 
 def _sync(device: torch.device) -> None:

@@ -18,11 +18,12 @@ import random
 import time
 from typing import Any
 
-from bench_cli import out_path
 from hybridkv.errors import PlanError
 from hybridkv.models import catalog_names, resolve_model
 from hybridkv.plan import Strategy, StrategyComparison, compare_strategies
 from hybridkv.units import SizeError, parse_bytes
+
+from bench_cli import out_path
 
 SEED = 0
 STRATEGIES = [s.value for s in Strategy]

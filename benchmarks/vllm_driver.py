@@ -53,6 +53,7 @@ from hybridkv.workloads import (
 )
 
 # Re-exported: other benchmark scripts use these as ``vllm_driver.X``.
+from bench_cli import out_path
 from vllm_adapter import VllmManagerAdapter, run_real_scheduler
 from vllm_sched import (
     OPS,
@@ -256,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arg("--cross-check", action="store_true", help="also run vLLM's real Scheduler")
     arg("--progress-every", type=int, default=0, help="print progress every N steps")
     args = ap.parse_args(argv)
+    args.out = out_path(ap, args.out)
     if not vllm_available():
         print("vLLM is not importable in this interpreter; see docs/vllm.md", file=sys.stderr)
         return 2
@@ -285,7 +287,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loadavg": os.getloadavg(),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.out}")
     return 0

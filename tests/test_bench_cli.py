@@ -18,10 +18,11 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, ModuleType]]:
     monkeypatch.syspath_prepend(str(BENCH))
-    import bench_cli
     import bench_engine
     import bench_pd
     import bench_tiers
+
+    import bench_cli
     import bench_transfer
 
     yield {
