@@ -591,3 +591,50 @@ def test_a_data_file_that_cannot_be_opened_is_refused(tmp_path: Path) -> None:
     for _ in range(2):  # the lock is given back: a second try says the same
         with pytest.raises(DiskCacheError, match=r"cannot open .*blocks\.bin: Is a directory"):
             slots(tmp_path)
+
+
+def test_space_small_entries_freed_serves_large_ones_also_after_a_reopen(tmp_path: Path) -> None:
+    # Found by review: free slots were reused by payloads of their own size only, so once
+    # 512 B entries had filled the file and left, 25 of 32 entries of 4 KiB found no room
+    # while the file held 28 KiB of 256 KiB; a reopen kept the per-size lists.
+    small, large = 512, 4096
+    cap = 64 * large
+    s = DiskSlots(tmp_path, cap, FP, [small, large])
+    assert all(s.write((0, h), 0, memoryview(payload(h, small))) for h in range(cap // small))
+    s.clear()
+    assert all(s.write((1, h), 0, memoryview(payload(h, large))) for h in range(32))
+    assert s.no_room == 0
+    for h in range(0, 32, 2):  # free every other large slot, then reopen
+        s.drop((1, h))
+    s.close()
+    again = DiskSlots(tmp_path, cap, FP, [small, large])
+    assert {e.block_hash for e in again.recovered} == set(range(1, 32, 2))
+    assert all(read(again, (1, h), large) == payload(h, large) for h in range(1, 32, 2))
+    # the freed slots and the rest of the file take entries of both sizes
+    assert all(again.write((0, h), 0, memoryview(payload(h, small))) for h in range(64))
+    assert all(again.write((1, 100 + h), 0, memoryview(payload(h, large))) for h in range(40))
+    again.close()
+    third = DiskSlots(tmp_path, cap, FP, [small, large])
+    assert len(third.recovered) == 16 + 64 + 40
+    assert read(third, (0, 63), small) == payload(63, small)
+    assert read(third, (1, 139), large) == payload(39, large)
+
+
+def test_a_kill_after_a_split_keeps_the_walk_going(tmp_path: Path) -> None:
+    # A slot split from a larger free extent marks the rest empty before its own write: a
+    # walk after a kill that cut that write short still reaches every entry after it.
+    s = slots(tmp_path)
+    for h in range(4):
+        assert s.write((1, h), 0, memoryview(payload(h, 256)))
+    s.drop((1, 1))
+    s.drop((1, 2))  # one free extent of two 256 B slots
+    offset = s.entries[1, 0].offset + disk_slots.slot_stride(256)
+    taken = s._take(96)  # a 256 B slot: it ends inside the first freed slot's old payload
+    assert taken == offset
+    # the write that the kill interrupts: its header went out, its payload did not
+    s._pwrite(disk_slots.pack_header(0, 7, 0, 96, 9, 0, disk_slots.COMMITTED), offset)
+    s.close()
+    again = slots(tmp_path)
+    assert {(e.group_id, e.block_hash) for e in again.recovered} == {(1, 0), (0, 7), (1, 3)}
+    assert read(again, (0, 7), 96) is None  # its checksum fails: a miss
+    assert read(again, (1, 3), 256) == payload(3, 256)  # the walk went past it

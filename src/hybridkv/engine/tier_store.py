@@ -16,9 +16,11 @@ The manager decides (:mod:`hybridkv.cache.tiers`); :class:`TierStore` carries ou
 
 Host entries live in one CPU buffer of the tier's capacity (pinned when the cache lives on
 CUDA; on CPU its pages are only touched when first written), carved into slots of each
-group's packed block size and reused through per-size free lists, so steady-state copies
-allocate nothing.  An entry that finds no room there (the sizes fragmented the buffer) gets a
-tensor of its own.
+group's packed block size; a freed slot joins its free neighbours, which later slots of any
+size reuse (:class:`~hybridkv.engine.host_slots.HostSlots`), so steady-state copies allocate
+nothing.  An entry that still finds no room there (free space left in pieces too small) gets
+a tensor of its own, outside the buffer: host memory can then pass the tier's capacity by
+those tensors.
 
 A disk tier's entries live in a :class:`~hybridkv.storage.disk_slots.DiskSlots` directory
 (checksummed slots in a preallocated file, kept across processes).  A disk copy is checked

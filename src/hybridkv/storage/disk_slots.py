@@ -8,8 +8,9 @@ The directory holds three files:
   (:class:`DiskCacheError`), never read as this model's data.
 * ``blocks.bin``: the slots, preallocated (``posix_fallocate``) to the capacity plus one header
   per possible slot, so a full disk is found when the cache opens, not in the middle of a
-  write.  Slots are carved from the front in the order they are first needed and reused
-  through a free list per payload size.
+  write.  Slots are carved from the front in the order they are first needed; a freed slot
+  joins its free neighbours into one extent, marked empty by one header at its start, which
+  later slots of any size reuse (:class:`hybridkv.extents.FreeExtents`).
 * ``lock``: an exclusive ``flock`` while a process has the directory open (a second process
   on the same directory is refused; the lock dies with its process).
 
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from hybridkv.errors import brief_repr
+from hybridkv.extents import FreeExtents
 from hybridkv.storage.disk_format import (
     COMMITTED,
     EMPTY,
@@ -136,8 +138,9 @@ class DiskSlots:
         self._open(dict(fingerprint))
         #: Committed entries by ``(group, hash)``.
         self.entries: dict[tuple[int, int], SlotEntry] = {}
-        self._free: dict[int, list[int]] = {}
-        self._top = 0
+        #: The file's free space: slots carved from the front; a freed slot joins its free
+        #: neighbours, and a split leaves room for a header and a byte.
+        self._space = FreeExtents(self.file_bytes, min_rest=slot_stride(1), lower_top=False)
         self._stamp = 0
         #: Entries found committed when the directory was opened, oldest first.
         self.recovered: list[SlotEntry] = self._recover()
@@ -266,8 +269,8 @@ class DiskSlots:
             except OSError:
                 break
             parsed = parse_header(raw)
-            if parsed is None or not 0 < parsed[1] <= largest:
-                break
+            if parsed is None or not 0 < parsed[1] <= (largest if parsed[2] else self.file_bytes):
+                break  # an empty header may span joined free slots
             group, size, state, tag, stamp, h, _ = parsed
             end = offset + slot_stride(size)
             if end > self.file_bytes:
@@ -281,9 +284,9 @@ class DiskSlots:
                 if state == COMMITTED:  # a second copy of an entry: the slot is free
                     with contextlib.suppress(OSError):
                         self._pwrite(pack_header(group, h, tag, size, 0, 0, EMPTY), offset)
-                self._free.setdefault(size, []).append(offset)
+                self._space.give(offset, end - offset)  # joined in memory; headers stay
             offset = end
-        self._top = offset
+        self._space.top = offset
         found.sort(key=lambda e: e.stamp)
         return found
 
@@ -461,9 +464,7 @@ class DiskSlots:
             exc_info=None if isinstance(exc, OSError) else exc,  # not an I/O error: a bug
         )
         self.write_errors += 1
-        with contextlib.suppress(OSError):
-            self._pwrite(pack_header(g, h, tag, size, 0, 0, EMPTY), offset)
-        self._free.setdefault(size, []).append(offset)
+        self._give(offset, size)
 
     def read(self, key: tuple[int, int], out: memoryview) -> bool:
         """Read entry ``key`` into ``out`` (its size) and check it: the header must name
@@ -494,9 +495,7 @@ class DiskSlots:
         entry = self.entries.pop(key, None)
         if entry is None:
             return False
-        with contextlib.suppress(OSError):  # a slot that stays committed is refused by name
-            self._pwrite(pack_header(*key, entry.tag, entry.size, 0, 0, EMPTY), entry.offset)
-        self._free.setdefault(entry.size, []).append(entry.offset)
+        self._give(entry.offset, entry.size)
         return True
 
     def clear(self) -> None:
@@ -523,14 +522,33 @@ class DiskSlots:
 
     # -- slots --------------------------------------------------------------------------------
     def _take(self, size: int) -> int | None:
-        spare = self._free.get(size)
-        if spare:
-            return spare.pop()
-        end = self._top + slot_stride(size)
-        if end > self.file_bytes:
+        """The offset of a slot for a ``size``-byte payload, or None when no free space
+        has room.  A slot split from a larger free extent first marks the rest empty in the
+        file (one header), so a walk after a kill finds the rest, whatever became of the
+        slot's own write."""
+        stride = slot_stride(size)
+        got = self._space.take(stride)
+        if got is None:
             return None
-        offset, self._top = self._top, end
+        offset, rest = got
+        if rest is not None:
+            try:
+                self._pwrite(_empty_header(rest[1]), rest[0])
+            except OSError as exc:
+                logger.warning("disk cache: marking free space failed: %s", exc)
+                self.write_errors += 1
+                self._space.give(offset, stride)
+                return None
         return offset
+
+    def _give(self, offset: int, size: int) -> None:
+        """Free the slot at ``offset`` (a ``size``-byte payload): it joins its free
+        neighbours, and one header at the joined extent's start marks the whole of it empty
+        (a slot whose mark fails stays committed in the file: a later process adopts its
+        entry, whose bytes are still right)."""
+        start, length = self._space.give(offset, slot_stride(size))
+        with contextlib.suppress(OSError):
+            self._pwrite(_empty_header(length), start)
 
     def _pwrite(self, data: bytes, offset: int) -> None:
         """Write a header (a drop's or a failed write's empty mark)."""
@@ -575,3 +593,8 @@ class DiskSlots:
             n = os.pwritev(self._fd, views[at : at + _IOV_MAX], offset)
             if n <= 0:
                 raise OSError(errno.EIO, "short write")
+
+
+def _empty_header(length: int) -> bytes:
+    """The header marking ``length`` bytes of slots (header included) free."""
+    return pack_header(0, 0, 0, length - HEADER_BYTES, 0, 0, EMPTY)
