@@ -18,6 +18,7 @@ from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
 from hybridkv.engine.disk_tier import DiskTier
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import PlanError
+from hybridkv.storage import StorageAllocationError
 from hybridkv.storage.disk_slots import HEADER_BYTES, DiskCacheError
 from test_engine_tiers import MODELS, STATE, _reference, conversations
 
@@ -270,6 +271,46 @@ def test_disk_settings_are_checked(tmp_path: Path) -> None:
     _first_run("llama", tmp_path)
     with pytest.raises(DiskCacheError, match=r"another .*model"):
         _engine("gpt_oss", tmp_path)
+
+
+def test_an_engine_that_fails_to_start_leaves_the_disk_directory_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: a failure after the disk tier opened (a host buffer too big, or a
+    # later check) kept the directory locked by the half-built engine, so a retry in the
+    # same process was refused as "already open in this process".
+    def cache(host: int) -> CacheConfig:
+        return CacheConfig(
+            block_size=4,
+            num_blocks=32,
+            max_model_len=64,
+            host_memory_bytes=host,
+            disk_cache_dir=tmp_path,
+            disk_memory_bytes=1 << 20,
+        )
+
+    failures: list[Exception] = []  # held, as a handler or a log would hold them
+    with pytest.raises(StorageAllocationError, match="host_memory_bytes: cannot allocate"):
+        try:
+            LLMEngine("llama", cache=cache(1 << 46))  # the host buffer cannot be had
+        except Exception as exc:
+            failures.append(exc)
+            raise
+    import hybridkv.engine.llm_engine as llm_engine
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the scheduler failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(llm_engine, "Scheduler", broken)
+        with pytest.raises(RuntimeError, match="the scheduler failed"):
+            try:
+                LLMEngine("llama", cache=cache(1 << 20))  # fails after the tiers opened
+            except Exception as exc:
+                failures.append(exc)
+                raise
+    LLMEngine("llama", cache=cache(1 << 20)).close()  # the directory is free again
+    assert len(failures) == 2
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

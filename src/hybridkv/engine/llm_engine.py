@@ -221,6 +221,11 @@ class LLMEngine:
             tier_write_through=cache.write_through,
             protect_share=cache.protect_share,
         )
+        sched = scheduler or SchedulerConfig()
+        if not sched.collect_block_ids:
+            sched = replace(sched, collect_block_ids=True)
+        if speculative is not None:  # before the tiers open: a refusal leaves no lock held
+            check_speculation(name, self.spec, sched.whole_prefill)
         self._tier_store = open_tiers(
             self.storage,
             self.manager,
@@ -239,11 +244,21 @@ class LLMEngine:
                 page_order=self.storage.placement.page_order.value,
             ),
         )
-        sched = scheduler or SchedulerConfig()
-        if not sched.collect_block_ids:
-            sched = replace(sched, collect_block_ids=True)
-        if speculative is not None:
-            check_speculation(name, self.spec, sched.whole_prefill)
+        try:
+            self._finish_init(name, sched, speculative, keep_logits)
+        except BaseException:
+            if self._tier_store is not None:  # the disk directory's lock goes with it
+                self._tier_store.close()
+            raise
+
+    def _finish_init(
+        self,
+        name: str,
+        sched: SchedulerConfig,
+        speculative: SpeculativeConfig | None,
+        keep_logits: bool,
+    ) -> None:
+        """The rest of :meth:`__init__`, once the tiers are open (closed if this raises)."""
         if resumes_no_prefill(self.spec) and not sched.whole_prefill:
             # transformers' Mamba1 scan starts every multi-token pass from a zero state, so a
             # prompt is computed whole, from token 0, and prefix hits are not used.
@@ -261,7 +276,7 @@ class LLMEngine:
                 else None
             ),
         )
-        self.vocab_size = config_vocab_size(net.config)
+        self.vocab_size = config_vocab_size(self.model.config)
         self.keep_logits = keep_logits
         self.completions: dict[str, Completion] = {}
         self._live: dict[str, LiveRequest] = {}

@@ -51,13 +51,19 @@ def open_tiers(
     if disk_dir is not None and disk_bytes:
         sizes = [g.block_bytes for g in storage.layout.groups]
         disk = DiskSlots(disk_dir, disk_bytes, fingerprint, sizes)
-        found = disk.recovered
+    try:
+        found = disk.recovered if disk is not None else []
         if found:
+            assert disk is not None
             taken = manager.adopt_tier_entries(
                 "disk", [(e.group_id, e.block_hash, e.tag) for e in found]
             )
             disk.keep_only((found[i].group_id, found[i].block_hash) for i in taken)
-    return TierStore(storage, host_bytes or 0, disk)
+        return TierStore(storage, host_bytes or 0, disk)
+    except BaseException:  # the directory's lock is not left held (a host buffer too big)
+        if disk is not None:
+            disk.close()
+        raise
 
 
 def fingerprint(
