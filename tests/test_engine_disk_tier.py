@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -124,3 +125,32 @@ def test_a_forked_child_is_refused_instead_of_waiting_for_threads_it_lacks(
         tier.wait()
     assert tier.read_state((0, 1)) is True
     tier.close()
+
+
+def test_a_run_the_writer_cannot_make_is_logged_and_the_batch_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by review: an exception inside a writer job vanished (finished jobs were popped
+    # unread) and skipped the rest of the job, so a drop queued after the failed run never
+    # ran; and close() raised before it gave the threads and the file back.
+    slots = DiskSlots(tmp_path, 1 << 16, {"t": 1}, [64])
+    tier = DiskTier(slots, readers=0)
+    tier.write((0, 1), 0, torch.ones(64, dtype=torch.uint8))
+    tier.flush()
+    real = slots.write_many
+
+    def failing(items: Any, helper: Any = None) -> list[bool]:
+        if any(key == (0, 2) for key, _, _ in items):
+            raise MemoryError("the writer ran out")
+        return real(items, helper)
+
+    monkeypatch.setattr(slots, "write_many", failing)
+    tier.write((0, 2), 0, torch.full((64,), 2, dtype=torch.uint8))
+    tier.drop((0, 1))  # queued after the failing run, in the same job
+    tier.flush()
+    assert tier.failed_runs == 1 and "a run of 1 writes failed" in caplog.text
+    assert sorted(slots.entries) == []  # the drop ran; the failed write stored nothing
+    monkeypatch.setattr(tier, "commit", lambda: (_ for _ in ()).throw(OSError("gone")))
+    with pytest.raises(OSError, match="gone"):
+        tier.close()
+    assert slots._fd < 0 and tier._writer._shutdown  # given back all the same

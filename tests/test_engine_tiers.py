@@ -11,6 +11,7 @@ import torch
 
 from hybridkv.cache.tiers import TierOp
 from hybridkv.engine import CacheConfig, LLMEngine, host_runs, tier_store, verify_completions
+from hybridkv.engine.errors import EngineError
 from hybridkv.engine.models import load_model
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import PlanError
@@ -151,6 +152,20 @@ def test_host_stores_go_in_batches_that_double_and_merge_out_of_order_slots(
     for b in (20, 21, 22, 23):
         want = gather(storage.descriptor(0, [b]), storage.buffers)
         assert torch.equal(store._bytes((0, 200 + b)), want.cpu())
+
+
+def test_a_second_host_store_of_a_key_is_refused_before_any_change() -> None:
+    # Found by review: it overwrote the entry and the first slot belonged to nobody.
+    g = group(0, SPECS["full"], (0, 1))
+    storage = KVCacheStorage(pools_layout((g,), num_blocks=16))
+    store = TierStore(storage, 8 * g.block_bytes)
+    store.apply([TierOp("store", "host", 0, 7, 1)])
+    before = (dict(store._host), store._slots.space.extents(), store._slots.top)  # type: ignore[union-attr]
+    for run in ([TierOp("store", "host", 0, 7, 2)], [TierOp("store", "host", 0, 9, 2)] * 2):
+        with pytest.raises(EngineError, match=r"store of group 0 hash 0x[79], which the host"):
+            store.apply(run)
+        assert (dict(store._host), store._slots.space.extents(), store._slots.top) == before  # type: ignore[union-attr]
+    store.check_invariants()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

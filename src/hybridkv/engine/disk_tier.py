@@ -29,6 +29,7 @@ buffers), so they overlap each other and the model's step.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import os
 import threading
 from collections import deque
@@ -40,6 +41,8 @@ import torch
 from hybridkv.storage.disk_slots import DiskCacheError, DiskSlots
 
 __all__ = ["DiskTier"]
+
+logger = logging.getLogger(__name__)
 
 Key = tuple[int, int]
 #: A write's payload: bytes of a staging tensor the tier owns, or borrowed pieces of the
@@ -102,6 +105,8 @@ class DiskTier:
         self.staged: dict[Key, torch.Tensor] = {}
         #: Reads that found a copy missing, torn or corrupt.
         self.bad_reads = 0
+        #: Runs of writes the writer could not make (raised: logged, their entries missing).
+        self.failed_runs = 0
         self.readers = readers
         #: Writes (with the CUDA event their bytes are ready at, if any), drops (no data) and
         #: clears (None) not yet handed to the writer.
@@ -298,8 +303,11 @@ class DiskTier:
                     event.synchronize()
                 if run:
                     slots.write_many(run, self._helper)
-            finally:  # a failed wait (a device error) raises to the caller; the staging
-                for owner in owners:  # tensors still go back
+            except Exception:  # the run's entries read as missing; the batch goes on
+                self.failed_runs += 1  # (its drops and clears still run), and it is logged
+                logger.exception("disk cache: a run of %d writes failed", len(run))
+            finally:  # the staging tensors go back whatever happened
+                for owner in owners:
                     self.give(owner)
                 run.clear()
                 ready.clear()
@@ -453,10 +461,13 @@ class DiskTier:
             cf.wait(pending, return_when=cf.FIRST_COMPLETED)
 
     def close(self) -> None:
-        """Finish every queued write and in-flight read, then close the directory."""
-        self.flush()
-        self._writer.shutdown(wait=True)
-        self._helper.shutdown(wait=True)
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
-        self.slots.close()
+        """Finish every queued write and in-flight read, then close the directory (threads
+        and files are given back even when finishing raised)."""
+        try:
+            self.flush()
+        finally:
+            self._writer.shutdown(wait=True)
+            self._helper.shutdown(wait=True)
+            if self._readers is not None:
+                self._readers.shutdown(wait=True)
+            self.slots.close()

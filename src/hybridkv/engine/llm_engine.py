@@ -260,8 +260,7 @@ class LLMEngine:
     ) -> None:
         """The rest of :meth:`__init__`, once the tiers are open (closed if this raises)."""
         if resumes_no_prefill(self.spec) and not sched.whole_prefill:
-            # transformers' Mamba1 scan starts every multi-token pass from a zero state, so a
-            # prompt is computed whole, from token 0, and prefix hits are not used.
+            # transformers' Mamba1 scan starts every pass from a zero state: no prefix hits
             logger.info("%s: whole-prompt prefill, no prefix hits (Mamba1 state)", name)
             sched = replace(sched, whole_prefill=True)
         self.speculative = speculative
@@ -530,10 +529,12 @@ class LLMEngine:
         if store is None:
             return
         self._closed = True
-        if store.disk is not None and not self.scheduler.has_unfinished():
-            self.manager.persist_to_tier("disk")
-            store.apply(self.manager.take_tier_ops())
-        store.close()
+        try:
+            if store.disk is not None and not self.scheduler.has_unfinished():
+                self.manager.persist_to_tier("disk")
+                store.apply(self.manager.take_tier_ops())
+        finally:  # the directory's lock and the threads go back even when persisting raised
+            store.close()
 
     def check_invariants(self) -> None:
         """The manager's bookkeeping (its tiers included), the storage's placement and the

@@ -251,6 +251,15 @@ class TierStore:
         slots go as one run (:func:`~hybridkv.engine.host_runs.merge_runs`,
         :func:`~hybridkv.engine.host_runs.store_rows`), the others one by one."""
         host, slots = self._host, self._slots
+        new: set[tuple[int, int]] = set()
+        for op in run:  # before any change: a second store of a key would lose its slot
+            key = (op.group_id, op.block_hash)
+            if key in host or key in new:
+                raise EngineError(
+                    f"tier store: store of group {op.group_id} hash {op.block_hash:#x}, which "
+                    "the host tier already holds (a drop must come first)"
+                )
+            new.add(key)
         emit = self._emitter(store_rows)
         for start, end, found, cap in self._batches(run):
             batch = run[start:end]
