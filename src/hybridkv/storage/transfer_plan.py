@@ -90,17 +90,8 @@ class TransferPlan:
                     f"{side} buffers: the plan uses buffer {b}, {len(buffers)} buffers given"
                 )
             buf = buffers[b]
-            if (
-                not isinstance(buf, torch.Tensor)
-                or buf.dtype != torch.uint8
-                or buf.dim() != 1
-                or not buf.is_contiguous()
-            ):
-                got = (
-                    f"dtype {buf.dtype}, shape {tuple(buf.shape)}"
-                    if isinstance(buf, torch.Tensor)
-                    else type(buf).__name__
-                )
+            got = _not_flat_bytes(buf)
+            if got:
                 raise TransferError(
                     f"{side} buffers[{b}]: need a flat contiguous uint8 tensor, got {got}"
                 )
@@ -148,18 +139,18 @@ class TransferPlan:
             pos += n
 
 
+def _not_flat_bytes(t: object) -> str:
+    """What ``t`` is when it is not a flat contiguous uint8 tensor ("" when it is)."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        return f"dtype {t.dtype}, shape {tuple(t.shape)}"
+    return ""
+
+
 def _check_stream(packed: torch.Tensor, total: int) -> None:
-    if (
-        not isinstance(packed, torch.Tensor)
-        or packed.dtype != torch.uint8
-        or packed.dim() != 1
-        or not packed.is_contiguous()
-    ):
-        got = (
-            f"dtype {packed.dtype}, shape {tuple(packed.shape)}"
-            if isinstance(packed, torch.Tensor)
-            else type(packed).__name__
-        )
+    got = _not_flat_bytes(packed)
+    if got:
         raise TransferError(f"packed: need a flat contiguous uint8 tensor, got {got}")
     if packed.numel() < total:
         raise TransferError(f"packed: {packed.numel()} bytes, the plan moves {total}")
