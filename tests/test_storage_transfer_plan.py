@@ -4,6 +4,7 @@ layout kinds, page orders, block sizes, strategies and tensor-parallel splits.""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -376,3 +377,35 @@ def test_executing_a_plan_checks_every_buffer_before_copying() -> None:
         plan.pack(src.buffers, torch.zeros(3, dtype=torch.uint8))
     assert all(torch.equal(a, b) for a, b in zip(before, dst.buffers, strict=True))
     plan.unpack(plan.pack(src.buffers), dst.buffers)  # the checks pass good buffers
+
+
+def test_a_malformed_plan_is_refused_before_it_touches_a_buffer() -> None:
+    """A plan can arrive from a peer (``recv_object``): its own arrays are checked, so a
+    negative offset cannot slice from a buffer's end."""
+    sp = specs(1, state=False)
+    layout = pools_layout(groups(sp, 4))
+    src = filled(layout, LayoutKind.CROSS_LAYER, "nhd", 1)
+    dst = filled(layout, LayoutKind.PER_LAYER, "hnd", 2)
+    plan = plan_transfer(
+        register(src.placement),
+        tables(layout, 0),
+        register(dst.placement),
+        tables(layout, 1),
+        tokens=(0, 7),
+    )
+    before = [b.clone() for b in dst.buffers]
+    negative = plan.dst_offset.copy()
+    negative[1] = -8
+    short = plan.length[:-1].copy()
+    cases = [
+        (replace(plan, dst_offset=negative), r"plan.dst_offset: -8 at run 1; must be >= 0"),
+        (replace(plan, length=short), rf"plan.length: {plan.num_runs - 1} entries, plan.src_"),
+        (replace(plan, src_offset=plan.src_offset.astype(float)), r"plan.src_offset: need a one"),
+        (replace(plan, dst_buffer=[0] * plan.num_runs), r"plan.dst_buffer: need a one-dim"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(TransferError, match=message):
+            bad.copy(src.buffers, dst.buffers)
+        with pytest.raises(TransferError, match=message):
+            bad.check()
+    assert all(torch.equal(a, b) for a, b in zip(before, dst.buffers, strict=True))

@@ -3,6 +3,7 @@ error, never a silent partial transfer."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from typing import Any
@@ -119,3 +120,62 @@ def test_a_vanished_peer_is_a_transfer_error() -> None:
     for p in procs:
         p.join(timeout=30)
     assert result.startswith("error: transfer: could not receive from/to rank 0")
+
+
+def _mismatch(rank: int, port: int, case: str, box: Any) -> None:
+    """Both sides make the same plan; ``case`` then makes the sender's differ.  Each side
+    reports what its call did, then both run the agreed transfer on the same group."""
+    _init(rank, port)
+    try:
+        layout, dst = _dest()
+        slayout, src = _source()
+        plan = plan_transfer(
+            register(src.placement),
+            tables(slayout, 0),
+            register(dst.placement),
+            tables(layout, 1),
+            tokens=(0, TOKENS),
+        )
+        direct = 1 << 30
+        mine = plan
+        if rank == 0 and case == "thresholds":
+            direct = 64  # long runs become their own messages on this side only
+        if rank == 0 and case == "plan":  # a stale copy: one run a byte shorter
+            length = plan.length.copy()
+            length[-1] -= 1
+            mine = dataclasses.replace(plan, length=length)
+        before = [b.clone() for b in dst.buffers]
+        try:
+            if rank == 0:
+                send_plan(mine, src.buffers, 1, direct_bytes=direct)
+            else:
+                recv_plan(mine, dst.buffers, 0, direct_bytes=direct)
+            outcome = "moved"
+        except TransferError as exc:
+            outcome = f"error: {exc}"
+        untouched = all(torch.equal(a, b) for a, b in zip(before, dst.buffers, strict=True))
+        # the channel is clean afterwards: the agreed transfer goes through
+        if rank == 0:
+            send_plan(plan, src.buffers, 1)
+        else:
+            recv_plan(plan, dst.buffers, 0)
+            _, want = _dest()
+            plan.copy(src.buffers, want.buffers)
+            same = all(torch.equal(a, b) for a, b in zip(dst.buffers, want.buffers, strict=True))
+        box.put((rank, outcome, untouched, same if rank == 1 else None))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["thresholds", "plan"])
+def test_sides_that_disagree_both_refuse_before_any_data_moves(case: str) -> None:
+    ctx = mp.get_context("spawn")
+    box = ctx.Queue()
+    mp.start_processes(_mismatch, args=(free_port(), case, box), nprocs=2, start_method="spawn")
+    results = dict((r[0], r[1:]) for r in (box.get(timeout=5), box.get(timeout=5)))
+    field = "messages" if case == "thresholds" else "bytes"
+    for rank, (outcome, untouched, _) in results.items():
+        assert outcome.startswith("error: transfer: the two sides' plans or thresholds differ")
+        assert f"{field} " in outcome and f"on rank {1 - rank}" in outcome
+        assert untouched
+    assert results[1][2] is True  # and a transfer both agree on is byte-exact after it

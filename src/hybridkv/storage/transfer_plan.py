@@ -75,10 +75,39 @@ class TransferPlan:
             )
         )
 
+    def check(self) -> None:
+        """Raise :class:`TransferError` unless the plan's own arrays are well formed: five
+        one-dimensional integer arrays of equal length, no negative buffer id, offset or
+        length (a plan received from a peer is checked here before it touches a buffer)."""
+        arrays = {
+            "src_buffer": self.src_buffer,
+            "src_offset": self.src_offset,
+            "dst_buffer": self.dst_buffer,
+            "dst_offset": self.dst_offset,
+            "length": self.length,
+        }
+        size = None
+        for name, a in arrays.items():
+            if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "iu":
+                got = f"{a.dtype}, shape {a.shape}" if isinstance(a, np.ndarray) else type(a)
+                raise TransferError(f"plan.{name}: need a one-dimensional integer array, got {got}")
+            if size is not None and a.size != size:
+                raise TransferError(
+                    f"plan.{name}: {a.size} entries, plan.src_buffer has {size}; "
+                    "every array has one entry per run"
+                )
+            size = a.size
+            if a.size and int(a.min()) < 0:
+                raise TransferError(
+                    f"plan.{name}: {int(a.min())} at run {int(a.argmin())}; must be >= 0"
+                )
+
     def check_buffers(self, buffers: Sequence[torch.Tensor], side: str) -> None:
-        """Raise :class:`TransferError`, before anything is copied, unless ``buffers`` can
-        serve every run of ``side`` (``source`` or ``destination``): each buffer a run names
-        present, a flat contiguous uint8 tensor holding the run."""
+        """Raise :class:`TransferError`, before anything is copied, unless the plan is well
+        formed (:meth:`check`) and ``buffers`` can serve every run of ``side`` (``source``
+        or ``destination``): each buffer a run names present, a flat contiguous uint8 tensor
+        holding the run."""
+        self.check()
         ids = self.src_buffer if side == "source" else self.dst_buffer
         offs = self.src_offset if side == "source" else self.dst_offset
         if not ids.size:
