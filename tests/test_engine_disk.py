@@ -16,6 +16,7 @@ import pytest
 from hybridkv.cli.main import main
 from hybridkv.engine import CacheConfig, LLMEngine, verify_completions
 from hybridkv.engine.disk_tier import DiskTier
+from hybridkv.engine.errors import EngineError
 from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import PlanError
 from hybridkv.storage import StorageAllocationError
@@ -261,6 +262,38 @@ def test_a_request_waiting_for_disk_does_not_hold_up_others(
     _exact("llama", done)
     assert done[0].num_cached_tokens > 0 and engine.stats().disk_hit_tokens > 0
     engine.close()
+
+
+def test_copies_read_for_an_admission_that_went_without_its_hit_are_given_back(
+    tmp_path: Path,
+) -> None:
+    # Found by review: the scheduler checks a request's disk copies, then may admit it
+    # without the hit (``no_hit``: alone, refused beside its own hit); its staged copies
+    # then stayed until their entries left the disk, host memory outside every budget.
+    _first_run("llama", tmp_path)
+    engine = _engine("llama", tmp_path)
+    store = engine._tier_store
+    assert store is not None and store.disk is not None
+    engine.add_request("cached", TURNS[5], max_tokens=16)
+    seq = engine.scheduler.seqs["cached"]
+    seq.no_hit = True
+    while "cached" not in [s.request_id for s in engine.scheduler.running]:
+        engine.step()
+    assert store.disk.staged  # read and checked, then not used
+    assert seq.request.num_computed_tokens > 0
+    engine.run()
+    assert store.disk.staged == {} and store.disk.expired > 0
+    assert engine.stats().disk_hit_tokens == 0
+    _exact("llama", [engine.completions["cached"]])
+    engine.close()
+    with pytest.raises(EngineError, match="tier store: apply after close"):
+        store.apply([])
+    hit = engine.manager.get_computed_blocks  # a live request, checked after close
+    engine.add_request("late", TURNS[5], max_tokens=4)
+    late = engine.scheduler.seqs["late"].request
+    with pytest.raises(EngineError, match="tier store: check_hit after close"):
+        store.check_hit(engine.manager, late, hit(late))
+    store.close()  # a second close does nothing
 
 
 def test_disk_settings_are_checked(tmp_path: Path) -> None:

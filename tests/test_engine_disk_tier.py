@@ -33,6 +33,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         slots = DiskSlots(self.dir, 1024, {"t": 1}, SIZES)
         # small batches and queue: jobs interleave with reads
         self.tier = DiskTier(slots, readers=2, batch_bytes=128, max_pending_bytes=256)
+        self.tier.max_staged_ticks = 2
         self.model: dict[tuple[int, int], torch.Tensor] = {}
         self.count = 0
 
@@ -78,10 +79,21 @@ class DiskTierMachine(RuleBasedStateMachine):
         assert got is not None and torch.equal(got, self.model[key])
         self.tier.give(got)
 
+    @rule()
+    def tick(self) -> None:
+        before = set(self.tier.staged)
+        gone = self.tier.tick()
+        assert len(before - set(self.tier.staged)) == gone
+
     @invariant()
     def staged_are_current(self) -> None:
         for key, tensor in self.tier.staged.items():
             assert key in self.model and torch.equal(tensor, self.model[key])
+        ages = self.tier._staged_at
+        assert list(ages) == sorted(ages, key=ages.__getitem__) and set(ages) == set(
+            self.tier.staged
+        )
+        assert all(self.tier._ticks - at <= self.tier.max_staged_ticks for at in ages.values())
 
     def teardown(self) -> None:
         self.tier.flush()
@@ -114,9 +126,8 @@ def test_a_forked_child_is_refused_instead_of_waiting_for_threads_it_lacks(
     tier.write((0, 1), 0, data)
     tier.flush()
     monkeypatch.setattr(os, "getpid", lambda: tier._pid + 1)  # as in a forked child
-    tier.write((0, 2), 0, tier.buffer(size))
     with pytest.raises(DiskCacheError, match="forked child"):
-        tier.commit()
+        tier.write((0, 2), 0, tier.buffer(size))
     with pytest.raises(DiskCacheError, match="forked child"):
         tier.prefetch([(0, 1)])
     monkeypatch.undo()
@@ -154,3 +165,46 @@ def test_a_run_the_writer_cannot_make_is_logged_and_the_batch_goes_on(
     with pytest.raises(OSError, match="gone"):
         tier.close()
     assert slots._fd < 0 and tier._writer._shutdown  # given back all the same
+
+
+def test_staged_copies_nobody_asks_for_are_given_back_and_close_frees_the_rest(
+    tmp_path: Path,
+) -> None:
+    # Found by review: a checked copy read for an admission that then went without its hit
+    # (or was aborted) stayed staged until its entry left the disk, host memory outside
+    # every budget; and close() kept them.
+    size = 64
+    tier = DiskTier(DiskSlots(tmp_path / "d", 8 * size, {"t": 1}, [size]), readers=0)
+    for h in range(3):
+        tier.write((0, h), 0, data(h, size))
+    tier.flush()
+    assert [tier.read_state((0, h)) for h in range(3)] == [True, True, True]
+    tier.max_staged_ticks = 3
+    assert [tier.tick() for _ in range(2)] == [0, 0]
+    assert tier.read_state((0, 1)) is True  # asked again: young again
+    assert tier.tick() == 0 and tier.tick() == 2  # (0, 0) and (0, 2): 4 ticks unasked
+    assert list(tier.staged) == [(0, 1)] and tier.expired == 2
+    assert tier.spare_bytes == 2 * size  # their tensors are back for reuse
+    assert tier.read_state((0, 0)) is True  # a later ask reads it again, checked
+    got = tier.take((0, 0))
+    assert got is not None and torch.equal(got, data(0, size))
+    tier.close()
+    assert tier.staged == {}
+    tier.close()  # a second close does nothing
+
+
+def test_a_closed_disk_tier_refuses_work_with_its_own_error(tmp_path: Path) -> None:
+    size = 64
+    tier = DiskTier(DiskSlots(tmp_path / "d", 8 * size, {"t": 1}, [size]), readers=2)
+    tier.close()
+    calls = [
+        lambda: tier.write((0, 1), 0, tier.buffer(size)),
+        lambda: tier.drop((0, 1)),
+        lambda: tier.clear(),
+        lambda: tier.prefetch([(0, 1)]),
+        lambda: tier.read_state((0, 1)),
+        lambda: tier.take((0, 1)),
+    ]
+    for call in calls:
+        with pytest.raises(DiskCacheError, match="used after close"):
+            call()

@@ -29,6 +29,7 @@ buffers), so they overlap each other and the model's step.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import logging
 import os
 import threading
@@ -103,6 +104,17 @@ class DiskTier:
         self._reads: dict[Key, tuple[int, cf.Future[dict[Key, torch.Tensor | None]]]] = {}
         #: Checked bytes waiting for their load.
         self.staged: dict[Key, torch.Tensor] = {}
+        #: The :meth:`tick` each staged copy was last asked for, oldest first.
+        self._staged_at: dict[Key, int] = {}
+        self._ticks = 0
+        #: A staged copy nobody asked for (:meth:`read_state`, :meth:`take`) in this many
+        #: ticks is given back: its request was admitted without the hit, aborted or moved
+        #: on, and the copy would otherwise hold host memory outside every budget until its
+        #: entry left the disk.  A later ask reads it again.
+        self.max_staged_ticks = 8
+        #: Staged copies given back unused (by age).
+        self.expired = 0
+        self._closed = False
         #: Reads that found a copy missing, torn or corrupt.
         self.bad_reads = 0
         #: Runs of writes the writer could not make (raised: logged, their entries missing).
@@ -173,6 +185,7 @@ class DiskTier:
         ``(key, tag)`` of ``entries`` gets the next ``sizes[i]`` bytes.  One wait for ``ready``
         serves the whole run, so many small blocks cost the step little more than one.  Each
         entry is written, committed or failed on its own, as by :meth:`write`."""
+        self._own()
         bad = _malformed(entries)
         if bad or len(entries) != len(sizes) or any(n < 0 for n in sizes):
             raise ValueError(
@@ -208,6 +221,7 @@ class DiskTier:
         memory, the caller waits for them anyway, and each job ends with one of its two
         threads idle while the other finishes its last entry (measured: 128 blocks of 1 MiB
         in jobs of 8 took 8-14% longer than as one)."""
+        self._own()
         bad = _malformed(entries)
         if bad or len(entries) != len(payloads):
             raise ValueError(
@@ -230,12 +244,14 @@ class DiskTier:
 
     def drop(self, key: Key) -> None:
         """Queue the removal of entry ``key`` (nothing when it is not stored)."""
+        self._own()
         self._batch.append((key, 0, None, None, None))
         self._touch(key)
 
     def clear(self) -> None:
         """Queue the removal of every entry; forget staged and in-flight reads (no read
         starts until the removal is done)."""
+        self._own()
         self._batch.append(None)
         self._clear_queued = True
         for key, (_, job) in self._reads.items():
@@ -244,11 +260,12 @@ class DiskTier:
         for data in self.staged.values():
             self.give(data)
         self.staged.clear()
+        self._staged_at.clear()
         self._reads.clear()
 
     def _touch(self, key: Key) -> None:
         self._gen[key] = self._gen.get(key, 0) + 1
-        stale = self.staged.pop(key, None)
+        stale = self._unstage(key)
         if stale is not None:
             self.give(stale)
         self._pending_keys.append(key)
@@ -345,6 +362,7 @@ class DiskTier:
     def prefetch(self, keys: Sequence[Key]) -> None:
         """Start reading and checking ``keys`` (those not staged, read or being written),
         split over the reader threads."""
+        self._own()
         self.commit()
         if not self._cleared():
             return
@@ -352,7 +370,6 @@ class DiskTier:
         todo = [k for k in keys if k not in self.staged and k not in writing and self._stale(k)]
         if not todo or self._readers is None:
             return
-        self._own()
         n = self.readers
         for part in (todo[i::n] for i in range(n)):
             if part:
@@ -361,8 +378,11 @@ class DiskTier:
                     self._reads[k] = (self._gen.get(k, 0), job)
 
     def _own(self) -> None:
-        """Refuse work in a forked child: the writer, helper and reader threads stayed in the
-        parent, so a job handed to them would never run and its caller would wait forever."""
+        """Refuse work once closed, and in a forked child: the writer, helper and reader
+        threads stayed in the parent, so a job handed to them would never run and its
+        caller would wait forever."""
+        if self._closed:
+            raise DiskCacheError(f"disk tier of {self.slots.directory}: used after close()")
         if os.getpid() != self._pid:
             raise DiskCacheError(
                 f"disk tier of {self.slots.directory}: used in a forked child (pid {os.getpid()}, "
@@ -383,7 +403,10 @@ class DiskTier:
     def read_state(self, key: Key) -> bool | None:
         """True: ``key``'s copy is read and checked (in :attr:`staged`); False: it is missing,
         torn or corrupt; None: its read (or the write before it) is still in flight."""
+        self._own()
         if key in self.staged:
+            del self._staged_at[key]  # asked for: young again
+            self._staged_at[key] = self._ticks
             return True
         self.commit()
         if not self._cleared():
@@ -409,7 +432,41 @@ class DiskTier:
             self.bad_reads += 1
             return False
         self.staged[key] = data
+        self._staged_at[key] = self._ticks
         return True
+
+    def _unstage(self, key: Key) -> torch.Tensor | None:
+        self._staged_at.pop(key, None)
+        return self.staged.pop(key, None)
+
+    def tick(self) -> int:
+        """Advance the staging clock by one (the tier store does at the end of each
+        :meth:`~hybridkv.engine.tier_store.TierStore.apply`) and give back the staged copies
+        not asked for in :attr:`max_staged_ticks` ticks (finished reads nobody asked for yet
+        are staged first, so their copies age too); returns how many."""
+        self._ticks += 1
+        for key, (gen, job) in list(self._reads.items()):
+            if not job.done() or job.cancelled() or job.exception() is not None:
+                continue  # running, or an error read_state reports
+            data = job.result()[key]
+            if data is None:
+                continue  # a bad copy holds no memory; read_state reports it
+            del self._reads[key]
+            if gen == self._gen.get(key, 0):
+                self.staged[key] = data
+                self._staged_at[key] = self._ticks
+            else:
+                self.give(data)  # written or dropped since: a stale copy
+        old = 0
+        for at in self._staged_at.values():  # oldest first: stop at the first young one
+            if self._ticks - at <= self.max_staged_ticks:
+                break
+            old += 1
+        for key in list(itertools.islice(self._staged_at, old)):
+            del self._staged_at[key]
+            self.give(self.staged.pop(key))
+        self.expired += old
+        return old
 
     def _read_many(self, keys: list[Key]) -> dict[Key, torch.Tensor | None]:
         return {k: self._read(k) for k in keys}
@@ -428,7 +485,8 @@ class DiskTier:
         """The checked bytes of ``key`` for its load (:meth:`give` them back after): staged
         ones, or (when no check ran before the admission) read and checked now, after its
         queued write; None when bad."""
-        data = self.staged.pop(key, None)
+        self._own()
+        data = self._unstage(key)
         if data is not None:
             return data
         self.commit()
@@ -463,9 +521,16 @@ class DiskTier:
     def close(self) -> None:
         """Finish every queued write and in-flight read, then close the directory (threads
         and files are given back even when finishing raised)."""
+        if self._closed:
+            return
         try:
             self.flush()
         finally:
+            self._closed = True
+            for data in self.staged.values():
+                self.give(data)
+            self.staged.clear()
+            self._staged_at.clear()
             self._writer.shutdown(wait=True)
             self._helper.shutdown(wait=True)
             if self._readers is not None:

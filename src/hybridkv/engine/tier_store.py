@@ -108,6 +108,7 @@ class TierStore:
         #: Disk staging tensors whose host-to-device copies are queued, with the event
         #: recorded after them: given back to the disk tier once it completed.
         self._held: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
+        self._closed = False
         self.disk = None if disk is None else DiskTier(disk, readers=readers, pin=self._pin)
         self._slots = HostSlots(host_bytes, self._pin) if host_bytes else None
         #: Each device block's byte places (rows, descriptor, views), built once.
@@ -133,6 +134,7 @@ class TierStore:
         """The hit to admit ``request`` with: every disk block it loads read and checked
         (discarding bad copies from ``manager`` and looking up again), or None while reads
         are in flight."""
+        self._open("check_hit")
         disk = self.disk
         if disk is None:
             return hit
@@ -166,6 +168,7 @@ class TierStore:
     def apply(self, ops: Iterable[TierOp]) -> None:
         """Run ``ops`` in order.  Raises :class:`EngineError` for a tier the engine does not
         store or an entry it does not hold (a bookkeeping bug: nothing is read)."""
+        self._open("apply")
         self._give_back_staging()
         loaded_from_disk: list[torch.Tensor] = []
         todo = list(ops)
@@ -222,6 +225,7 @@ class TierStore:
         if self.disk is not None:
             self.disk.commit()
             self._settle()
+            self.disk.tick()  # staged copies no admission asked for lately are given back
 
     def _settle(self) -> None:
         """Wait for the disk writes that read the storage itself (a cache in host memory:
@@ -512,8 +516,17 @@ class TierStore:
 
     def close(self) -> None:
         """Finish queued disk writes and in-flight reads and close the disk directory
-        (releasing its lock)."""
-        self._host_ready()
-        self._give_back_staging(wait=True)
-        if self.disk is not None:
-            self.disk.close()
+        (releasing its lock); a second close does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._host_ready()
+            self._give_back_staging(wait=True)
+        finally:
+            if self.disk is not None:
+                self.disk.close()
+
+    def _open(self, what: str) -> None:
+        if self._closed:
+            raise EngineError(f"tier store: {what} after close()")
