@@ -9,6 +9,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,7 +191,9 @@ def test_vmm_backend_maps_runs_and_refcounts_shared_pages() -> None:
     arena.release(0)
     assert drv.mapped == {} and drv.handles == set()
     assert backend.mapped_bytes == 0
-    arena.commit(2)
+    assert arena.commit(np.int64(2)) and arena.is_committed(2)  # a numpy id is an id
+    with pytest.raises(MemoryBackendError, match=r"chunk: True is out of range"):
+        arena.commit(True)
     arena.close()
     assert drv.calls[-1] == ("free", 24 * 1024) and drv.handles == set()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -227,6 +228,22 @@ def test_block_ids_out_of_range() -> None:
         storage.block_view(0, name="k", block_id=-1)
     with pytest.raises(StorageError, match="group_id: 9"):
         storage.num_blocks(9)
+
+
+def test_numpy_integers_serve_as_ids_and_bools_and_floats_do_not() -> None:
+    """Block ids often come out of numpy arrays: every id parameter takes numpy integers
+    (some refused them as "not an integer"), none takes a bool or a float."""
+    storage = KVCacheStorage(build("pools", mixed_groups()))
+    want = storage.block_view(0, name="k", block_id=5)
+    assert torch.equal(storage.block_view(0, name="k", block_id=np.int64(5)), want)
+    assert storage.num_blocks(np.int32(0)) == storage.num_blocks(0)
+    assert storage.descriptor(np.int64(0), [1]).ranges == storage.descriptor(0, [1]).ranges
+    assert storage.block_table(np.int16(0)).ratio == 1
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(BlockRangeError, match="block_id: expected an integer"):
+            storage.block_view(0, name="k", block_id=bad)  # type: ignore[arg-type]
+        with pytest.raises(StorageError, match="group_id: expected an integer"):
+            storage.num_blocks(bad)  # type: ignore[arg-type]
 
 
 def test_misaligned_page_refuses_views_not_transfers() -> None:

@@ -6,6 +6,8 @@ message and exit code 2.  Messages name the field, the offending value and what 
 
 from __future__ import annotations
 
+import numbers
+
 __all__ = [
     "AllocationError",
     "BudgetTooSmallError",
@@ -19,6 +21,7 @@ __all__ = [
     "StorageError",
     "UnknownModelError",
     "UnsupportedModelTypeError",
+    "as_integer",
     "brief_repr",
 ]
 
@@ -84,3 +87,11 @@ def brief_repr(value: object, limit: int = 80) -> str:
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return f"{text} ({type(value).__name__})"
+
+
+def as_integer(value: object) -> int | None:
+    """``value`` as an ``int`` when it is an integer (a Python ``int`` or a numpy integer,
+    whatever ids were computed with), None otherwise (a bool, a float, a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)

@@ -31,7 +31,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from hybridkv.errors import InvariantError
+from hybridkv.errors import InvariantError, as_integer
 from hybridkv.storage.errors import MemoryBackendError
 
 __all__ = ["CpuMmapBackend", "OnDemandArena", "PageBackend", "PageRun", "chunk_page_runs"]
@@ -261,7 +261,7 @@ class OnDemandArena:
         return exclusive + sum(1 for n in self._shared.values() if n > 0)
 
     def is_committed(self, chunk: int) -> bool:
-        self._check_chunk(chunk)
+        chunk = self._check_chunk(chunk)
         return chunk in self._committed
 
     def commit(self, chunk: int) -> bool:
@@ -270,7 +270,7 @@ class OnDemandArena:
         All or nothing: if the backend fails midway, the pages mapped by this call are unmapped
         again and :class:`MemoryBackendError` is raised.
         """
-        self._check_chunk(chunk)
+        chunk = self._check_chunk(chunk)
         if chunk in self._committed:
             return False
         done: list[PageRun] = []
@@ -292,7 +292,7 @@ class OnDemandArena:
 
     def release(self, chunk: int) -> bool:
         """Give ``chunk``'s physical memory back (its bytes are lost); False if not committed."""
-        self._check_chunk(chunk)
+        chunk = self._check_chunk(chunk)
         if chunk not in self._committed:
             return False
         for run in self._page_runs(chunk):
@@ -342,12 +342,10 @@ class OnDemandArena:
             self._runs[chunk] = runs
         return runs
 
-    def _check_chunk(self, chunk: int) -> None:
-        if (
-            not isinstance(chunk, int)
-            or isinstance(chunk, bool)
-            or not 0 <= chunk < self.num_chunks
-        ):
+    def _check_chunk(self, chunk: int) -> int:
+        index = as_integer(chunk)
+        if index is None or not 0 <= index < self.num_chunks:
             raise MemoryBackendError(
                 f"chunk: {chunk!r} is out of range; valid chunks are [0, {self.num_chunks})"
             )
+        return index

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hybridkv.errors import StorageError
+from hybridkv.errors import StorageError, as_integer
 from hybridkv.plan import GroupPlan, MemoryLayout
 from hybridkv.specs import CacheKind
 from hybridkv.storage.block_table import BlockTable, kernel_ratio
@@ -393,13 +393,14 @@ class KVCacheStorage:
 
     def _group(self, group_id: int) -> GroupPlacement:
         groups = self.placement.groups
-        if isinstance(group_id, bool) or not isinstance(group_id, int):
+        index = as_integer(group_id)
+        if index is None:
             raise StorageError(f"group_id: expected an integer, got {group_id!r}")
-        if not 0 <= group_id < len(groups):
+        if not 0 <= index < len(groups):
             raise StorageError(
                 f"group_id: {group_id} is not a group of this plan; valid: 0..{len(groups) - 1}"
             )
-        return groups[group_id]
+        return groups[index]
 
     def _expect(
         self, layer: int, slot: int, kinds: frozenset[CacheKind], what: str
@@ -424,7 +425,7 @@ def _order(order: PageOrder | str) -> PageOrder:
 
 
 def _check_block(group: GroupPlacement, block_id: int) -> None:
-    if isinstance(block_id, bool) or not isinstance(block_id, int):
+    if as_integer(block_id) is None:
         raise BlockRangeError(f"block_id: expected an integer, got {block_id!r}")
     if not 0 <= block_id < group.num_blocks:
         raise BlockRangeError(
