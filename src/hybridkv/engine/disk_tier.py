@@ -257,10 +257,7 @@ class DiskTier:
         for key, (_, job) in self._reads.items():
             job.cancel()
             self._gen[key] = self._gen.get(key, 0) + 1
-        for data in self.staged.values():
-            self.give(data)
-        self.staged.clear()
-        self._staged_at.clear()
+        self._give_back_staged()
         self._reads.clear()
 
     def _touch(self, key: Key) -> None:
@@ -405,8 +402,7 @@ class DiskTier:
         torn or corrupt; None: its read (or the write before it) is still in flight."""
         self._own()
         if key in self.staged:
-            del self._staged_at[key]  # asked for: young again
-            self._staged_at[key] = self._ticks
+            self._stage(key, self.staged[key])  # asked for: young again
             return True
         self.commit()
         if not self._cleared():
@@ -431,9 +427,20 @@ class DiskTier:
         if data is None:
             self.bad_reads += 1
             return False
-        self.staged[key] = data
-        self._staged_at[key] = self._ticks
+        self._stage(key, data)
         return True
+
+    def _stage(self, key: Key, data: torch.Tensor) -> None:
+        """Stage ``data`` as ``key``'s checked copy, youngest (asked for at this tick)."""
+        self.staged[key] = data
+        self._staged_at.pop(key, None)
+        self._staged_at[key] = self._ticks
+
+    def _give_back_staged(self) -> None:
+        for data in self.staged.values():
+            self.give(data)
+        self.staged.clear()
+        self._staged_at.clear()
 
     def _unstage(self, key: Key) -> torch.Tensor | None:
         self._staged_at.pop(key, None)
@@ -453,8 +460,7 @@ class DiskTier:
                 continue  # a bad copy holds no memory; read_state reports it
             del self._reads[key]
             if gen == self._gen.get(key, 0):
-                self.staged[key] = data
-                self._staged_at[key] = self._ticks
+                self._stage(key, data)
             else:
                 self.give(data)  # written or dropped since: a stale copy
         old = 0
@@ -527,10 +533,7 @@ class DiskTier:
             self.flush()
         finally:
             self._closed = True
-            for data in self.staged.values():
-                self.give(data)
-            self.staged.clear()
-            self._staged_at.clear()
+            self._give_back_staged()
             self._writer.shutdown(wait=True)
             self._helper.shutdown(wait=True)
             if self._readers is not None:
