@@ -1,7 +1,8 @@
 """TierStore's host tier under random operation streams (hypothesis): stores in batches (runs
 of rows, blocks of several ranges, entries that find no room in the buffer), loads into other
-blocks, drops, clears, compaction's relocations among stores; after every step the slots
-check out and every entry's bytes are the ones its block held when it was stored."""
+blocks, drops, clears, compaction's relocations among stores, syncs that discard what found
+no room; after every step the slots check out and every entry's bytes are the ones its block
+held when it was stored."""
 
 from __future__ import annotations
 
@@ -18,6 +19,24 @@ from hybridkv.engine.tier_store import TierStore
 from hybridkv.errors import InvariantError
 from hybridkv.storage import KVCacheStorage, LayoutKind, copy_blocks, gather
 from test_storage_factories import build, mixed_groups, owned_ids, uniform_layout
+
+
+class Manager:
+    """The two calls :meth:`TierStore.sync` makes of a manager: pending operations, and
+    discards (each records the ``drop`` the next sync runs, as the manager's tiers do)."""
+
+    def __init__(self) -> None:
+        self.ops: list[TierOp] = []
+        self.discarded: list[tuple[int, int]] = []
+
+    def take_tier_ops(self) -> list[TierOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def discard_tier_block(self, group_id: int, block_hash: int) -> bool:
+        self.discarded.append((group_id, block_hash))
+        self.ops.append(TierOp("drop", "host", group_id, block_hash, 0))
+        return True
 
 
 class HostTier(RuleBasedStateMachine):
@@ -42,7 +61,9 @@ class HostTier(RuleBasedStateMachine):
         }
         sizes = [g.block_bytes for g in layout.groups]
         # room for a few blocks only: later stores get tensors of their own
-        self.store = TierStore(self.storage, 3 * max(sizes) + min(sizes))
+        self.capacity = 3 * max(sizes) + min(sizes)
+        self.store = TierStore(self.storage, self.capacity)
+        self.manager = Manager()
         self.held: dict[tuple[int, int], torch.Tensor] = {}
         self.next_hash = 1
 
@@ -117,6 +138,22 @@ class HostTier(RuleBasedStateMachine):
         self.held.clear()
 
     @rule()
+    def sync(self) -> None:
+        """A sync discards exactly the entries in tensors of their own; the next one runs the
+        drops those discards recorded, and the host tier holds no more than its buffer."""
+        over = set(self.store.overflow())
+        assert over <= set(self.held) and all(self.store._host[k][0] < 0 for k in over)
+        before = self.store.overflowed
+        self.store.sync(self.manager)  # type: ignore[arg-type]
+        assert set(self.manager.discarded) == over and self.store.overflowed - before == len(over)
+        self.manager.discarded.clear()
+        self.store.sync(self.manager)  # type: ignore[arg-type]
+        assert self.store.overflow() == [] and not self.manager.ops
+        for key in over:
+            del self.held[key]
+        assert self.store.num_bytes() <= self.capacity
+
+    @rule()
     def missing_load_changes_nothing(self) -> None:
         before = [buf.clone() for buf in self.storage.buffers]
         g, b = 0, self.ids[0][0]
@@ -178,3 +215,43 @@ def test_a_relocation_out_of_range_is_an_engine_error_and_copies_nothing() -> No
         store.apply(ops)
     assert all(torch.equal(x, y) for x, y in zip(before, storage.buffers, strict=True))
     assert store.relocated == 0
+
+
+def test_an_entry_without_room_serves_its_step_then_is_discarded() -> None:
+    """A small slot, a big one (two small ones' bytes) and a small one fill the buffer; both
+    small ones are dropped, so a big block's bytes are free in two pieces: the next big store
+    gets a tensor of its own, a load in the same operations reads it, and ``sync`` discards
+    it from the manager (whose drop runs at the next sync)."""
+    layout = build("pools", mixed_groups())
+    storage = KVCacheStorage(layout)
+    gen = torch.Generator().manual_seed(5)
+    for buf in storage.buffers:
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
+    small, big = 0, 2
+    s, b = (owned_ids(layout, g, 0) + owned_ids(layout, g, 1) for g in (small, big))
+    size = layout.groups[small].block_bytes
+    assert layout.groups[big].block_bytes == 2 * size
+    store = TierStore(storage, 4 * size)
+    mgr = Manager()
+    mgr.ops = [
+        TierOp("store", "host", small, 1, s[0]),
+        TierOp("store", "host", big, 2, b[0]),
+        TierOp("store", "host", small, 3, s[1]),
+    ]
+    store.sync(mgr)  # type: ignore[arg-type]
+    assert store.overflow() == [] and mgr.discarded == [] and store.overflowed == 0
+    want = gather(storage.descriptor(big, [b[1]]), storage.buffers).clone()
+    mgr.ops = [
+        TierOp("drop", "host", small, 1, 0),
+        TierOp("drop", "host", small, 3, 0),
+        TierOp("store", "host", big, 4, b[1]),
+        TierOp("load", "host", big, 4, b[2]),
+    ]
+    store.sync(mgr)  # type: ignore[arg-type]
+    assert torch.equal(gather(storage.descriptor(big, [b[2]]), storage.buffers), want)
+    assert mgr.discarded == [(big, 4)] and store.overflowed == 1
+    assert store._host[big, 4][0] < 0  # a tensor of its own until the drop runs
+    store.sync(mgr)  # type: ignore[arg-type]
+    assert store.overflow() == [] and store.host_keys() == {(big, 2)}
+    assert store.num_bytes() == 2 * size
+    store.check_invariants()

@@ -165,7 +165,7 @@ def import_request(
 
     def fill(tables: tuple[list[int], ...], hit: int, res: AllocationResult) -> None:
         if engine._tier_store is not None:  # tier loads of the decode side's own hit
-            engine._tier_store.apply(engine.manager.take_tier_ops())
+            engine._tier_store.sync(engine.manager)
         mine = {g: list(t) for g, t in enumerate(tables)}
         span = (hit, len(prompt))
 

@@ -384,7 +384,7 @@ class LLMEngine:
             self._seconds += time.perf_counter() - start
             return []
         if self._tier_store is not None:  # evicted blocks out, hits back in, before the pass
-            self._tier_store.apply(self.manager.take_tier_ops())
+            self._tier_store.sync(self.manager)
             sizes = self._block_sizes
             counted = self._tracker.counted  # a re-admission's loads are not counted again
             for item in out.scheduled:
@@ -438,7 +438,7 @@ class LLMEngine:
         self._model_seconds += time.perf_counter() - model_start
         outputs = self.scheduler.update(out, sampled)
         if self._tier_store is not None and self.cache_config.write_through is not None:
-            self._tier_store.apply(self.manager.take_tier_ops())  # what the step published
+            self._tier_store.sync(self.manager)  # what the step published
         for o in outputs:
             rows = result.position_logits.get(o.request_id)
             if rows is None:
@@ -532,7 +532,7 @@ class LLMEngine:
         try:
             if store.disk is not None and not self.scheduler.has_unfinished():
                 self.manager.persist_to_tier("disk")
-                store.apply(self.manager.take_tier_ops())
+                store.sync(self.manager)
         finally:  # the directory's lock and the threads go back even when persisting raised
             store.close()
 
@@ -562,7 +562,7 @@ class LLMEngine:
         out = self.scheduler.schedule(self._propose())
         if out.moves:
             if self._tier_store is not None:
-                self._tier_store.apply(self.manager.take_tier_ops())
+                self._tier_store.sync(self.manager)
             else:
                 self.storage.move_blocks(out.moves)
             self._counts["moved"] += len(out.moves)

@@ -18,9 +18,15 @@ Host entries live in one CPU buffer of the tier's capacity (pinned when the cach
 CUDA; on CPU its pages are only touched when first written), carved into slots of each
 group's packed block size; a freed slot joins its free neighbours, which later slots of any
 size reuse (:class:`~hybridkv.engine.host_slots.HostSlots`), so steady-state copies allocate
-nothing.  An entry that still finds no room there (free space left in pieces too small) gets
-a tensor of its own, outside the buffer: host memory can then pass the tier's capacity by
-those tensors.
+nothing.  The manager counts the tier's bytes, not where they lie, so an entry can still find
+no room there (free space left in pieces too small): it gets a tensor of its own for the
+step (a load later in the same operations may read it), and :meth:`TierStore.sync` then
+discards it from the manager (a drop follows; its hit becomes a miss).  Host memory thus
+passes the tier's capacity by those tensors only between one step's copies and the next
+(on the Mooncake trace's first 2,000 requests, 16 GiB device and 128 GiB host, 104-118 of
+1.3-1.4 million host stores of Nemotron-H-8B, Jamba-v0.1 and Qwen3-Next-80B-A3B, whose
+state checkpoints are 16-98 times an attention block, found no room; none of gpt-oss-20b's,
+whose blocks are one size).
 
 A disk tier's entries live in a :class:`~hybridkv.storage.disk_slots.DiskSlots` directory
 (checksummed slots in a preallocated file, kept across processes).  A disk copy is checked
@@ -121,6 +127,8 @@ class TierStore:
         #: Blocks copied device -> tier and tier -> device so far, and device blocks
         #: compaction moved (``relocate``).
         self.stored = self.loaded = self.relocated = 0
+        #: Host entries :meth:`sync` discarded because they found no room in the buffer.
+        self.overflowed = 0
 
     @property
     def bad_reads(self) -> int:
@@ -165,6 +173,20 @@ class TierStore:
             self.disk.wait()
 
     # -- the manager's operations ---------------------------------------------------------------
+    def sync(self, manager: KVCacheManager) -> None:
+        """Run ``manager``'s pending tier operations (:meth:`apply`), then discard from it the
+        host entries that found no room in the buffer (:meth:`overflow`): their tensors go
+        when the ``drop`` operations the discards record run, at the next sync, so host
+        memory stays within the buffer but for one step's overflow."""
+        self.apply(manager.take_tier_ops())
+        for g, h in self.overflow():
+            if manager.discard_tier_block(g, h):
+                self.overflowed += 1
+
+    def overflow(self) -> list[tuple[int, int]]:
+        """Host entries held in tensors of their own (no room in the buffer)."""
+        return list(self._own)
+
     def apply(self, ops: Iterable[TierOp]) -> None:
         """Run ``ops`` in order.  Raises :class:`EngineError` for a tier the engine does not
         store or an entry it does not hold (a bookkeeping bug: nothing is read)."""
