@@ -199,10 +199,14 @@ def test_damage_reads_as_missing(tmp_path: Path) -> None:
     assert read(s, (0, 2), 96) is None
     assert read(s, (0, 3), 96) == payload(3, 96)
     s.close()
-    # the torn header ends the walk: entry 3 after it is not recovered either (free space)
+    # the walk steps over the slot of the torn header (one slot of a block size) to entry 3
+    offset = s.entries[0, 2].offset
     again = slots(tmp_path)
-    assert [e.block_hash for e in again.recovered] == [0, 1]
+    assert [e.block_hash for e in again.recovered] == [0, 1, 3]
     assert read(again, (0, 1), 96) is None  # recovered by its header, refused by its CRC
+    assert read(again, (0, 3), 96) == payload(3, 96)
+    assert again.write((0, 4), 0, memoryview(payload(4, 96)))  # the torn slot is free space
+    assert again.entries[0, 4].offset == offset
 
 
 def test_a_truncated_file_loses_what_was_cut(tmp_path: Path) -> None:
@@ -260,11 +264,11 @@ def test_a_write_killed_part_way_leaves_no_usable_entry(
     assert read(again, (0, 5), 96) == payload(5, 96) and read(again, (0, 6), 96) == payload(6, 96)
 
 
-def test_a_kill_that_leaves_a_hole_loses_the_entries_after_it(
+def test_a_kill_that_leaves_a_hole_keeps_the_entries_after_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # two threads share a run, so a kill can leave an earlier slot of it unwritten while a
-    # later one is whole: the walk ends at the hole and the whole entry after it is lost
+    # later one is whole: the walk steps over the hole (a slot of a block size) and finds it
     s = slots(tmp_path)
     assert s.write((0, 1), 0, memoryview(payload(1, 96)))
     real = os.pwritev
@@ -286,12 +290,35 @@ def test_a_kill_that_leaves_a_hole_loses_the_entries_after_it(
         s.write_many(items)
     monkeypatch.undo()
     hole = s.entries[0, 1].offset + 256  # the slot after entry 1's, carved for entry 2
+    third = hole + 256  # entry 3's slot (written, but write_many never returned)
     s.close()
     again = slots(tmp_path)
-    assert [e.block_hash for e in again.recovered] == [1]
-    assert read(again, (0, 3), 96) is None  # whole on disk, but past the end of the walk
-    assert again.write((0, 5), 0, memoryview(payload(5, 96)))  # space from the hole on
+    assert [e.block_hash for e in again.recovered] == [1, 3]
+    assert again.entries[0, 3].offset == third and read(again, (0, 3), 96) == payload(3, 96)
+    assert read(again, (0, 2), 96) is None and read(again, (0, 4), 96) is None
+    assert again.write((0, 5), 0, memoryview(payload(5, 96)))  # the hole is free space
     assert again.entries[0, 5].offset == hole and read(again, (0, 5), 96) == payload(5, 96)
+    assert again.write((0, 6), 0, memoryview(payload(6, 96)))  # then past entry 3
+    assert again.entries[0, 6].offset == third + 256
+    again.close()
+    third_life = slots(tmp_path)
+    assert [e.block_hash for e in third_life.recovered] == [1, 3, 5, 6]
+
+
+def test_a_walk_ends_where_no_slot_size_steps_over_the_hole(tmp_path: Path) -> None:
+    # two unwritten slots in a row: no one slot of a block size reaches the whole entry
+    s = slots(tmp_path)
+    for k in (1, 2, 3, 4):
+        assert s.write((0, k), 0, memoryview(payload(k, 96)))
+    offsets = [s.entries[0, k].offset for k in (2, 3)]
+    s.close()
+    with open(tmp_path / "blocks.bin", "r+b") as f:
+        for o in offsets:  # as if never written
+            f.seek(o)
+            f.write(bytes(256))
+    again = slots(tmp_path)
+    assert [e.block_hash for e in again.recovered] == [1]
+    assert read(again, (0, 4), 96) is None
 
 
 def test_a_failed_write_stores_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -254,27 +254,30 @@ class DiskSlots:
 
     def _recover(self) -> list[SlotEntry]:
         """Walk the carved slots from the front: committed ones become entries, empty ones
-        free slots; the walk ends at the first slot whose header does not check out (never
-        carved, or torn), and everything after it is free space.  (A run that two threads
-        wrote (:meth:`write_many`) and a kill cut short may leave a carved slot unwritten
-        before a whole one: the walk ends at the hole and the entries after it are lost, as
-        misses.)"""
+        free slots; everything from the first header that does not check out (never carved,
+        or torn) is free space.  A run that two threads wrote (:meth:`write_many`) and a kill
+        cut short may leave a carved slot unwritten before a whole one: the walk then tries
+        the header a slot of each block size would end at, goes on from the first that checks
+        out (the hole becomes free space) and ends only where none does.  A header found
+        so may be older than the hole (the file's last life); its entry's payload checksum
+        is checked at every read, as any entry's."""
         found: list[SlotEntry] = []
         offset = 0
         size_now = os.fstat(self._fd).st_size
-        largest = self.sizes[-1]
+        strides = [slot_stride(s) for s in self.sizes]
         while offset + HEADER_BYTES <= size_now:
-            try:
-                raw = os.pread(self._fd, HEADER_READ, offset)
-            except OSError:
-                break
-            parsed = parse_header(raw)
-            if parsed is None or not 0 < parsed[1] <= (largest if parsed[2] else self.file_bytes):
-                break  # an empty header may span joined free slots
+            parsed = self._header(offset, size_now)
+            if parsed is None:
+                for stride in strides:  # a hole of one slot of this size?
+                    parsed = self._header(offset + stride, size_now)
+                    if parsed is not None:
+                        self._space.give(offset, stride)
+                        offset += stride
+                        break
+                else:
+                    break
             group, size, state, tag, stamp, h, _ = parsed
             end = offset + slot_stride(size)
-            if end > self.file_bytes:
-                break
             if state == COMMITTED and (group, h) not in self.entries:
                 entry = SlotEntry(group, h, tag, size, offset, stamp)
                 self.entries[group, h] = entry
@@ -289,6 +292,26 @@ class DiskSlots:
         self._space.top = offset
         found.sort(key=lambda e: e.stamp)
         return found
+
+    def _header(
+        self, offset: int, size_now: int
+    ) -> tuple[int, int, int, int, int, int, int] | None:
+        """The header at ``offset`` if it checks out and its slot lies within the file (an
+        empty one may span joined free slots), else None."""
+        if offset + HEADER_BYTES > size_now:
+            return None
+        try:
+            raw = os.pread(self._fd, HEADER_READ, offset)
+        except OSError:
+            return None
+        parsed = parse_header(raw)
+        if parsed is None:
+            return None
+        size = parsed[1]
+        limit = self.sizes[-1] if parsed[2] else self.file_bytes
+        if not 0 < size <= limit or offset + slot_stride(size) > self.file_bytes:
+            return None
+        return parsed
 
     # -- entries ------------------------------------------------------------------------------
     def keep_only(self, keys: Iterable[tuple[int, int]]) -> None:
