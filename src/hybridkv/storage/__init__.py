@@ -16,6 +16,7 @@ This is the first layer that imports torch.  Modules, one concept each:
 * :mod:`~hybridkv.storage.cp`          context-parallel token maps for transfer plans
 * :mod:`~hybridkv.storage.disk_slots`  a disk tier's file of checksummed slots
 * :mod:`~hybridkv.storage.disk_format` the slot header format and checksum
+* :mod:`~hybridkv.storage.disk_io`     positioned writes that finish (resumed after short ones)
 * :mod:`~hybridkv.storage.disk_manifest` who made a disk-cache directory, checked on open
 * :mod:`~hybridkv.storage.errors`      the storage exceptions
 """

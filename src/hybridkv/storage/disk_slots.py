@@ -61,6 +61,7 @@ from hybridkv.storage.disk_format import (
     payload_bytes,
     slot_stride,
 )
+from hybridkv.storage.disk_io import pwrite_all, pwritev_all
 from hybridkv.storage.disk_manifest import DiskCacheError, check_manifest
 
 __all__ = [
@@ -76,8 +77,6 @@ logger = logging.getLogger(__name__)
 
 #: Bumped whenever the file format changes; a manifest of another version is refused.
 FORMAT_VERSION = 1
-#: Pieces one ``pwritev`` takes at most (the POSIX minimum of ``IOV_MAX``, 1024 on Linux).
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 _MANIFEST = "manifest.json"
 _DATA = "blocks.bin"
 _LOCK = "lock"
@@ -575,47 +574,11 @@ class DiskSlots:
 
     def _pwrite(self, data: bytes, offset: int) -> None:
         """Write a header (a drop's or a failed write's empty mark)."""
-        view = memoryview(data)
-        while view.nbytes:
-            n = os.pwrite(self._fd, view, offset)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            view = view[n:]
-            offset += n
+        pwrite_all(self._fd, data, offset)
 
     def _pwritev(self, pieces: Sequence[bytes | memoryview], offset: int) -> None:
-        """Write ``pieces`` back to back from ``offset``: one ``pwritev`` when they fit one
-        (at most ``IOV_MAX`` of them), else one per ``IOV_MAX``, resumed after a short
-        write."""
-        if len(pieces) <= _IOV_MAX:
-            total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
-            n = os.pwritev(self._fd, pieces, offset)
-            if n == total:
-                return
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            self._pwritev_rest(pieces, offset, n)
-            return
-        self._pwritev_rest(pieces, offset, 0)
-
-    def _pwritev_rest(self, pieces: Sequence[bytes | memoryview], offset: int, done: int) -> None:
-        """Write what is left of ``pieces`` after the first ``done`` bytes of them."""
-        views = [memoryview(v).cast("B") for v in pieces]
-        views = [v for v in views if v.nbytes]
-        at = 0
-        n = done
-        while True:
-            offset += n
-            while at < len(views) and n >= views[at].nbytes:
-                n -= views[at].nbytes
-                at += 1
-            if n:
-                views[at] = views[at][n:]
-            if at >= len(views):
-                return
-            n = os.pwritev(self._fd, views[at : at + _IOV_MAX], offset)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
+        """Write an entry's header and payload pieces back to back from ``offset``."""
+        pwritev_all(self._fd, pieces, offset)
 
 
 def _empty_header(length: int) -> bytes:
