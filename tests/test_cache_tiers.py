@@ -59,6 +59,7 @@ def test_evicted_blocks_come_back_from_the_host_tier() -> None:
     st = mgr.tier_stats()["host"]
     # b's blocks went down when c took the device blocks back; a's entries stay (inclusive).
     assert (st["blocks"], st["stored"], st["loaded"], st["dropped"]) == (6, 6, 3, 0)
+    assert st["stored_bytes"] == st["from_device_bytes"] == 6 * bb  # all from the device
 
 
 def test_a_full_host_tier_cascades_to_disk_and_loads_name_it() -> None:
@@ -70,6 +71,9 @@ def test_a_full_host_tier_cascades_to_disk_and_loads_name_it() -> None:
     stats = mgr.tier_stats()
     assert (stats["host"]["blocks"], stats["disk"]["blocks"]) == (1, 1)
     assert stats["host"]["dropped"] == 1
+    # both came from the device into the host tier; the disk's one was moved down from there
+    assert (stats["host"]["from_device_bytes"], stats["disk"]["from_device_bytes"]) == (2 * bb, 0)
+    assert stats["disk"]["stored_bytes"] == bb
     hit, loads = _run(mgr, "c", tokens(9))
     assert hit == 8
     assert sorted(load.tier for load in loads) == ["disk", "host"]

@@ -28,6 +28,7 @@ class Tier:
         "capacity_bytes",
         "cold",
         "cold_bytes",
+        "device_bytes",
         "discarded",
         "dropped",
         "held",
@@ -78,6 +79,9 @@ class Tier:
         #: entries adopted from storage that outlived an earlier process.
         self.discarded = self.adopted = 0
         self.stored_bytes = self.loaded_bytes = 0
+        #: Of ``stored_bytes``, those copied from the device (evictions, write-through), not
+        #: moved down from a tier above.
+        self.device_bytes = 0
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key[1] in self.keys[key[0]]

@@ -308,6 +308,8 @@ class TierStack:
         t.used_bytes += size
         t.stored += 1
         t.stored_bytes += size
+        if source is None:
+            t.device_bytes += size
         if self.events is not None:
             self.events.tier_stored(g, h, t.name, self.block_sizes[g])
         if self.record_ops:
@@ -455,9 +457,10 @@ class TierStack:
     # -- reporting ----------------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: capacity, bytes and blocks held, blocks stored, loaded, dropped, discarded
-        (unusable in storage) and adopted (from an earlier process), and the bytes stored and
-        loaded; ``cold_blocks`` of the blocks are write-through copies no eviction or hit
-        has warmed."""
+        (unusable in storage) and adopted (from an earlier process), and the bytes stored
+        (``from_device_bytes`` of them copied from the device, the rest moved down from a tier
+        above) and loaded; ``cold_blocks`` of the blocks are write-through copies no eviction
+        or hit has warmed."""
         return {
             t.name: {
                 "capacity_bytes": t.capacity_bytes,
@@ -472,6 +475,7 @@ class TierStack:
                 "discarded": t.discarded,
                 "adopted": t.adopted,
                 "stored_bytes": t.stored_bytes,
+                "from_device_bytes": t.device_bytes,
                 "loaded_bytes": t.loaded_bytes,
             }
             for t in self.tiers

@@ -9,14 +9,18 @@ The model is a roofline estimate, per step::
           + sum over requests of the cache bytes its queries read (windows and states counted
             by each layer's own rule) + the new tokens' cache bytes written
     time  = max(flops / (peak_flops * mfu), bytes / (hbm_bandwidth * bw_efficiency),
-                loads)
+                loads, stores)
           + step_overhead
     loads = host bytes read back / host_bandwidth + disk bytes / disk_bandwidth
             (+ disk_latency when the step reads the disk)
+    stores = bytes the lower tiers took from the device since the last step / host_bandwidth
 
-Lower-tier loads run on their own copy engine and overlap the step's compute: a step waits
-for them only when they take longer (a simplification: a real engine would run the other
-requests meanwhile).
+Lower-tier loads and stores run on copy engines of their own, one per direction of the
+host link, and overlap the step's compute: a step waits for them only when they take longer
+(a simplification: a real engine would run the other requests meanwhile).  Stores count the
+device's evictions written back and write-through copies (a disk tier's too: they cross the
+link to host memory first); moves between tiers and disk writes (a writer thread's, behind
+the step) are not charged.
 
 State layers cost a constant per token (their state is read and written once per step, and
 their per-token work is in ``active_params``).  The numbers are estimates for comparing
@@ -182,6 +186,10 @@ class StepCostModel:
             t += disk_bytes / a.disk_bandwidth + a.disk_latency_s
         return t
 
+    def store_seconds(self, device_bytes: int) -> float:
+        """Time to copy ``device_bytes`` from the device to host memory (tier stores)."""
+        return device_bytes / self.accel.host_bandwidth
+
     def copy_seconds(self, num_bytes: int) -> float:
         """Time to copy ``num_bytes`` within device memory (read and write)."""
         a = self.accel
@@ -194,7 +202,8 @@ class StepCostModel:
 
     def step_seconds(self, items: list[tuple[int, int]], load_s: float = 0.0) -> float:
         """Time of a step computing, per request, ``(start, num_new_tokens)``, whose lower-tier
-        loads take ``load_s`` (overlapped with the step)."""
+        copies take ``load_s`` (overlapped with the step: the longer of its loads and its
+        stores, :meth:`load_seconds` and :meth:`store_seconds`)."""
         if not items:
             return 0.0
         new_total = 0

@@ -378,7 +378,9 @@ def tier_lines(result: SimResult, through: str | None = None, oracle: bool = Fal
             f"{' (oracle-protected sessions)' if oracle else ''}: "
             f"{format_bytes(st['capacity_bytes'])}, "
             f"{tokens} prompt tokens read back ({share:.1%} of all), "
-            f"{format_bytes(st['stored_bytes'])} written, {format_bytes(st['loaded_bytes'])} "
+            f"{format_bytes(st['stored_bytes'])} written "
+            f"({format_bytes(st['from_device_bytes'])} from the device), "
+            f"{format_bytes(st['loaded_bytes'])} "
             f"read, {st['dropped']} blocks dropped"
             + (f", {result.sessions_expired} sessions expired" if oracle else "")
         )

@@ -327,6 +327,8 @@ def simulate(
     admitted_hits: dict[str, int] = {}
     tier_tokens = {"host": 0, "disk": 0}
     block_sizes = [g.block_size for g in layout.groups]
+    tiered = bool(config.tiers())
+    from_device = 0  # bytes the lower tiers took from the device, as of the last step
 
     while idx < len(reqs) or sched.has_unfinished():
         while idx < len(reqs) and (
@@ -400,6 +402,11 @@ def simulate(
                 admitted_hits[item.request_id] = 0
             computed += item.num_new_tokens
         load_s = cost.load_seconds(moved["host"], moved["disk"]) if any(moved.values()) else 0.0
+        if tiered:  # what the tiers took from the device since the last step (both directions
+            # of the host link run at once)
+            now = sum(t["from_device_bytes"] for t in mgr.tier_stats().values())
+            load_s = max(load_s, cost.store_seconds(now - from_device))
+            from_device = now
         clock += cost.step_seconds([(s.start, s.num_new_tokens) for s in out.scheduled], load_s)
         if out.moves:  # compaction's copies run before the pass
             moved_blocks += len(out.moves)
