@@ -139,19 +139,22 @@ class HostTier(RuleBasedStateMachine):
 
     @rule()
     def sync(self) -> None:
-        """A sync discards exactly the entries in tensors of their own; the next one runs the
-        drops those discards recorded, and the host tier holds no more than its buffer."""
-        over = set(self.store.overflow())
-        assert over <= set(self.held) and all(self.store._host[k][0] < 0 for k in over)
+        """A sync discards the oldest entries in tensors of their own past the bound (all
+        but the newest, with this buffer's bound of a few bytes); the next one runs the drops
+        those discards recorded."""
+        own = list(self.store._own)
+        over = self.store.overflow()
+        assert over == own[:-1]  # the bound here is under any block's size
+        assert all(self.store._host[k][0] < 0 for k in own)
         before = self.store.overflowed
         self.store.sync(self.manager)  # type: ignore[arg-type]
-        assert set(self.manager.discarded) == over and self.store.overflowed - before == len(over)
+        assert self.manager.discarded == over and self.store.overflowed - before == len(over)
         self.manager.discarded.clear()
         self.store.sync(self.manager)  # type: ignore[arg-type]
         assert self.store.overflow() == [] and not self.manager.ops
+        assert list(self.store._own) == own[-1:]
         for key in over:
             del self.held[key]
-        assert self.store.num_bytes() <= self.capacity
 
     @rule()
     def missing_load_changes_nothing(self) -> None:
@@ -217,11 +220,12 @@ def test_a_relocation_out_of_range_is_an_engine_error_and_copies_nothing() -> No
     assert store.relocated == 0
 
 
-def test_an_entry_without_room_serves_its_step_then_is_discarded() -> None:
+def test_entries_without_room_past_the_bound_are_discarded_oldest_first() -> None:
     """A small slot, a big one (two small ones' bytes) and a small one fill the buffer; both
-    small ones are dropped, so a big block's bytes are free in two pieces: the next big store
-    gets a tensor of its own, a load in the same operations reads it, and ``sync`` discards
-    it from the manager (whose drop runs at the next sync)."""
+    small ones are dropped, so a big block's bytes are free in two pieces: the next two big
+    stores get tensors of their own (a load in the same operations reads the first), and as
+    they hold more than the bound, ``sync`` discards the older from the manager (its drop
+    runs at the next sync) and keeps the newer."""
     layout = build("pools", mixed_groups())
     storage = KVCacheStorage(layout)
     gen = torch.Generator().manual_seed(5)
@@ -232,6 +236,7 @@ def test_an_entry_without_room_serves_its_step_then_is_discarded() -> None:
     size = layout.groups[small].block_bytes
     assert layout.groups[big].block_bytes == 2 * size
     store = TierStore(storage, 4 * size)
+    assert store.overflow_limit == 4 * size // 64
     mgr = Manager()
     mgr.ops = [
         TierOp("store", "host", small, 1, s[0]),
@@ -246,12 +251,30 @@ def test_an_entry_without_room_serves_its_step_then_is_discarded() -> None:
         TierOp("drop", "host", small, 3, 0),
         TierOp("store", "host", big, 4, b[1]),
         TierOp("load", "host", big, 4, b[2]),
+        TierOp("store", "host", big, 5, b[3]),
     ]
     store.sync(mgr)  # type: ignore[arg-type]
     assert torch.equal(gather(storage.descriptor(big, [b[2]]), storage.buffers), want)
     assert mgr.discarded == [(big, 4)] and store.overflowed == 1
-    assert store._host[big, 4][0] < 0  # a tensor of its own until the drop runs
+    assert store._host[big, 4][0] < 0 and store._host[big, 5][0] < 0  # until the drop runs
     store.sync(mgr)  # type: ignore[arg-type]
-    assert store.overflow() == [] and store.host_keys() == {(big, 2)}
-    assert store.num_bytes() == 2 * size
+    assert store.overflow() == [] and store.host_keys() == {(big, 2), (big, 5)}
+    assert store.num_bytes() == 4 * size  # one entry past the buffer's bytes in use, no more
     store.check_invariants()
+
+
+def test_entries_without_room_within_the_bound_stay() -> None:
+    # a buffer of 64 big blocks' bytes bounds its overflow at one big block's: two small
+    # entries that find no room stay in tensors of their own
+    layout = build("pools", mixed_groups())
+    storage = KVCacheStorage(layout)
+    small, big = 0, 2
+    size = layout.groups[small].block_bytes
+    s = owned_ids(layout, small, 0) + owned_ids(layout, small, 1)
+    store = TierStore(storage, 64 * 2 * size)
+    store._slots.space.top = store._slots.space.limit  # type: ignore[union-attr]  # full
+    mgr = Manager()
+    mgr.ops = [TierOp("store", "host", small, h, s[h]) for h in (1, 2)]
+    store.sync(mgr)  # type: ignore[arg-type]
+    assert mgr.discarded == [] and store.overflow() == [] and len(store._own) == 2
+    assert store.overflow_limit == layout.groups[big].block_bytes

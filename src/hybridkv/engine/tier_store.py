@@ -19,14 +19,18 @@ CUDA; on CPU its pages are only touched when first written), carved into slots o
 group's packed block size; a freed slot joins its free neighbours, which later slots of any
 size reuse (:class:`~hybridkv.engine.host_slots.HostSlots`), so steady-state copies allocate
 nothing.  The manager counts the tier's bytes, not where they lie, so an entry can still find
-no room there (free space left in pieces too small): it gets a tensor of its own for the
-step (a load later in the same operations may read it), and :meth:`TierStore.sync` then
-discards it from the manager (a drop follows; its hit becomes a miss).  Host memory thus
-passes the tier's capacity by those tensors only between one step's copies and the next
-(on the Mooncake trace's first 2,000 requests, 16 GiB device and 128 GiB host, 104-118 of
-1.3-1.4 million host stores of Nemotron-H-8B, Jamba-v0.1 and Qwen3-Next-80B-A3B, whose
-state checkpoints are 16-98 times an attention block, found no room; none of gpt-oss-20b's,
-whose blocks are one size).
+no room there (free space left in pieces too small): it gets a tensor of its own.  Those
+tensors are bounded: once they hold more than :data:`OVERFLOW_SHARE` of the tier's capacity
+(and more than one entry), :meth:`TierStore.sync` discards the oldest of them from the
+manager until they do not (a drop follows; each becomes a miss), so host memory stays within
+the capacity and that share, or one entry more.  Before 2026-11-28 they were not bounded.
+On the Mooncake trace's first 2,000 requests (16 GiB device, 128 GiB host) 104-118 of
+1.3-1.4 million host stores of Nemotron-H-8B, Jamba-v0.1 and Qwen3-Next-80B-A3B, whose state
+checkpoints are 16-98 times an attention block, found no room, and their tensors peaked at
+262 MiB-1.3 GiB (none of gpt-oss-20b's blocks, all of one size): under the 2 GiB share.
+Discarding every such entry at once instead lost a protected conversation's hit in
+``tests/test_engine_sessions.py``; compacting the buffer instead (sliding entries down from
+its start until a gap fits) moved terabytes on that trace.
 
 A disk tier's entries live in a :class:`~hybridkv.storage.disk_slots.DiskSlots` directory
 (checksummed slots in a preallocated file, kept across processes).  A disk copy is checked
@@ -66,7 +70,11 @@ from hybridkv.errors import InvariantError, StorageError
 from hybridkv.storage import KVCacheStorage
 from hybridkv.storage.disk_slots import DiskSlots
 
-__all__ = ["TierStore"]
+__all__ = ["OVERFLOW_SHARE", "TierStore"]
+
+#: The share of the host tier's capacity that entries finding no room in its buffer may hold
+#: in tensors of their own (see the module doc).
+OVERFLOW_SHARE = 1 / 64
 
 
 def _run_end(todo: list[TierOp], start: int, kind: str, tier: str) -> int:
@@ -127,7 +135,9 @@ class TierStore:
         #: Blocks copied device -> tier and tier -> device so far, and device blocks
         #: compaction moved (``relocate``).
         self.stored = self.loaded = self.relocated = 0
-        #: Host entries :meth:`sync` discarded because they found no room in the buffer.
+        #: Bytes the host entries that find no room in the buffer may hold in tensors of
+        #: their own (:meth:`overflow`), and how many :meth:`sync` discarded past them.
+        self.overflow_limit = int(host_bytes * OVERFLOW_SHARE)
         self.overflowed = 0
 
     @property
@@ -175,17 +185,26 @@ class TierStore:
     # -- the manager's operations ---------------------------------------------------------------
     def sync(self, manager: KVCacheManager) -> None:
         """Run ``manager``'s pending tier operations (:meth:`apply`), then discard from it the
-        host entries that found no room in the buffer (:meth:`overflow`): their tensors go
-        when the ``drop`` operations the discards record run, at the next sync, so host
-        memory stays within the buffer but for one step's overflow."""
+        host entries in tensors of their own past the bound (:meth:`overflow`); their tensors
+        go when the ``drop`` operations the discards record run, at the next sync."""
         self.apply(manager.take_tier_ops())
         for g, h in self.overflow():
             if manager.discard_tier_block(g, h):
                 self.overflowed += 1
 
     def overflow(self) -> list[tuple[int, int]]:
-        """Host entries held in tensors of their own (no room in the buffer)."""
-        return list(self._own)
+        """The oldest host entries in tensors of their own (no room in the buffer) whose
+        discarding leaves the others within :attr:`overflow_limit` bytes, or one entry."""
+        held = sum(t.numel() for t in self._own.values())
+        out: list[tuple[int, int]] = []
+        left = len(self._own)
+        for key, data in self._own.items():  # oldest first
+            if held <= self.overflow_limit or left == 1:
+                break
+            out.append(key)
+            held -= data.numel()
+            left -= 1
+        return out
 
     def apply(self, ops: Iterable[TierOp]) -> None:
         """Run ``ops`` in order.  Raises :class:`EngineError` for a tier the engine does not
