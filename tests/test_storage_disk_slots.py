@@ -305,6 +305,25 @@ def test_a_kill_that_leaves_a_hole_keeps_the_entries_after_it(
     assert [e.block_hash for e in third_life.recovered] == [1, 3, 5, 6]
 
 
+def test_a_hole_stepped_over_is_marked_free_for_the_next_walk(tmp_path: Path) -> None:
+    # found by the state machine: the walk stepped over a torn slot without marking it, so
+    # after a second kill tore the slot before it the next walk met two holes in a row
+    s = slots(tmp_path)
+    for k in (1, 2, 3):
+        assert s.write((0, k), 0, memoryview(payload(k, 96)))
+    first, second = s.entries[0, 1].offset, s.entries[0, 2].offset
+    s.close()
+    for torn in (second, first):
+        with open(tmp_path / "blocks.bin", "r+b") as f:
+            f.seek(torn)
+            f.write(bytes(HEADER_BYTES))
+        again = slots(tmp_path)
+        again.close()
+    again = slots(tmp_path)
+    assert [e.block_hash for e in again.recovered] == [3]
+    assert read(again, (0, 3), 96) == payload(3, 96)
+
+
 def test_a_walk_ends_where_no_slot_size_steps_over_the_hole(tmp_path: Path) -> None:
     # two unwritten slots in a row: no one slot of a block size reaches the whole entry
     s = slots(tmp_path)
@@ -533,6 +552,21 @@ class DiskSlotsMachine(RuleBasedStateMachine):
     @rule()
     def reopen(self) -> None:
         self.s.close()
+        self.s = slots(self.dir, capacity=2048)
+        assert {(e.group_id, e.block_hash) for e in self.s.recovered} == set(self.model)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.model)
+    def tear_a_header_and_reopen(self, data: st.DataObject) -> None:
+        """A kill that leaves one slot's header unwritten (zeros): the next process's walk
+        steps over that slot and finds every other entry."""
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        offset = self.s.entries[key].offset
+        self.s.close()
+        with (self.dir / "blocks.bin").open("r+b") as f:
+            f.seek(offset)
+            f.write(bytes(HEADER_BYTES))
+        del self.model[key]
         self.s = slots(self.dir, capacity=2048)
         assert {(e.group_id, e.block_hash) for e in self.s.recovered} == set(self.model)
 

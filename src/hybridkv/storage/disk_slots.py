@@ -257,7 +257,8 @@ class DiskSlots:
         or torn) is free space.  A run that two threads wrote (:meth:`write_many`) and a kill
         cut short may leave a carved slot unwritten before a whole one: the walk then tries
         the header a slot of each block size would end at, goes on from the first that checks
-        out (the hole becomes free space) and ends only where none does.  A header found
+        out (the hole becomes free space, marked so in the file) and ends only where none
+        does.  A header found
         so may be older than the hole (the file's last life); its entry's payload checksum
         is checked at every read, as any entry's."""
         found: list[SlotEntry] = []
@@ -269,7 +270,9 @@ class DiskSlots:
             if parsed is None:
                 for stride in strides:  # a hole of one slot of this size?
                     parsed = self._header(offset + stride, size_now)
-                    if parsed is not None:
+                    if parsed is not None:  # marked free, so the next walk strides over it
+                        with contextlib.suppress(OSError):
+                            self._pwrite(_empty_header(stride), offset)
                         self._space.give(offset, stride)
                         offset += stride
                         break
