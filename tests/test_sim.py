@@ -301,6 +301,35 @@ def test_tier_stores_are_charged_to_the_steps(monkeypatch: pytest.MonkeyPatch) -
     assert fast.sim_time_s < host["from_device_bytes"] / 1e7 < r.sim_time_s
 
 
+TRACE = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+)
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="shared Mooncake trace not present")
+def test_every_tier_read_is_charged_a_readmissions_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # found by review: a preempted request's tier reads on its re-admission were not charged
+    # (6,746,800,128 of 6,980,370,432 bytes read back were)
+    from hybridkv.sim import cost as cost_mod
+
+    charged = [0, 0]
+    real = cost_mod.StepCostModel.load_seconds
+
+    def load_seconds(self: cost_mod.StepCostModel, host: int, disk: int) -> float:
+        charged[0] += host
+        charged[1] += disk
+        return real(self, host, disk)
+
+    monkeypatch.setattr(cost_mod.StepCostModel, "load_seconds", load_seconds)
+    model = resolve_model("Qwen3-Next-80B-A3B")
+    profile = ModelProfile.from_config(load_model_config("Qwen3-Next-80B-A3B"))
+    work = load_workload(TRACE, num_requests=300)
+    cfg = SimConfig(memory_bytes=4 << 30, max_model_len=131072, host_memory_bytes=64 << 30)
+    r = simulate(model, profile, work, cfg)
+    assert r.preemptions == 7
+    assert charged == [r.tiers["host"]["loaded_bytes"], 0] == [6_980_370_432, 0]
+
+
 def test_write_through_keeps_write_backs_hits(tmp_path: Path) -> None:
     # the agent loops above with a 256 MiB host tier (it drops entries): write-through
     # copies are cold, so they take only spare room and the hits equal write-back's

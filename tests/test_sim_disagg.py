@@ -4,6 +4,8 @@ accounting."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +13,7 @@ from hybridkv.cli.main import main
 from hybridkv.models import resolve_model
 from hybridkv.sim import ModelProfile, SimConfig, load_model_config, simulate
 from hybridkv.sim.disagg import simulate_pd
-from hybridkv.workloads import SyntheticOptions, synthetic_workload
+from hybridkv.workloads import SyntheticOptions, load_workload, synthetic_workload
 
 
 def _setup(name: str):  # type: ignore[no-untyped-def]
@@ -113,3 +115,23 @@ def test_cli_disaggregate_defaults_to_the_arena(capsys: pytest.CaptureFixture[st
     assert main([*args, "--disaggregate"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].endswith("| arena")
+
+
+TRACE = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+)
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="shared Mooncake trace not present")
+def test_a_prefill_hit_counts_once_whatever_the_preemptions() -> None:
+    # found by review: every re-admission after a preemption added the request's hit again
+    # (320,160 hit tokens for 137,728 first-admission ones: 7.5% instead of 3.2%)
+    model = resolve_model("Llama-3.1-8B")
+    profile = ModelProfile.from_config(load_model_config("Llama-3.1-8B"))
+    work = load_workload(TRACE, num_requests=300)
+    decode = SimConfig(
+        memory_bytes=16 << 30, max_model_len=32768, use_arrivals=False, admission="greedy"
+    )
+    prefill = replace(decode, memory_bytes=int(4.5 * (1 << 30)))
+    res = simulate_pd(model, profile, work, prefill, decode)
+    assert res.prefill_hit_tokens == 137_728 and res.prompt_tokens == 4_269_971

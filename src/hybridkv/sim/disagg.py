@@ -148,8 +148,12 @@ def _prefill_step(
     if out.is_empty:
         return None
     res.prefill_steps += 1
-    for item in out.scheduled:
-        if item.num_cached_tokens and item.start == item.num_cached_tokens:
+    for item in out.scheduled:  # a request's hit counts once: not again after a preemption
+        if (
+            item.num_cached_tokens
+            and item.start == item.num_cached_tokens
+            and pre.seqs[item.request_id].num_preemptions == 0
+        ):
             res.prefill_hit_tokens += item.num_cached_tokens
     now += cost.step_seconds([(s.start, s.num_new_tokens) for s in out.scheduled])
     if out.moves:  # compaction's copies, before the pass

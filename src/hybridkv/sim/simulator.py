@@ -390,11 +390,11 @@ def simulate(
                 # the next turn is admitted: its hit is read now, so the protection its
                 # predecessor left ends (it protects again when it finishes)
                 mgr.unprotect(sessions[item.request_id].session)
+            for load in item.allocation.loads:  # every admission's reads, a re-admission's too
+                moved[load.tier] += layout.groups[load.group_id].block_bytes
             if item.num_cached_tokens and item.request_id not in admitted_hits:
                 admitted_hits[item.request_id] = item.num_cached_tokens
                 if item.allocation.loads:
-                    for load in item.allocation.loads:
-                        moved[load.tier] += layout.groups[load.group_id].block_bytes
                     served = tier_hit_tokens(item.allocation.loads, block_sizes)
                     for tier, n in served.items():
                         tier_tokens[tier] += n
