@@ -46,6 +46,29 @@ def test_mooncake_tokens_follow_hash_ids(tmp_path: Path) -> None:
     assert not set(first.output_token_ids) & set(second.output_token_ids)
 
 
+def test_mooncake_arrivals_count_from_the_earliest_request(tmp_path: Path) -> None:
+    # found by review: epoch-millisecond timestamps put the whole offset into the simulated
+    # clock (tok/s 769 -> 2e-05 for the same requests)
+    base = 1_700_000_000_000
+    lines = [
+        json.dumps({"timestamp": base + t, "input_length": 10, "output_length": 1, "hash_ids": [t]})
+        for t in (30, 0, 12)
+    ]
+    w = load_mooncake_trace(_write(tmp_path, lines))
+    assert [r.arrival_ms for r in w.requests] == [0, 12, 30]
+
+
+def test_mooncake_does_not_read_past_the_limit(tmp_path: Path) -> None:
+    # found by review: the line after the limit was decoded, so bytes that are not UTF-8
+    # there failed a run that never uses them
+    good = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]})
+    p = tmp_path / "trace.jsonl"
+    p.write_bytes((good + "\n").encode() * 2 + b"\xff\xfe not utf-8\n")
+    assert len(load_mooncake_trace(p, limit=2).requests) == 2
+    with pytest.raises(WorkloadError, match=":3:"):
+        load_mooncake_trace(p, limit=3)
+
+
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
@@ -111,3 +134,9 @@ def test_chat_turns_resend_history() -> None:
 def test_unknown_synthetic_name() -> None:
     with pytest.raises(WorkloadError, match="unknown synthetic workload 'nope'; valid: agent"):
         load_workload("synthetic:nope")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_mixed_holds_as_many_requests_as_asked(n: int) -> None:
+    # found by review: mixed gave chat and agent one request each below three (1 -> 2)
+    assert len(load_workload("synthetic:mixed", num_requests=n).requests) == n

@@ -15,6 +15,7 @@ Standard library only.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import gzip
 import io
 import json
@@ -172,6 +173,8 @@ def load_mooncake_trace(
     """Read a Mooncake trace into a :class:`Workload` of at most ``limit`` requests, ids
     ``trace-0``, ``trace-1``, ... in file order.
 
+    Arrival times are counted from the earliest kept request's timestamp, so a trace of
+    absolute (epoch) timestamps replays as one of offsets from 0 would.
     Lines whose ``input_length`` exceeds ``max_prompt_tokens`` are validated but skipped: they
     do not count toward ``limit`` and are counted in :attr:`Workload.skipped`.  Reading stops
     once ``limit`` requests are kept.  An ``output_length`` of 0 (a prefill-only request) is
@@ -203,8 +206,6 @@ def load_mooncake_trace(
     fh, gz = _open_binary(p)
     with fh:
         for lineno, line in _lines(fh, p, gz):
-            if limit is not None and len(requests) >= limit:
-                break
             if not line.strip():
                 continue
             lines += 1
@@ -228,6 +229,8 @@ def load_mooncake_trace(
                     output_token_ids=tuple(range(out_start, out_start + max(1, n_out))),
                 )
             )
+            if limit is not None and len(requests) >= limit:
+                break  # the next line is not read
     if not requests:
         if lines:
             raise WorkloadError(
@@ -236,4 +239,7 @@ def load_mooncake_trace(
                 "max_prompt_tokens"
             )
         raise WorkloadError(f"trace: {str(p)!r} holds no request; {_FORMAT}")
+    t0 = min(r.arrival_ms for r in requests)
+    if t0:
+        requests = [dataclasses.replace(r, arrival_ms=r.arrival_ms - t0) for r in requests]
     return Workload(f"mooncake:{p.name}", sorted_by_arrival(requests), skipped)

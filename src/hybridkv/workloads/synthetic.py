@@ -139,19 +139,12 @@ def docs(opts: SyntheticOptions) -> Workload:
 
 
 def mixed(opts: SyntheticOptions) -> Workload:
-    third = max(1, opts.num_requests // 3)
+    third = opts.num_requests // 3  # chat and agent a third each, docs the rest
+    counts = [(chat, third, 0), (agent, third, 7), (docs, opts.num_requests - 2 * third, 13)]
     parts = [
-        chat(SyntheticOptions(**{**opts.__dict__, "num_requests": third})),
-        agent(SyntheticOptions(**{**opts.__dict__, "num_requests": third, "seed": opts.seed + 7})),
-        docs(
-            SyntheticOptions(
-                **{
-                    **opts.__dict__,
-                    "num_requests": opts.num_requests - 2 * third,
-                    "seed": opts.seed + 13,
-                }
-            )
-        ),
+        make(SyntheticOptions(**{**opts.__dict__, "num_requests": n, "seed": opts.seed + bump}))
+        for make, n, bump in counts
+        if n > 0  # fewer than three requests: docs alone
     ]
     reqs = [r for w in parts for r in w.requests]
     return Workload("synthetic:mixed", sorted_by_arrival(reqs))
