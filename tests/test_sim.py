@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from hybridkv.cache import KVCacheManager
 from hybridkv.cli.main import main
 from hybridkv.errors import PlanError
 from hybridkv.models import resolve_model
 from hybridkv.plan import Strategy
+from hybridkv.scheduler import Scheduler, SchedulerOutput
 from hybridkv.sim import ModelProfile, SimConfig, load_model_config, simulate
 from hybridkv.sim.report import (
     COLUMNS,
@@ -328,6 +330,57 @@ def test_every_tier_read_is_charged_a_readmissions_too(monkeypatch: pytest.Monke
     r = simulate(model, profile, work, cfg)
     assert r.preemptions == 7
     assert charged == [r.tiers["host"]["loaded_bytes"], 0] == [6_980_370_432, 0]
+
+
+def test_the_oracle_lets_go_once_the_next_turn_was_admitted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # found by review: a turn that finished after its next turn was admitted protected its
+    # prefix until that one finished, though its hit had been read (168 times in this run)
+    import hybridkv.sim.simulator as sim_mod
+    from hybridkv.workloads.sessions import continuations
+
+    work = synthetic_workload("chat", SyntheticOptions(num_requests=120, seed=0))
+    after = {rid: c.successor for rid, c in continuations(work.requests, 16).items()}
+    log: list[tuple[str, str]] = []
+    admitted: set[str] = set()
+    protect, unprotect = sim_mod.KVCacheManager.protect, sim_mod.KVCacheManager.unprotect
+    schedule = sim_mod.Scheduler.schedule
+
+    def logged_protect(self: KVCacheManager, request_id: str, session: str) -> int:
+        if after.get(request_id) in admitted:
+            log.append(("late", session))
+        return protect(self, request_id, session)
+
+    def logged_unprotect(self: KVCacheManager, session: str) -> bool:
+        log.append(("unprotect", session))
+        return unprotect(self, session)
+
+    def logged_schedule(self: Scheduler) -> SchedulerOutput:
+        log.append(("schedule", ""))
+        out = schedule(self)
+        admitted.update(item.request_id for item in out.scheduled)
+        return out
+
+    monkeypatch.setattr(sim_mod.KVCacheManager, "protect", logged_protect)
+    monkeypatch.setattr(sim_mod.KVCacheManager, "unprotect", logged_unprotect)
+    monkeypatch.setattr(sim_mod.Scheduler, "schedule", logged_schedule)
+    model = resolve_model("Qwen3-Next-80B-A3B")
+    profile = ModelProfile.from_config(load_model_config("Qwen3-Next-80B-A3B"))
+    cfg = SimConfig(
+        memory_bytes=8 << 30,
+        max_model_len=32768,
+        host_memory_bytes=32 << 30,
+        protect="oracle",
+        use_arrivals=False,
+    )
+    simulate(model, profile, work, cfg)
+    late = [i for i, (what, _) in enumerate(log) if what == "late"]
+    assert len(late) > 20  # every turn queued at once: many finish after their next began
+    for i in late:  # ended before the next step is scheduled
+        rest = log[i + 1 :]
+        ends = rest.index(("unprotect", log[i][1]))
+        assert ("schedule", "") not in rest[:ends]
 
 
 def test_write_through_keeps_write_backs_hits(tmp_path: Path) -> None:

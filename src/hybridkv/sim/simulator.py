@@ -445,7 +445,9 @@ def simulate(
                 c = sessions.get(rid)
                 if c is not None:
                     over.add(rid)
-                    if c.successor is None or c.successor in over:  # nothing left to read it
+                    # nothing left to read it: no next turn, or one already admitted (its
+                    # hit was read then; found by review: 168 protections nobody read)
+                    if c.successor is None or c.successor in over or c.successor in admitted_hits:
                         mgr.unprotect(c.session)
                 if res.num_output_tokens > 1:
                     tpot.append((clock - first_token[rid]) / (res.num_output_tokens - 1))
