@@ -516,12 +516,17 @@ class HybridCoordinator:
         for m, st in zip(self.managers, rs.groups, strict=True):
             m.release_all(st, rs.request)
             m.protect(rs.request.block_hashes, marks)
+        dropped = False
         if dead is not None and tables is not None:
             hit = self.find_hit(rs.request, end=end).length  # where a longer request would hit
-            if dead.drop(tables, hit) and self.bridge is not None:
-                self.sessions.enforce()  # the drops went down a tier, protected ones too
+            dropped = dead.drop(tables, hit) > 0
         if self.events.orphaned:  # dropped blocks may end checkpoints (checkpoint_life)
-            self.coupling.sweep()
+            dropped = self.coupling.sweep() > 0 or dropped
+        if dropped and self.bridge is not None:
+            # after both: the drops and the checkpoint parts the sweep dropped went down a
+            # tier, protected ones too (found by review: enforcing before the sweep left a
+            # tier over its protected share)
+            self.sessions.enforce()
         return rs
 
     def reset_prefix_cache(self) -> bool:
