@@ -2,10 +2,10 @@
 
 The model is a roofline estimate, per step::
 
-    flops = 2 * active_params * new_tokens                       (linear layers)
-          + sum over requests and attention entries of
-            4 * q_heads * qk_dim * visible_context * new_tokens  (QK^T and PV)
-    bytes = active_weight_bytes                                  (weights read once per step)
+    flops = 2 * active_params / tp * new_tokens                  (linear layers)
+          + sum over requests, attention entries and new queries of
+            4 * q_heads / tp * qk_dim * keys_visible_to_the_query  (QK^T and PV)
+    bytes = active_weight_bytes / tp                             (weights read once per step)
           + sum over requests of the cache bytes its queries read (windows and states counted
             by each layer's own rule) + the new tokens' cache bytes written
     time  = max(flops / (peak_flops * mfu), bytes / (hbm_bandwidth * bw_efficiency),
@@ -21,6 +21,13 @@ host link, and overlap the step's compute: a step waits for them only when they 
 device's evictions written back and write-through copies (a disk tier's too: they cross the
 link to host memory first); moves between tiers and disk writes (a writer thread's, behind
 the step) are not charged.
+
+Everything is per tensor-parallel rank (``ModelSpec.tp_size``, whose cache bytes are one
+rank's already): query heads, weights and linear FLOPs are divided by the TP size (MLA's
+latent cache is replicated on every rank, its query heads are not); the all-reduces between
+ranks are not charged.  A query at position ``p`` sees ``p + 1`` keys under full attention,
+``min(p + 1, window)`` under a sliding window and ``p mod chunk + 1`` under chunked local
+attention (summed exactly over a step's queries).
 
 State layers cost a constant per token (their state is read and written once per step, and
 their per-token work is in ``active_params``).  The numbers are estimates for comparing
@@ -158,6 +165,7 @@ class StepCostModel:
         self.model = model
         self.profile = profile
         self.accel = accel
+        self._tp = max(1, model.tp_size)
         self._state_bytes = 0
         # (window: >0 sliding, <0 chunk size, 0 full; q-heads * qk dim; bytes per token) -> layers
         counts: dict[tuple[int, int, int], int] = {}
@@ -170,10 +178,12 @@ class StepCostModel:
                 window = int(getattr(spec, "window", 0))
             elif spec.kind is CacheKind.CHUNKED:
                 window = -int(getattr(spec, "chunk_size", 0))
+            # one rank's query heads (rounded up: a rank holds at least one)
+            heads = -(-profile.q_heads // self._tp)
             if isinstance(spec, MLASpec):
-                qk = spec.latent_dim * profile.q_heads
+                qk = spec.latent_dim * heads
             else:
-                qk = int(getattr(spec, "head_dim", 64)) * profile.q_heads // max(1, model.tp_size)
+                qk = int(getattr(spec, "head_dim", 64)) * heads
             key = (window, qk, spec.bytes_per_token)
             counts[key] = counts.get(key, 0) + 1
         self._attn = [(w, qk, bpt, n) for (w, qk, bpt), n in counts.items()]
@@ -211,26 +221,39 @@ class StepCostModel:
         kv_bytes = 0.0
         for start, new in items:
             new_total += new
-            ctx = start + (new + 1) / 2  # mean visible length of the new queries
             end = start + new
             for window, qk, bpt, n in self._attn:
                 if window > 0:
-                    vis = min(ctx, window)
-                    read = min(end, window + new)
+                    keys = _window_keys(end, window) - _window_keys(start, window)
+                    read = end - max(0, start - window + 1)
                 elif window < 0:
                     chunk = -window
-                    vis = min(ctx, chunk)
-                    read = min(end, chunk)
+                    keys = _chunk_keys(end, chunk) - _chunk_keys(start, chunk)
+                    read = end - start // chunk * chunk
                 else:
-                    vis = ctx
+                    keys = (end * (end + 1) - start * (start + 1)) // 2
                     read = end
-                flops += 4.0 * qk * vis * new * n
+                flops += 4.0 * qk * keys * n
                 kv_bytes += (read + new) * bpt * n
             kv_bytes += 2 * self._state_bytes
         p = self.profile
-        flops += 2.0 * p.active_params * new_total
-        weight_bytes = p.active_params * p.weight_bytes_per_param
+        flops += 2.0 * p.active_params / self._tp * new_total
+        weight_bytes = p.active_params * p.weight_bytes_per_param / self._tp
         a = self.accel
         compute = flops / (a.peak_flops * a.mfu)
         memory = (weight_bytes + kv_bytes) / (a.hbm_bandwidth * a.bw_efficiency)
         return max(compute, memory, load_s) + a.step_overhead_s
+
+
+def _window_keys(n: int, window: int) -> int:
+    """Keys the queries at positions ``0 .. n-1`` see under a sliding ``window``, summed."""
+    if n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
+def _chunk_keys(n: int, chunk: int) -> int:
+    """Keys the queries at positions ``0 .. n-1`` see under chunked local attention (a query
+    sees its own chunk up to itself), summed."""
+    whole, rest = divmod(n, chunk)
+    return whole * (chunk * (chunk + 1) // 2) + rest * (rest + 1) // 2
