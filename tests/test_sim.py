@@ -91,6 +91,21 @@ def test_report_files(results: list, tmp_path: Path) -> None:  # type: ignore[ty
     assert data["failures"] == [{"strategy": "pools", "reason": "cannot plan: reason"}]
 
 
+@pytest.mark.parametrize("points", [1, 3, 5])
+def test_timeline_is_evenly_spaced_in_steps_and_ends_at_the_last_step(points: int) -> None:
+    model = resolve_model("gpt-oss-20b")
+    profile = ModelProfile.from_config(load_model_config("gpt-oss-20b"))
+    work = synthetic_workload("chat", SyntheticOptions(num_requests=12, seed=5))
+    cfg = SimConfig(memory_bytes=1 << 30, max_model_len=16384, timeline_points=points)
+    r = simulate(model, profile, work, cfg)
+    steps = [p.step for p in r.timeline]
+    assert steps[-1] == r.steps  # the last step is sampled
+    body = steps[:-1] if r.steps % steps[0] else steps  # the last one may fall off the grid
+    assert body == list(range(steps[0], steps[0] * len(body) + 1, steps[0]))
+    assert points <= len(body) < 2 * points
+    assert [p.time_s for p in r.timeline] == sorted(p.time_s for p in r.timeline)
+
+
 def test_model_that_cannot_fit_one_request() -> None:
     model = resolve_model("Llama-3.1-8B")
     profile = ModelProfile.from_config(load_model_config("Llama-3.1-8B"))

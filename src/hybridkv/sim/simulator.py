@@ -330,6 +330,19 @@ def simulate(
     tiered = bool(config.tiers())
     from_device = 0  # bytes the lower tiers took from the device, as of the last step
 
+    def point() -> TimelinePoint:
+        """The cache's state after the step that just ended."""
+        return TimelinePoint(
+            time_s=clock,
+            step=steps,
+            running=sched.num_running,
+            waiting=len(sched.waiting),
+            used_bytes=pool.used_bytes,
+            need_bytes=sum(need_of(s.request.num_computed_tokens) for s in sched.running),
+            group_blocks=tuple(pool.used_per_group()),
+            hit_rate=sum(admitted_hits.values()) / prompt_tokens if prompt_tokens else 0.0,
+        )
+
     while idx < len(reqs) or sched.has_unfinished():
         while idx < len(reqs) and (
             not config.use_arrivals or reqs[idx].arrival_ms / 1000.0 <= clock
@@ -454,24 +467,14 @@ def simulate(
                 if progress is not None:
                     progress(finished + len(rejected), len(reqs))
         if steps % sample_every == 0:
-            running = sched.num_running
-            used = pool.used_bytes
-            need = sum(need_of(s.request.num_computed_tokens) for s in sched.running)
-            timeline.append(
-                TimelinePoint(
-                    time_s=clock,
-                    step=steps,
-                    running=running,
-                    waiting=len(sched.waiting),
-                    used_bytes=used,
-                    need_bytes=need,
-                    group_blocks=tuple(pool.used_per_group()),
-                    hit_rate=sum(admitted_hits.values()) / prompt_tokens if prompt_tokens else 0,
-                )
-            )
+            timeline.append(point())
             if len(timeline) >= 2 * config.timeline_points:
-                timeline = timeline[::2]
+                # keep the multiples of the new spacing: the samples stay evenly spaced in
+                # steps (keeping every other one mixed odd and even steps)
                 sample_every *= 2
+                timeline = [p for p in timeline if p.step % sample_every == 0]
+    if steps and (not timeline or timeline[-1].step != steps):
+        timeline.append(point())  # the last step, whatever the spacing
 
     cached_tokens = sum(admitted_hits.values())
     stats = mgr.stats
