@@ -13,7 +13,14 @@ from hybridkv.cli.main import main
 from hybridkv.models import resolve_model
 from hybridkv.sim import ModelProfile, SimConfig, load_model_config, simulate
 from hybridkv.sim.disagg import simulate_pd
-from hybridkv.workloads import SyntheticOptions, load_workload, synthetic_workload
+from hybridkv.sim.simulator import plan_for
+from hybridkv.workloads import (
+    SyntheticOptions,
+    Workload,
+    WorkloadRequest,
+    load_workload,
+    synthetic_workload,
+)
 
 
 def _setup(name: str):  # type: ignore[no-untyped-def]
@@ -135,3 +142,22 @@ def test_a_prefill_hit_counts_once_whatever_the_preemptions() -> None:
     prefill = replace(decode, memory_bytes=int(4.5 * (1 << 30)))
     res = simulate_pd(model, profile, work, prefill, decode)
     assert res.prefill_hit_tokens == 137_728 and res.prompt_tokens == 4_269_971
+
+
+def test_the_link_carries_only_what_the_decode_side_keeps() -> None:
+    # gpt-oss-20b: a sliding window of 128 on half its layers; the decode side keeps only
+    # the window's tail of those, so only that crosses the link (review: 59.9 GB charged
+    # against 30.3 GB received on the shared trace)
+    model, profile, _, cfg = _setup("gpt-oss-20b")
+    n = 5000
+    req = WorkloadRequest("r", 0.0, tuple(range(1, n + 1)), (7, 8, 9, 10))
+    pd = simulate_pd(model, profile, Workload("one", (req,)), cfg, cfg)
+    layout = plan_for(model, cfg).layout
+    expected = 0
+    for g in layout.groups:
+        held = {p // g.block_size for r in g.spec.kept_tokens(n) for p in (r.start, r.stop - 1)}
+        held = set(range(min(held), max(held) + 1))
+        expected += len(held) * g.block_bytes
+    full = sum(-(-n // g.block_size) * g.block_bytes for g in layout.groups)
+    assert pd.transferred_bytes == expected < full
+    assert pd.decode_hit_tokens == 0 and pd.finished == 1

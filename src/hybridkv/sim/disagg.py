@@ -119,15 +119,18 @@ def _block_bytes(sched: Scheduler) -> list[int]:
     return [g.block_bytes for g in sched.manager.layout.groups]
 
 
-def _transfer_bytes(sched: Scheduler, hit: int, n: int) -> int:
-    """Bytes of a request's prompt from token ``hit`` on (its token groups' blocks) and its
-    recurrent state (one slot per state group), in the decode layout."""
+def _transfer_bytes(sched: Scheduler, tables: tuple[list[int], ...], hit: int, n: int) -> int:
+    """Bytes of a request's prompt from token ``hit`` on (the blocks its token groups hold
+    there in the decode side's ``tables``: none where a sliding window has already dropped
+    them, which nothing would read) and its recurrent state (one slot per state group), in the
+    decode layout."""
     total = 0
-    for g in sched.manager.layout.groups:
+    for g, table in zip(sched.manager.layout.groups, tables, strict=True):
         if g.spec.kind is CacheKind.STATE:
             total += g.block_bytes
         elif n > hit:
-            total += (math.ceil(n / g.block_size) - hit // g.block_size) * g.block_bytes
+            held = table[hit // g.block_size : math.ceil(n / g.block_size)]
+            total += sum(1 for b in held if b) * g.block_bytes  # 0: the null block
     return total
 
 
@@ -255,7 +258,7 @@ def simulate_pd(
                 r: WorkloadRequest = r,
                 m: list[int] = moved,
             ) -> None:
-                m.append(_transfer_bytes(dec, hit, r.prompt_len))
+                m.append(_transfer_bytes(dec, tables, hit, r.prompt_len))
                 m.append(hit)
 
             seq = dec.import_computed(
