@@ -434,3 +434,46 @@ def test_continuations_find_each_requests_successor_and_session() -> None:
         continuations([a], block_size=0)
     with pytest.raises(WorkloadError, match="request id 'a' repeats"):
         continuations([a, a])
+    with pytest.raises(WorkloadError, match="source_block must be >= 1, got 0"):
+        continuations([a], source_block=0)
+
+
+def test_a_shared_system_prompt_does_not_link_strangers_to_its_first_reader() -> None:
+    # the system prompt is most of "a"'s prompt, and two strangers read it and leave at the
+    # same block: a shared start, not "a"'s history (found by review: the first stranger took
+    # "a"'s successor slot, so its real next turn was missed)
+    sys_prompt = tokens(12, 1000)
+    a = _req("a", sys_prompt + tokens(4), tokens(4, 50))
+    b = _req("b", sys_prompt + tokens(4, 100), [7])
+    c = _req("c", sys_prompt + tokens(4, 200), [8])
+    a2 = _req("a2", _cat(a.prompt_token_ids, a.output_token_ids, tokens(4, 60)), [9])
+    got = continuations([a, b, c, a2], block_size=4)
+    assert {rid: x.successor for rid, x in got.items()} == {
+        "a": "a2",
+        "b": None,
+        "c": None,
+        "a2": None,
+    }
+    # with only one stranger nothing tells it from a second question on the same text: linked
+    got = continuations([a, b, a2], block_size=4)
+    assert got["a"] == Continuation("a", "b") and got["b"] == Continuation("a", None)
+
+
+def test_two_turns_that_read_the_whole_prompt_link_the_first() -> None:
+    # "a" continued twice (a regenerated answer): both read all of "a", the first is linked
+    a = _req("a", tokens(16), tokens(4, 50))
+    x = _req("x", _cat(a.prompt_token_ids, tokens(4, 60)), [1])
+    y = _req("y", _cat(a.prompt_token_ids, tokens(4, 70)), [2])
+    got = continuations([a, x, y], block_size=4)
+    assert [got[r].successor for r in "axy"] == ["x", None, None]
+
+
+def test_a_source_that_cuts_the_last_block_short_still_links_the_next_turn() -> None:
+    # a Mooncake-style trace knows prefixes at 8-token blocks: "a"'s last 6 tokens are a cut
+    # block the next turns cannot match, and they leave "a" at the same point
+    a = _req("a", tokens(22), tokens(2, 50))
+    x = _req("x", _cat(tokens(16), tokens(8, 60)), [1])
+    y = _req("y", _cat(tokens(16), tokens(8, 70)), [2])
+    assert continuations([a, x, y], block_size=4)["a"].successor is None
+    got = continuations([a, x, y], block_size=4, source_block=8)
+    assert [got[r].successor for r in "axy"] == ["x", None, None]

@@ -44,6 +44,10 @@ def test_mooncake_tokens_follow_hash_ids(tmp_path: Path) -> None:
     assert second.prompt_token_ids[512] == TOKEN_BASE + 1 * 512
     assert first.output_len == 2 and second.output_len == 3
     assert not set(first.output_token_ids) & set(second.output_token_ids)
+    # the trace tells shared prefixes at its hash blocks, and a cut keeps that
+    assert w.source_block == w.head(1).source_block == 512
+    assert load_mooncake_trace(_write(tmp_path, lines), source_block=1024).source_block == 1024
+    assert synthetic_workload("chat", SyntheticOptions(num_requests=2)).source_block == 1
 
 
 def test_mooncake_arrivals_count_from_the_earliest_request(tmp_path: Path) -> None:

@@ -305,7 +305,11 @@ def simulate(
     pool = mgr.pool
 
     reqs = list(workload.requests)
-    sessions = continuations(reqs, config.block_size) if config.protect == "oracle" else {}
+    sessions = (
+        continuations(reqs, config.block_size, source_block=workload.source_block)
+        if config.protect == "oracle"
+        else {}
+    )
     #: The oracle's bookkeeping: each continued request's predecessor, and the requests that
     #: finished or were rejected (a session ends once its last live turn is done).
     before = {c.successor: rid for rid, c in sessions.items() if c.successor is not None}

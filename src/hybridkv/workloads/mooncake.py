@@ -242,4 +242,4 @@ def load_mooncake_trace(
     t0 = min(r.arrival_ms for r in requests)
     if t0:
         requests = [dataclasses.replace(r, arrival_ms=r.arrival_ms - t0) for r in requests]
-    return Workload(f"mooncake:{p.name}", sorted_by_arrival(requests), skipped)
+    return Workload(f"mooncake:{p.name}", sorted_by_arrival(requests), skipped, source_block)

@@ -42,11 +42,15 @@ class Workload:
     """A named, ordered list of requests (by arrival time).
 
     ``skipped``: requests of the source a loader left out on purpose (e.g. prompts longer than
-    :func:`~hybridkv.workloads.mooncake.load_mooncake_trace`'s ``max_prompt_tokens``)."""
+    :func:`~hybridkv.workloads.mooncake.load_mooncake_trace`'s ``max_prompt_tokens``).
+    ``source_block``: the granularity, in tokens, at which the source tells which prompts share
+    a prefix (a Mooncake trace's hash blocks: two prompts that go on alike past a block the
+    trace cut short still differ there; 1 for a token-level source)."""
 
     name: str
     requests: tuple[WorkloadRequest, ...]
     skipped: int = 0
+    source_block: int = 1
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -56,7 +60,7 @@ class Workload:
 
     def head(self, n: int) -> Workload:
         """The first ``n`` requests."""
-        return Workload(self.name, self.requests[:n], self.skipped)
+        return Workload(self.name, self.requests[:n], self.skipped, self.source_block)
 
     @property
     def prompt_tokens(self) -> int:
