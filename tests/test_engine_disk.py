@@ -307,6 +307,35 @@ def test_disk_settings_are_checked(tmp_path: Path) -> None:
         _engine("gpt_oss", tmp_path)
 
 
+def test_a_module_with_other_weights_is_refused_and_the_same_weights_reuse(
+    tmp_path: Path,
+) -> None:
+    # Found by review: the fingerprint named the model only (a module's model_type), so a
+    # module of the same architecture with other weights adopted the first one's blocks and
+    # generated wrong tokens.  The weights' digest tells them apart, whatever the name.
+    from hybridkv.engine.models import load_model
+
+    def module_engine(seed: int) -> LLMEngine:
+        cache = CacheConfig(
+            strategy="pools",
+            block_size=4,
+            state_block_size=8,
+            num_blocks=24,
+            max_model_len=96,
+            disk_cache_dir=tmp_path,
+            disk_memory_bytes=64 << 20,
+        )  # as _engine's
+        return LLMEngine(load_model("llama", seed=seed), cache=cache, keep_logits=True)
+
+    _first_run("llama", tmp_path)  # the built-in model by name: seed 0
+    with pytest.raises(DiskCacheError, match=r"another weights .*a module built otherwise"):
+        module_engine(1)
+    engine = module_engine(0)  # the same weights as a module: its blocks are reused
+    _exact("llama", _serve(engine, TURNS[:1]))
+    assert engine.stats().disk_hit_tokens > 0
+    engine.close()
+
+
 def test_an_engine_that_fails_to_start_leaves_the_disk_directory_free(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

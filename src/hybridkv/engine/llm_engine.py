@@ -85,7 +85,7 @@ from hybridkv.engine.model_source import (
     model_config,
     prompt_problem,
 )
-from hybridkv.engine.models import TINY_MODELS, load_model
+from hybridkv.engine.models import load_model
 from hybridkv.engine.probe import probe_model, probe_model_spec, with_attention_sinks
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.speculative import (
@@ -94,7 +94,7 @@ from hybridkv.engine.speculative import (
     checked_draft,
     no_drafts,
 )
-from hybridkv.engine.tier_setup import fingerprint, open_tiers, tier_specs
+from hybridkv.engine.tier_setup import fingerprint, open_tiers, tier_specs, weights_digest
 from hybridkv.engine.views import StorageViews
 from hybridkv.errors import InvariantError
 from hybridkv.plan import Plan
@@ -237,7 +237,7 @@ class LLMEngine:
                 dtype,
                 self.layout,
                 self.manager.hasher.name,
-                seed=seed if name in TINY_MODELS else None,
+                weights=weights_digest(net) if cache.disk_cache_dir else None,
                 attention_sinks=cache.attention_sinks,
                 # what a payload's bytes mean: the storage's layout kind and page order
                 storage_kind=self.storage.kind.value,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from hybridkv.cache import KVCacheManager
 from hybridkv.cache.tiers import TierSpec
@@ -18,7 +19,7 @@ from hybridkv.plan.layout import MemoryLayout
 from hybridkv.storage import KVCacheStorage
 from hybridkv.storage.disk_slots import FORMAT_VERSION, DiskSlots
 
-__all__ = ["fingerprint", "open_tiers", "tier_specs"]
+__all__ = ["fingerprint", "open_tiers", "tier_specs", "weights_digest"]
 
 
 def tier_specs(host_bytes: int | None, disk_bytes: int | None) -> tuple[TierSpec, ...]:
@@ -66,15 +67,31 @@ def open_tiers(
         raise
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """An XXH3-128 digest of ``model``'s weights and buffers: every entry of its state dict,
+    in name order, with its dtype, shape and bytes.  Two models whose KV for the same tokens
+    could differ get different digests, whatever they are called: a name alone cannot tell
+    two checkpoints of one architecture apart, nor a module built from another seed (found by
+    review: a second engine adopted the first one's blocks and generated wrong tokens).  It
+    reads every weight once (a copy to host memory first for a tensor elsewhere)."""
+    h = xxhash.xxh3_128()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}|".encode())
+        if t.numel():
+            h.update(t.contiguous().cpu().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
 def fingerprint(
     model: str, dtype: torch.dtype, layout: MemoryLayout, hasher: str, **extra: Any
 ) -> dict[str, Any]:
     """What a disk cache's bytes depend on: the model (name, dtype, ``extra`` such as the
-    seed of a built-in model or the attention sinks), the layout's groups and packing, the
-    block hasher and the file format.  A directory made with another one is refused.  The
-    budget's share of the layout (the arena's chunks, the pools' block counts) is left out:
-    a block's bytes do not depend on it, so a run with another ``--memory`` reuses the
-    cache (found by review: it was refused)."""
+    digest of its weights, :func:`weights_digest`, or the attention sinks), the layout's
+    groups and packing, the block hasher and the file format.  A directory made with another
+    one is refused.  The budget's share of the layout (the arena's chunks, the pools' block
+    counts) is left out: a block's bytes do not depend on it, so a run with another
+    ``--memory`` reuses the cache (found by review: it was refused)."""
     shape = layout.to_dict()
     shape.pop("arena", None)
     shape["pools"] = [

@@ -54,6 +54,7 @@ _PRIORITY = {"model": 0, "dtype": 1, "hasher": 2, "format": 3, "capacity_bytes":
 
 #: What a manifest field is in the user's terms, where its name does not say.
 _HINTS = {
+    "weights": "; the model's weights differ: another checkpoint, or a module built otherwise",
     "capacity_bytes": (
         "; that is the disk tier's size, --disk-memory or disk_memory_bytes: give the size "
         "the cache was made with"
