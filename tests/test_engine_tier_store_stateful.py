@@ -22,8 +22,8 @@ from test_storage_factories import build, mixed_groups, owned_ids, uniform_layou
 
 
 class Manager:
-    """The two calls :meth:`TierStore.sync` makes of a manager: pending operations, and
-    discards (each records the ``drop`` the next sync runs, as the manager's tiers do)."""
+    """The two calls :meth:`TierStore.sync` makes of a manager: pending operations, and host
+    drops (each records the ``drop`` that sync then runs, as the manager's tiers do)."""
 
     def __init__(self) -> None:
         self.ops: list[TierOp] = []
@@ -33,7 +33,8 @@ class Manager:
         ops, self.ops = self.ops, []
         return ops
 
-    def discard_tier_block(self, group_id: int, block_hash: int) -> bool:
+    def drop_tier_copy(self, tier: str, group_id: int, block_hash: int) -> bool:
+        assert tier == "host"
         self.discarded.append((group_id, block_hash))
         self.ops.append(TierOp("drop", "host", group_id, block_hash, 0))
         return True
@@ -139,9 +140,9 @@ class HostTier(RuleBasedStateMachine):
 
     @rule()
     def sync(self) -> None:
-        """A sync discards the oldest entries in tensors of their own past the bound (all
-        but the newest, with this buffer's bound of a few bytes); the next one runs the drops
-        those discards recorded."""
+        """A sync drops the oldest entries in tensors of their own past the bound (all but
+        the newest, with this buffer's bound of a few bytes) from the manager's host tier and
+        runs the drops that records before it returns."""
         own = list(self.store._own)
         over = self.store.overflow()
         assert over == own[:-1]  # the bound here is under any block's size
@@ -150,7 +151,6 @@ class HostTier(RuleBasedStateMachine):
         self.store.sync(self.manager)  # type: ignore[arg-type]
         assert self.manager.discarded == over and self.store.overflowed - before == len(over)
         self.manager.discarded.clear()
-        self.store.sync(self.manager)  # type: ignore[arg-type]
         assert self.store.overflow() == [] and not self.manager.ops
         assert list(self.store._own) == own[-1:]
         for key in over:
@@ -220,12 +220,12 @@ def test_a_relocation_out_of_range_is_an_engine_error_and_copies_nothing() -> No
     assert store.relocated == 0
 
 
-def test_entries_without_room_past_the_bound_are_discarded_oldest_first() -> None:
+def test_entries_without_room_past_the_bound_are_dropped_oldest_first() -> None:
     """A small slot, a big one (two small ones' bytes) and a small one fill the buffer; both
     small ones are dropped, so a big block's bytes are free in two pieces: the next two big
     stores get tensors of their own (a load in the same operations reads the first), and as
-    they hold more than the bound, ``sync`` discards the older from the manager (its drop
-    runs at the next sync) and keeps the newer."""
+    they hold more than the bound, ``sync`` drops the older from the manager's host tier (and
+    runs that drop) and keeps the newer."""
     layout = build("pools", mixed_groups())
     storage = KVCacheStorage(layout)
     gen = torch.Generator().manual_seed(5)
@@ -256,8 +256,7 @@ def test_entries_without_room_past_the_bound_are_discarded_oldest_first() -> Non
     store.sync(mgr)  # type: ignore[arg-type]
     assert torch.equal(gather(storage.descriptor(big, [b[2]]), storage.buffers), want)
     assert mgr.discarded == [(big, 4)] and store.overflowed == 1
-    assert store._host[big, 4][0] < 0 and store._host[big, 5][0] < 0  # until the drop runs
-    store.sync(mgr)  # type: ignore[arg-type]
+    assert store._host[big, 5][0] < 0 and not mgr.ops  # the drop ran in the same sync
     assert store.overflow() == [] and store.host_keys() == {(big, 2), (big, 5)}
     assert store.num_bytes() == 4 * size  # one entry past the buffer's bytes in use, no more
     store.check_invariants()

@@ -166,6 +166,20 @@ class TierCalls:
             return False
         return tiers.discard(group_id, block_hash)
 
+    def drop_tier_copy(self, tier: str, group_id: int, block_hash: int) -> bool:
+        """Tier ``tier``'s storage cannot keep its copy of ``block_hash`` of group ``group_id``
+        (no room where it keeps its bytes): forget that copy only, as an eviction would
+        (counted as dropped; a copy in another tier stays; a ``drop`` operation and a tier
+        event follow).  Returns whether the tier held it; False, changing nothing, without
+        tiers.  Raises :class:`PlanError` for a tier this manager does not have and
+        :class:`LayoutMismatchError` for a bad ``group_id`` or ``block_hash``."""
+        group_id = check_group_id("drop_tier_copy", group_id, self.num_groups)
+        block_hash = check_index("drop_tier_copy", "block_hash", block_hash)
+        tiers = self._coord.tiers
+        if tiers is None:
+            return False
+        return tiers.drop_copy(tier, group_id, block_hash)
+
     def adopt_tier_entries(self, tier: str, entries: Sequence[tuple[int, int, int]]) -> list[int]:
         """Take ``(group, hash, tag)`` entries that tier ``tier``'s storage already holds (a
         persistent disk tier left by an earlier process), oldest first, as cached there.

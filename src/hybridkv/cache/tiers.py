@@ -382,6 +382,22 @@ class TierStack:
                 self.ops.append(TierOp("drop", t.name, group_id, h, 0))
         return found
 
+    def drop_copy(self, name: str, group_id: int, h: int) -> bool:
+        """Storage of tier ``name`` cannot keep its copy of ``(group_id, h)`` (no room where it
+        keeps its bytes): take it out of that tier only, as an eviction would (counted as
+        dropped; a copy in another tier stays).  Records a ``drop``.  Returns whether the tier
+        held it."""
+        t = self.named(name)
+        if h not in t.keys[group_id]:
+            return False
+        t.forget((group_id, h))
+        t.dropped += 1
+        if self.events is not None:
+            self.events.tier_removed(group_id, h, t.name)
+        if self.record_ops:
+            self.ops.append(TierOp("drop", t.name, group_id, h, 0))
+        return True
+
     def adopt(self, name: str, entries: Sequence[tuple[int, int, int]]) -> list[int]:
         """Enter ``(group, hash, tag)`` entries that storage of tier ``name`` already holds
         (left by an earlier process), oldest first, without storage operations.  Entries

@@ -21,13 +21,14 @@ size reuse (:class:`~hybridkv.engine.host_slots.HostSlots`), so steady-state cop
 nothing.  The manager counts the tier's bytes, not where they lie, so an entry can still find
 no room there (free space left in pieces too small): it gets a tensor of its own.  Those
 tensors are bounded: once they hold more than :data:`OVERFLOW_SHARE` of the tier's capacity
-(and more than one entry), :meth:`TierStore.sync` discards the oldest of them from the
-manager until they do not (a drop follows; each becomes a miss), so host memory stays within
-the capacity and that share, or one entry more.  Before 2026-11-28 they were not bounded.
-On the Mooncake trace's first 2,000 requests (16 GiB device, 128 GiB host) 104-118 of
-1.3-1.4 million host stores of Nemotron-H-8B, Jamba-v0.1 and Qwen3-Next-80B-A3B, whose state
-checkpoints are 16-98 times an attention block, found no room, and their tensors peaked at
-262 MiB-1.3 GiB (none of gpt-oss-20b's blocks, all of one size): under the 2 GiB share.
+(and more than one entry), :meth:`TierStore.sync` drops the oldest of them from the
+manager's host tier until they do not (a copy on disk stays; the drop runs in the same sync),
+so host memory stays within the capacity and that share, or one entry more.  Before
+2026-11-28 they were not bounded.  On the Mooncake trace's first 2,000 requests (16 GiB
+device, 128 GiB host) 104-118 of 1.3-1.4 million host stores of Nemotron-H-8B, Jamba-v0.1
+and Qwen3-Next-80B-A3B, whose state checkpoints are 16-98 times an attention block, found no
+room, and their tensors peaked at 262 MiB-1.3 GiB (none of gpt-oss-20b's blocks, all of one
+size): under the 2 GiB share.
 Discarding every such entry at once instead lost a protected conversation's hit in
 ``tests/test_engine_sessions.py``; compacting the buffer instead (sliding entries down from
 its start until a gap fits) moved terabytes on that trace.
@@ -151,11 +152,18 @@ class TierStore:
     ) -> ComputedBlocks | None:
         """The hit to admit ``request`` with: every disk block it loads read and checked
         (discarding bad copies from ``manager`` and looking up again), or None while reads
-        are in flight."""
+        are in flight.
+
+        ``manager``'s pending operations run first (:meth:`apply`, without aging the staged
+        copies): an admission earlier in the same schedule may have moved an entry this hit
+        reads down to disk, and its copy is on disk only once that ``move`` ran (found by
+        review: such a copy was read before it was written, counted bad and discarded, a lost
+        hit)."""
         self._open("check_hit")
         disk = self.disk
         if disk is None:
             return hit
+        self.apply(manager.take_tier_ops(), tick=False)
         while True:
             bad: list[tuple[int, int]] = []
             waiting = False
@@ -184,13 +192,16 @@ class TierStore:
 
     # -- the manager's operations ---------------------------------------------------------------
     def sync(self, manager: KVCacheManager) -> None:
-        """Run ``manager``'s pending tier operations (:meth:`apply`), then discard from it the
-        host entries in tensors of their own past the bound (:meth:`overflow`); their tensors
-        go when the ``drop`` operations the discards record run, at the next sync."""
+        """Run ``manager``'s pending tier operations (:meth:`apply`), then drop from its host
+        tier the entries in tensors of their own past the bound (:meth:`overflow`; a copy of
+        the same block on disk stays) and run the ``drop`` operations that records, so the
+        manager and this store agree when it returns (found by review: the entries were
+        discarded from every tier, a good disk copy too, and dropped here a sync later)."""
         self.apply(manager.take_tier_ops())
-        for g, h in self.overflow():
-            if manager.discard_tier_block(g, h):
-                self.overflowed += 1
+        over = [key for key in self.overflow() if manager.drop_tier_copy("host", *key)]
+        if over:
+            self.overflowed += len(over)
+            self.apply(manager.take_tier_ops(), tick=False)
 
     def overflow(self) -> list[tuple[int, int]]:
         """The oldest host entries in tensors of their own (no room in the buffer) whose
@@ -206,9 +217,10 @@ class TierStore:
             left -= 1
         return out
 
-    def apply(self, ops: Iterable[TierOp]) -> None:
-        """Run ``ops`` in order.  Raises :class:`EngineError` for a tier the engine does not
-        store or an entry it does not hold (a bookkeeping bug: nothing is read)."""
+    def apply(self, ops: Iterable[TierOp], *, tick: bool = True) -> None:
+        """Run ``ops`` in order, then (``tick``) age the disk tier's staged copies, once per
+        step.  Raises :class:`EngineError` for a tier the engine does not store or an entry it
+        does not hold (a bookkeeping bug: nothing is read)."""
         self._open("apply")
         self._give_back_staging()
         loaded_from_disk: list[torch.Tensor] = []
@@ -266,7 +278,8 @@ class TierStore:
         if self.disk is not None:
             self.disk.commit()
             self._settle()
-            self.disk.tick()  # staged copies no admission asked for lately are given back
+            if tick:
+                self.disk.tick()  # staged copies no admission asked for lately are given back
 
     def _settle(self) -> None:
         """Wait for the disk writes that read the storage itself (a cache in host memory:
