@@ -28,15 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TURNS = conversations(1, n_conv=5, turns=4, first=32, step=10)
 
 
-def _engine(
-    name: str,
-    disk: Path | None,
-    host: int | None = None,
-    device: str = "cpu",
-    through: str | None = None,
-) -> LLMEngine:
+def _cache(disk: Path | None, host: int | None = None, through: str | None = None) -> CacheConfig:
     # 24 blocks of 4 tokens per group: one 96-token request; five conversations do not fit.
-    cache = CacheConfig(
+    return CacheConfig(
         strategy="pools",
         block_size=4,
         state_block_size=8,
@@ -47,7 +41,16 @@ def _engine(
         disk_memory_bytes=None if disk is None else 64 << 20,
         write_through=through,
     )
-    return LLMEngine(name, cache=cache, keep_logits=True, device=device)
+
+
+def _engine(
+    name: str,
+    disk: Path | None,
+    host: int | None = None,
+    device: str = "cpu",
+    through: str | None = None,
+) -> LLMEngine:
+    return LLMEngine(name, cache=_cache(disk, host, through), keep_logits=True, device=device)
 
 
 def _serve(engine: LLMEngine, turns: list[list[int]] = TURNS) -> list[Any]:
@@ -316,16 +319,7 @@ def test_a_module_with_other_weights_is_refused_and_the_same_weights_reuse(
     from hybridkv.engine.models import load_model
 
     def module_engine(seed: int) -> LLMEngine:
-        cache = CacheConfig(
-            strategy="pools",
-            block_size=4,
-            state_block_size=8,
-            num_blocks=24,
-            max_model_len=96,
-            disk_cache_dir=tmp_path,
-            disk_memory_bytes=64 << 20,
-        )  # as _engine's
-        return LLMEngine(load_model("llama", seed=seed), cache=cache, keep_logits=True)
+        return LLMEngine(load_model("llama", seed=seed), cache=_cache(tmp_path), keep_logits=True)
 
     _first_run("llama", tmp_path)  # the built-in model by name: seed 0
     with pytest.raises(DiskCacheError, match=r"another weights .*a module built otherwise"):

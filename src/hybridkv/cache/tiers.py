@@ -371,16 +371,19 @@ class TierStack:
         ``drop`` for each tier.  Returns whether any tier held it."""
         found = False
         for t in self.tiers:
-            if h not in t.keys[group_id]:
-                continue
-            found = True
-            t.forget((group_id, h))
-            t.discarded += 1
-            if self.events is not None:
-                self.events.tier_removed(group_id, h, t.name)
-            if self.record_ops:
-                self.ops.append(TierOp("drop", t.name, group_id, h, 0))
+            if h in t.keys[group_id]:
+                found = True
+                self._remove(t, group_id, h)
+                t.discarded += 1
         return found
+
+    def _remove(self, t: Tier, group_id: int, h: int) -> None:
+        """Take the held entry ``(group_id, h)`` out of tier ``t``: an event, a ``drop``."""
+        t.forget((group_id, h))
+        if self.events is not None:
+            self.events.tier_removed(group_id, h, t.name)
+        if self.record_ops:
+            self.ops.append(TierOp("drop", t.name, group_id, h, 0))
 
     def drop_copy(self, name: str, group_id: int, h: int) -> bool:
         """Storage of tier ``name`` cannot keep its copy of ``(group_id, h)`` (no room where it
@@ -390,12 +393,8 @@ class TierStack:
         t = self.named(name)
         if h not in t.keys[group_id]:
             return False
-        t.forget((group_id, h))
+        self._remove(t, group_id, h)
         t.dropped += 1
-        if self.events is not None:
-            self.events.tier_removed(group_id, h, t.name)
-        if self.record_ops:
-            self.ops.append(TierOp("drop", t.name, group_id, h, 0))
         return True
 
     def adopt(self, name: str, entries: Sequence[tuple[int, int, int]]) -> list[int]:
