@@ -18,6 +18,11 @@ threads, so the step neither writes nor reads the disk.
   queued is read only after the write is done.  A result that raced a drop or a rewrite of
   its key (a newer generation) is thrown away and read again.
 
+Host memory stays bounded by the work in flight, not by the keys ever written: a key's
+generation is kept only while a read of it is in flight, a bad read nobody asks about is
+forgotten after as many ticks as a checked copy, and a copy leaves its reader job's result
+once staged or given back (:meth:`DiskTier.check_invariants` checks these structures).
+
 A cache in host memory needs no staging copy: :meth:`DiskTier.write_borrowed` queues the
 blocks' own bytes, which the writer and the helper thread then checksum and write between
 them, and :meth:`DiskTier.settle` waits for them before the caller changes that memory.
@@ -29,6 +34,7 @@ buffers), so they overlap each other and the model's step.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import itertools
 import logging
 import os
@@ -39,6 +45,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine.disk_tier_check import check_disk_tier
 from hybridkv.storage.disk_slots import DiskCacheError, DiskSlots
 
 __all__ = ["DiskTier"]
@@ -49,6 +56,8 @@ Key = tuple[int, int]
 #: A write's payload: bytes of a staging tensor the tier owns, or borrowed pieces of the
 #: caller's memory (:meth:`DiskTier.write_borrowed`).
 _Payload = torch.Tensor | tuple[memoryview, ...]
+#: A reader job's result: each key it read, with its checked copy or None (bad).
+_Result = dict[Key, torch.Tensor | None]
 #: A queued write (key, tag, payload, the CUDA event the bytes are ready at, the tensor to
 #: give back once it is written: a staging run's tensor on its last entry, else None) or
 #: drop (no payload).
@@ -93,15 +102,23 @@ class DiskTier:
             if readers
             else None
         )
-        #: Queued writer jobs, oldest first, with the bytes each holds.
-        self._queue: deque[tuple[cf.Future[object], int]] = deque()
+        #: Queued writer jobs, oldest first, with the bytes each holds and the keys it writes
+        #: or drops (their :attr:`_writing` entries go with it once it is done).
+        self._queue: deque[tuple[cf.Future[object], int, list[Key]]] = deque()
         self._queued_bytes = 0
-        #: The newest write of each key still queued.
+        #: The newest write of each key still queued (only keys of jobs in ``_queue``).
         self._writing: dict[Key, cf.Future[object]] = {}
-        #: Per key, bumped by every write and drop: a read of an older generation is stale.
+        #: Advanced by every write and drop; a read records it when asked.
+        self._clock = 0
+        #: Keys whose read in flight a later write or drop made stale (never staged), with the
+        #: clock of that write or drop (> the read's); an entry goes with its read.
         self._gen: dict[Key, int] = {}
-        #: Reads in flight: the key's generation when asked, and the job reading it.
-        self._reads: dict[Key, tuple[int, cf.Future[dict[Key, torch.Tensor | None]]]] = {}
+        #: Reads in flight, or done and not yet seen: the clock when asked, and the job reading
+        #: it (a copy leaves the job's result once staged or given back).
+        self._reads: dict[Key, tuple[int, cf.Future[_Result]]] = {}
+        #: Finished reads of a bad copy (or that raised) not yet asked about, with the
+        #: :meth:`tick` that saw them, oldest first (forgotten, like staged copies, by age).
+        self._bad_at: dict[Key, int] = {}
         #: Checked bytes waiting for their load.
         self.staged: dict[Key, torch.Tensor] = {}
         #: The :meth:`tick` each staged copy was last asked for, oldest first.
@@ -114,6 +131,8 @@ class DiskTier:
         self.max_staged_ticks = 8
         #: Staged copies given back unused (by age).
         self.expired = 0
+        #: Bad reads forgotten unasked by age (not in :attr:`bad_reads`: nothing discarded).
+        self.expired_bad = 0
         self._closed = False
         #: Reads that found a copy missing, torn or corrupt.
         self.bad_reads = 0
@@ -254,14 +273,17 @@ class DiskTier:
         self._own()
         self._batch.append(None)
         self._clear_queued = True
-        for key, (_, job) in self._reads.items():
-            job.cancel()
-            self._gen[key] = self._gen.get(key, 0) + 1
+        for key in list(self._reads):
+            job = self._pop_read(key)
+            if not job.cancel():  # running or done: its copy goes back once it is
+                job.add_done_callback(functools.partial(self._release, key))
         self._give_back_staged()
-        self._reads.clear()
 
     def _touch(self, key: Key) -> None:
-        self._gen[key] = self._gen.get(key, 0) + 1
+        self._clock += 1
+        if key in self._reads:  # its read in flight is stale now
+            self._gen[key] = self._clock
+            self._bad_at.pop(key, None)
         stale = self._unstage(key)
         if stale is not None:
             self.give(stale)
@@ -275,19 +297,31 @@ class DiskTier:
         self._own()
         nbytes = self._batch_bytes
         while self._queue and self._queued_bytes + nbytes > self.max_pending_bytes:
-            done, size = self._queue.popleft()
-            done.result()
-            self._queued_bytes -= size
+            self._pop_job().result()
         job = self._writer.submit(self._run_batch, self._batch)
-        self._queue.append((job, nbytes))
-        self._queued_bytes += nbytes
-        while self._queue and self._queue[0][0].done():
-            self._queued_bytes -= self._queue.popleft()[1]
-        for key in self._pending_keys:
+        keys = self._pending_keys
+        for key in keys:
             self._writing[key] = job
+        self._queue.append((job, nbytes, keys))
+        self._queued_bytes += nbytes
         if self._clear_queued:
             self._clearing, self._clear_queued = job, False
         self._batch, self._batch_bytes, self._pending_keys = [], 0, []
+        self._pop_done_jobs()
+
+    def _pop_job(self) -> cf.Future[object]:
+        """Take the oldest job off the queue, with its bytes and :attr:`_writing` entries."""
+        job, nbytes, keys = self._queue.popleft()
+        self._queued_bytes -= nbytes
+        for key in keys:
+            if self._writing.get(key) is job:
+                del self._writing[key]
+        return job
+
+    def _pop_done_jobs(self) -> None:
+        """Take the finished jobs off the queue (one writer: they are the oldest)."""
+        while self._queue and self._queue[0][0].done():
+            self._pop_job()
 
     def _cleared(self) -> bool:
         """Whether no queued clear is still to run (reads wait for it)."""
@@ -349,9 +383,8 @@ class DiskTier:
         """Wait until every queued write, drop and clear is done."""
         self.commit()
         while self._queue:
-            self._queue.popleft()[0].result()
+            self._pop_job().result()
         self._borrowed = False
-        self._queued_bytes = 0
         self._writing.clear()
         self._clearing = None
 
@@ -364,7 +397,11 @@ class DiskTier:
         if not self._cleared():
             return
         writing = self._writing_now()
-        todo = [k for k in keys if k not in self.staged and k not in writing and self._stale(k)]
+        todo = [
+            k
+            for k in dict.fromkeys(keys)
+            if k not in self.staged and k not in writing and self._stale(k)
+        ]
         if not todo or self._readers is None:
             return
         n = self.readers
@@ -372,7 +409,9 @@ class DiskTier:
             if part:
                 job = self._readers.submit(self._read_many, part)
                 for k in part:
-                    self._reads[k] = (self._gen.get(k, 0), job)
+                    if k in self._reads:
+                        self._abandon(k)  # a stale read
+                    self._reads[k] = (self._clock, job)
 
     def _own(self) -> None:
         """Refuse work once closed, and in a forked child: the writer, helper and reader
@@ -387,15 +426,33 @@ class DiskTier:
                 "directory in this process instead"
             )
 
-    def _writing_now(self) -> set[Key]:
-        for key in [k for k, f in self._writing.items() if f.done()]:
-            del self._writing[key]
-        return set(self._writing)
+    def _writing_now(self) -> dict[Key, cf.Future[object]]:
+        """The keys with a write still queued (finished jobs taken off first)."""
+        self._pop_done_jobs()
+        return self._writing
 
     def _stale(self, key: Key) -> bool:
-        """Whether ``key`` has no read in flight for its current generation."""
-        job = self._reads.get(key)
-        return job is None or job[0] != self._gen.get(key, 0)
+        """Whether ``key`` has no read in flight, or one a later write or drop made stale."""
+        read = self._reads.get(key)
+        return read is None or self._gen.get(key, 0) > read[0]
+
+    def _pop_read(self, key: Key) -> cf.Future[_Result]:
+        """Forget ``key``'s read (and its generation and bad mark); returns its job."""
+        self._gen.pop(key, None)
+        self._bad_at.pop(key, None)
+        return self._reads.pop(key)[1]
+
+    def _abandon(self, key: Key) -> None:
+        """Forget ``key``'s read; its copy goes back to the spares once its job is done."""
+        self._pop_read(key).add_done_callback(functools.partial(self._release, key))
+
+    def _release(self, key: Key, job: cf.Future[_Result]) -> None:
+        """Give back ``key``'s copy from finished ``job`` (it may run on a reader thread)."""
+        if job.cancelled() or job.exception() is not None:
+            return
+        data = job.result().pop(key, None)
+        if data is not None:
+            self.give(data)
 
     def read_state(self, key: Key) -> bool | None:
         """True: ``key``'s copy is read and checked (in :attr:`staged`); False: it is missing,
@@ -415,13 +472,15 @@ class DiskTier:
         if self._stale(key):
             if self._readers is None:
                 return self._settle(key, self._read(key))
+            if key in self._reads:
+                self._abandon(key)
             self.prefetch([key])
             return None
         job = self._reads[key][1]
         if not job.done():
             return None
-        del self._reads[key]
-        return self._settle(key, job.result()[key])
+        self._pop_read(key)
+        return self._settle(key, job.result().pop(key))  # (raises the reader's error)
 
     def _settle(self, key: Key, data: torch.Tensor | None) -> bool:
         if data is None:
@@ -450,19 +509,27 @@ class DiskTier:
         """Advance the staging clock by one (the tier store does at the end of each
         :meth:`~hybridkv.engine.tier_store.TierStore.apply`) and give back the staged copies
         not asked for in :attr:`max_staged_ticks` ticks (finished reads nobody asked for yet
-        are staged first, so their copies age too); returns how many."""
+        are staged first, so their copies age too); returns how many.  Finished bad reads age
+        the same way (:attr:`expired_bad`); stale reads are forgotten at once."""
         self._ticks += 1
-        for key, (gen, job) in list(self._reads.items()):
-            if not job.done() or job.cancelled() or job.exception() is not None:
-                continue  # running, or an error read_state reports
-            data = job.result()[key]
-            if data is None:
-                continue  # a bad copy holds no memory; read_state reports it
-            del self._reads[key]
-            if gen == self._gen.get(key, 0):
-                self._stage(key, data)
+        self._pop_done_jobs()
+        for key, (_, job) in list(self._reads.items()):
+            if key in self._gen:
+                self._abandon(key)  # written or dropped since it was asked: a stale copy
+            elif not job.done() or key in self._bad_at:
+                continue
+            elif job.cancelled() or job.exception() is not None or job.result()[key] is None:
+                self._bad_at[key] = self._ticks  # read_state reports it if asked in time
             else:
-                self.give(data)  # written or dropped since: a stale copy
+                self._pop_read(key)
+                data = job.result().pop(key)
+                assert data is not None
+                self._stage(key, data)
+        for key, at in list(self._bad_at.items()):  # oldest first
+            if self._ticks - at <= self.max_staged_ticks:
+                break
+            self._pop_read(key)
+            self.expired_bad += 1
         old = 0
         for at in self._staged_at.values():  # oldest first: stop at the first young one
             if self._ticks - at <= self.max_staged_ticks:
@@ -474,7 +541,7 @@ class DiskTier:
         self.expired += old
         return old
 
-    def _read_many(self, keys: list[Key]) -> dict[Key, torch.Tensor | None]:
+    def _read_many(self, keys: list[Key]) -> _Result:
         return {k: self._read(k) for k in keys}
 
     def _read(self, key: Key) -> torch.Tensor | None:
@@ -502,6 +569,8 @@ class DiskTier:
         writing = self._writing.pop(key, None)
         if writing is not None:
             writing.result()
+        if key in self._reads:  # read here: that copy would only wait, staged and unasked
+            self._abandon(key)
         data = self._read(key)
         if data is None:
             self.bad_reads += 1
@@ -523,6 +592,14 @@ class DiskTier:
             pending.append(self._clearing)
         if pending:
             cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+
+    def check_invariants(self) -> None:
+        """Check what the tier keeps redundant (raises :class:`~hybridkv.errors.InvariantError`
+        naming the first broken invariant): staged copies against their ages and disk entries,
+        the batch and queue byte counts against their contents and ``max_pending_bytes``, the
+        spares against ``max_spare_bytes`` (and never holding a tensor still in use), and the
+        generations and bad marks against the reads in flight.  O(entries held); no I/O."""
+        check_disk_tier(self)
 
     def close(self) -> None:
         """Finish every queued write and in-flight read, then close the directory (threads
