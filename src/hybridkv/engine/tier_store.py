@@ -543,7 +543,10 @@ class TierStore:
     def check_invariants(self) -> None:
         """Host slots and entries agree (raises :class:`~hybridkv.errors.InvariantError`):
         every entry in the buffer and every free slot lies under the bump mark, no two
-        overlap, and every entry outside the buffer has a tensor of its size."""
+        overlap, and every entry outside the buffer has a tensor of its size; and the disk
+        tier's own structures (:meth:`~hybridkv.engine.disk_tier.DiskTier.check_invariants`)."""
+        if self.disk is not None:
+            self.disk.check_invariants()
         slots = self._slots
         spans: list[tuple[int, int, str]] = []
         for key, (offset, size) in self._host.items():
