@@ -367,3 +367,93 @@ def test_compaction_leaves_a_held_requests_exported_tables_alone() -> None:
     release(pre, "h")
     dec.run()
     check("gemma3_text", [dec.completions["h"]])
+
+
+def test_a_handover_of_two_sampled_tokens_hits_no_further_than_the_prompt() -> None:
+    # Found by review: the decode side's hit was looked up over prompt + sampled tokens, so
+    # with two tokens on a prompt the decode side had cached past its end it ran beyond the
+    # prompt; the allocation refused it and left the id in the scheduler, so the recompute
+    # fallback failed too ("already queued").
+    prompt = PROMPTS[3][:31]  # 31 tokens + 1 sampled: an aligned 32 on 8-token blocks
+    pre, dec = _engines("llama")
+    dec.add_request("warm", prompt, max_tokens=4)  # caches the prompt and tokens past it
+    dec.run()
+    pre.add_request("x", prompt, max_tokens=2, hold=True)
+    pre.run()
+    handover = export_request(pre, "x")
+    assert len(handover.token_ids) == 2
+    reasons: dict[str, str] = {}
+    assert import_request(
+        dec,
+        handover,
+        max_tokens=5,
+        pull=lambda plan, source, bufs: plan.copy(pre.storage.buffers, bufs),
+        reasons=reasons,
+    )
+    assert reasons == {} and dec._live["x"].seq.num_cached_tokens == 24  # below 31
+    release(pre, "x")
+    dec.run()
+    assert verify_completions(_reference("llama"), [dec.completions["x"]]).ok
+    dec.check_invariants()
+    assert not dec.manager._coord.requests and not dec.scheduler.seqs
+
+
+def test_an_import_that_raises_leaves_no_trace_in_the_scheduler() -> None:
+    pre, dec = _engines("llama")
+    pre.add_request("x", PROMPTS[0], max_tokens=1, hold=True)
+    pre.run()
+    handover = export_request(pre, "x")
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("not a HybridKVError: propagates")
+
+    with pytest.raises(RuntimeError, match="propagates"):
+        dec.scheduler.import_computed(
+            "x", handover.prompt, handover.token_ids, max_tokens=4, fill=broken
+        )
+    assert not dec.scheduler.seqs and not dec.manager._coord.requests
+    dec.check_invariants()
+    assert dec.scheduler.import_computed(  # the id is free again
+        "x",
+        handover.prompt,
+        handover.token_ids,
+        max_tokens=4,
+        fill=lambda tables, hit, res: None,
+    )
+
+
+def test_a_prompt_the_decode_process_cannot_serve_is_refused_and_the_rest_go_on() -> None:
+    # Found by review: a decode max_model_len below a prompt the prefill side took ended the
+    # decode process, and the caller waited out the timeout for a result, then lost them all.
+    decode = CacheConfig(strategy="arena", block_size=8, max_model_len=32, publish="computed")
+    prompts = [PROMPTS[0][:20], PROMPTS[3], PROMPTS[1][:24]]  # 20, 39 and 24 tokens
+    res = run_disaggregated(
+        ["llama"], prompts, max_tokens=3, prefill_cache=PREFILL, decode_cache=decode, timeout=20
+    )["llama"]
+    assert (res.imported, res.recomputed, res.refused, res.errors) == (2, 0, 1, [])
+    assert list(res.reasons) == ["r1"]
+    assert res.reasons["r1"].startswith("the decode instance cannot serve it: request 'r1'")
+    assert res.reasons["r1"].endswith(
+        "the prompt has 39 tokens; prompts must be shorter than max_model_len 32"
+    )
+    assert sorted(res.completions) == ["r0", "r2"]
+    done = [res.completions["r0"], res.completions["r2"]]
+    assert verify_completions(_reference("llama"), done).ok
+
+
+def test_a_decode_process_that_ends_without_a_result_is_reported_at_once() -> None:
+    import queue as queue_mod
+    import time
+
+    from hybridkv.engine.disaggregate import _result
+
+    class Ended:
+        exitcode = 1
+
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=r"decode process ended \(exit code 1\) without"):
+        _result(queue_mod.Queue(), Ended(), 600.0)
+    assert time.monotonic() - start < 10
+    box: queue_mod.Queue[bytes] = queue_mod.Queue()
+    box.put(b"late")  # a result put just before it ended still counts
+    assert _result(box, Ended(), 600.0) == b"late"

@@ -25,6 +25,8 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import queue
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybridkv.engine.errors import EngineError
 from hybridkv.engine.handover import export_request, import_request, release, shard_handover
 from hybridkv.engine.llm_engine import CacheConfig, Completion, LLMEngine
 from hybridkv.engine.tp_shards import Shard, check_tp, shard_caches
@@ -56,13 +59,16 @@ class DisaggregatedResult:
     from transferred data and how many were recomputed, and the bytes pulled.  ``reasons``:
     why each recomputed request was (request id -> message; one entry per recomputed
     request); ``errors``: what broke the connection to the prefill process, when it did
-    (after which every later request, and every later model, is recomputed or not run)."""
+    (after which every later request, and every later model, is recomputed or not run);
+    ``refused``: requests the decode engine cannot serve at all (a prompt past its
+    ``max_model_len``), each with its reason in ``reasons``, without a completion."""
 
     completions: dict[str, Completion]
     imported: int = 0
     recomputed: int = 0
     bytes_pulled: int = 0
     hit_tokens: int = 0
+    refused: int = 0
     errors: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
 
@@ -135,7 +141,12 @@ def _decode(
     lost = ""  # why the prefill process is out of reach, once it is
 
     def recompute(rid: str, prompt: list[int], reason: str) -> None:
-        engine.add_request(rid, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids)
+        try:
+            engine.add_request(rid, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids)
+        except HybridKVError as exc:  # a prompt this engine cannot serve
+            result.refused += 1
+            result.reasons[rid] = f"the decode instance cannot serve it: {exc}"
+            return
         result.recomputed += 1
         result.reasons[rid] = reason
 
@@ -172,25 +183,35 @@ def _decode(
         if isinstance(handover, tuple) and handover[0] == "failed":  # announced, not sent
             recompute(rid, prompt, handover[1])
             continue
-        ok = import_request(
-            engine,
-            handover,
-            max_tokens=max_tokens,
-            eos_token_ids=eos_token_ids,
-            pull=pull,
-            decode_tp=tp,
-            reasons=result.reasons,
-        )
-        engine.run()  # decoded before the next handover: later turns hit what it computed
-        if ok:
-            result.imported += 1
-            result.bytes_pulled += sum(pulled)
-        else:
-            result.recomputed += 1
-            if failed:  # a pull failed: the peer is gone or stalled, the stream out of step
-                result.errors.append(f"request {rid}: transfer failed, recomputed")
+        try:
+            ok = import_request(
+                engine,
+                handover,
+                max_tokens=max_tokens,
+                eos_token_ids=eos_token_ids,
+                pull=pull,
+                decode_tp=tp,
+                reasons=result.reasons,
+            )
+        except HybridKVError as exc:  # this engine cannot serve the prompt at all
+            # (found by review: it ended the decode process, and the caller waited for it)
+            result.refused += 1
+            result.reasons[rid] = f"the decode instance cannot serve it: {exc}"
+            if failed:
+                result.errors.append(f"request {rid}: transfer failed, refused")
                 lost = f"not handed over: the transfer of request {rid} failed"
                 continue
+        else:
+            engine.run()  # decoded before the next handover: later turns hit what it computed
+            if ok:
+                result.imported += 1
+                result.bytes_pulled += sum(pulled)
+            else:
+                result.recomputed += 1
+                if failed:  # a pull failed: the peer is gone or stalled, the stream out of step
+                    result.errors.append(f"request {rid}: transfer failed, recomputed")
+                    lost = f"not handed over: the transfer of request {rid} failed"
+                    continue
         try:
             send_object(("done",), 0)
         except HybridKVError as exc:
@@ -242,6 +263,32 @@ def _worker(
     os._exit(0)  # the process group may be broken (a lost peer): skip its teardown
 
 
+def _result(box: Any, decode: Any, wait_s: float) -> bytes:
+    """The decode process's pickled result from ``box``, waiting at most ``wait_s`` seconds;
+    raises :class:`EngineError` as soon as that process has ended without one (found by
+    review: the caller waited out the whole timeout, then got a bare ``queue.Empty``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            data: bytes = box.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            return data
+        except queue.Empty:
+            if decode.exitcode is not None:
+                try:  # its last put may land just after it ended
+                    late: bytes = box.get(timeout=1.0)
+                    return late
+                except queue.Empty:
+                    pass
+                raise EngineError(
+                    f"disaggregated: the decode process ended (exit code {decode.exitcode}) "
+                    "without a result; its error is printed above"
+                ) from None
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"disaggregated: no result from the decode process within {wait_s:.0f} s"
+                ) from None
+
+
 def run_disaggregated(
     models: list[str],
     prompts: list[list[int]],
@@ -265,7 +312,9 @@ def run_disaggregated(
     ``decode_tp``: the two instances' tensor-parallel sizes, as a sharded-cache emulation
     (:mod:`hybridkv.engine.tp_shards`: the bytes move between per-rank caches, the model
     computes whole).  Raises :class:`~hybridkv.engine.tp_shards.TPSplitError` before any
-    process starts when a size does not split a model's caches (:func:`check_tp_sizes`)."""
+    process starts when a size does not split a model's caches (:func:`check_tp_sizes`),
+    and :class:`EngineError` once the decode process has ended without a result, or none
+    came within ``timeout`` plus 60 s per model."""
     for model in models:
         check_tp_sizes(model, prefill_tp=prefill_tp, decode_tp=decode_tp)
     ctx = mp.get_context("spawn")
@@ -292,7 +341,7 @@ def run_disaggregated(
         p.start()
     try:
         results: dict[str, DisaggregatedResult] = pickle.loads(
-            box.get(timeout=timeout + 60 * len(models))
+            _result(box, procs[1], timeout + 60 * len(models))
         )
     finally:
         for p in procs:

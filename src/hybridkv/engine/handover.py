@@ -143,9 +143,12 @@ def import_request(
         )
     rid = handover.request_id
     prompt = handover.prompt
+    # A prompt this engine cannot serve (its max_model_len may be the smaller) is refused
+    # before anything is pulled (found by review: the recompute fallback raised it instead,
+    # after the import had failed on it).
+    engine.check_prompt(rid, prompt)
     done = _finished_by(handover.token_ids, max_tokens, eos_token_ids)
     if done is not None:  # the prefill side's token ends it: nothing to decode or pull
-        engine.check_prompt(rid, prompt)
         if rid in engine._live or rid in engine.scheduler.seqs:
             raise EngineError(f"handover: request {rid!r} is already queued")
         engine.completions[rid] = Completion(

@@ -191,47 +191,64 @@ class Scheduler:
         instance).  Returns None, changing nothing, when the cache cannot hold it now (or
         :attr:`hit_check` is still reading its lower-tier copies);
         when ``fill`` raises, the request is freed (nothing it was to receive is published
-        or read) and the error propagates."""
+        or read) and the error propagates.  Any other error leaves the scheduler as it was."""
         if not output_token_ids:
             raise SchedulerError(f"request {request_id!r}: an imported request needs a token")
         seq = self.add_request(
             request_id, prompt_token_ids, max_tokens=max_tokens, eos_token_ids=eos_token_ids
         )
         self.waiting.pop()
-        req = seq.request
-        req.append_token_ids(list(output_token_ids))
-        seq.num_output_tokens = len(output_token_ids)
-        n = len(prompt_token_ids)
-        mgr = self.manager
+        try:
+            placed = self._place_import(seq, len(prompt_token_ids), output_token_ids, fill)
+        except BaseException:
+            self.seqs.pop(request_id, None)  # found by review: a stray id refused every retry
+            raise
+        if not placed:
+            del self.seqs[request_id]
+            return None
+        self.running.append(seq)
+        return seq
+
+    def _place_import(
+        self,
+        seq: SequenceState,
+        n: int,
+        output_token_ids: Sequence[int],
+        fill: Callable[[tuple[list[int], ...], int, AllocationResult], None],
+    ) -> bool:
+        """:meth:`import_computed`'s hit, allocation and ``fill`` for ``seq`` (its ``n``
+        prompt tokens); False, changing nothing, when it cannot be placed now."""
+        req, mgr = seq.request, self.manager
+        # The hit is looked up on the prompt alone, so it ends before the prompt's end (found
+        # by review: with two or more sampled tokens it could run past it, which the
+        # allocation refused).
         hit = mgr.get_computed_blocks(req)
         if self.hit_check is not None and hit.num_computed_tokens:
             checked = self.hit_check(req, hit)  # lower-tier copies checked before use
             if checked is None:  # still being read: not now
-                del self.seqs[request_id]
-                return None
+                return False
             hit = checked
-        cached = min(hit.num_computed_tokens, n)
+        req.append_token_ids(list(output_token_ids))  # (a request not placed is dropped)
+        seq.num_output_tokens = len(output_token_ids)
+        cached = hit.num_computed_tokens
         res = mgr.allocate_slots(
             req, n - cached, num_new_computed_tokens=cached, new_computed_blocks=hit
         )
         if res is None:
-            del self.seqs[request_id]
-            return None
+            return False
         req.num_computed_tokens = cached
-        # Window blocks before the prompt's last window: the other instance may have dropped
-        # them already, and no query here reads them.
-        mgr.drop_unread(request_id, n)
         try:
-            fill(mgr.get_block_ids(request_id), cached, res)
+            # Window blocks before the prompt's last window: the other instance may have
+            # dropped them already, and no query here reads them.
+            mgr.drop_unread(req.request_id, n)
+            fill(mgr.get_block_ids(req.request_id), cached, res)
         except BaseException:
-            mgr.free(request_id)  # publishes only the hit it had
-            del self.seqs[request_id]
+            mgr.free(req.request_id)  # publishes only the hit it had
             raise
         req.num_computed_tokens = n
         seq.num_cached_tokens = cached
         seq.junction = hit.junction_tokens
-        self.running.append(seq)
-        return seq
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
