@@ -21,7 +21,10 @@ one ``pwritev`` (a separate header write cost a quarter of the disk tier's write
 a syscall per entry, and on two threads a wait for the GIL after each); a slot is reused
 only after its drop marked it empty.  A process killed in the middle of a write so leaves
 an empty or never-written header (no entry), a torn one (its CRC fails), or a whole header
-over a payload cut short or still the old one (the payload checksum fails).  Entries are
+over a payload cut short or still the old one (the payload checksum fails).  A slot split
+from a free extent is marked before the run's writes (:class:`SplitMarks`): its rest empty
+and, when a later slot of the run follows it, the slot itself empty at its own length, so
+the walk at open steps over any slot a kill left unwritten onto the next.  Entries are
 content-addressed (a hash names the same bytes for the same fingerprint), so any slot whose
 checksums hold is a correct entry.  Every read checks the header (name, size, state, header
 CRC) and the payload checksum before the bytes are used: a write that failed, a truncated
@@ -45,13 +48,12 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from hybridkv.errors import brief_repr
+from hybridkv.errors import InvariantError, brief_repr
 from hybridkv.extents import FreeExtents
 from hybridkv.storage.disk_format import (
     COMMITTED,
-    EMPTY,
     HEADER_BYTES,
     HEADER_READ,
     SLOT_ALIGN,
@@ -63,6 +65,7 @@ from hybridkv.storage.disk_format import (
 )
 from hybridkv.storage.disk_io import pwrite_all, pwritev_all
 from hybridkv.storage.disk_manifest import DiskCacheError, check_manifest
+from hybridkv.storage.disk_space import SlotEntry, SplitMarks, check_tiling, empty_header, walk
 
 __all__ = [
     "FORMAT_VERSION",
@@ -87,18 +90,6 @@ _HELD_HERE: dict[tuple[int, int], int] = {}
 
 #: ``(key, tag, payload)`` items :meth:`DiskSlots.write_many` stores.
 _Items = Sequence[tuple[tuple[int, int], int, memoryview | Sequence[memoryview]]]
-
-
-class SlotEntry(NamedTuple):
-    """A committed slot: its entry ``(group, block hash)``, admission ``tag``, payload
-    ``size``, file ``offset`` of its header and ``stamp`` (store order)."""
-
-    group_id: int
-    block_hash: int
-    tag: int
-    size: int
-    offset: int
-    stamp: int
 
 
 def _file_id(fd: int) -> tuple[int, int]:
@@ -140,6 +131,8 @@ class DiskSlots:
         #: The file's free space: slots carved from the front; a freed slot joins its free
         #: neighbours, and a split leaves room for a header and a byte.
         self._space = FreeExtents(self.file_bytes, min_rest=slot_stride(1), lower_top=False)
+        #: The empty marks the run being carved must write before its slots.
+        self._marks = SplitMarks()
         self._stamp = 0
         #: Entries found committed when the directory was opened, oldest first.
         self.recovered: list[SlotEntry] = self._recover()
@@ -252,68 +245,13 @@ class DiskSlots:
                 self.directory.rmdir()
 
     def _recover(self) -> list[SlotEntry]:
-        """Walk the carved slots from the front: committed ones become entries, empty ones
-        free slots; everything from the first header that does not check out (never carved,
-        or torn) is free space.  A run that two threads wrote (:meth:`write_many`) and a kill
-        cut short may leave a carved slot unwritten before a whole one: the walk then tries
-        the header a slot of each block size would end at, goes on from the first that checks
-        out (the hole becomes free space, marked so in the file) and ends only where none
-        does.  A header found
-        so may be older than the hole (the file's last life); its entry's payload checksum
-        is checked at every read, as any entry's."""
-        found: list[SlotEntry] = []
-        offset = 0
-        size_now = os.fstat(self._fd).st_size
-        strides = [slot_stride(s) for s in self.sizes]
-        while offset + HEADER_BYTES <= size_now:
-            parsed = self._header(offset, size_now)
-            if parsed is None:
-                for stride in strides:  # a hole of one slot of this size?
-                    parsed = self._header(offset + stride, size_now)
-                    if parsed is not None:  # marked free, so the next walk strides over it
-                        with contextlib.suppress(OSError):
-                            self._pwrite(_empty_header(stride), offset)
-                        self._space.give(offset, stride)
-                        offset += stride
-                        break
-                else:
-                    break
-            group, size, state, tag, stamp, h, _ = parsed
-            end = offset + slot_stride(size)
-            if state == COMMITTED and (group, h) not in self.entries:
-                entry = SlotEntry(group, h, tag, size, offset, stamp)
-                self.entries[group, h] = entry
-                found.append(entry)
-                self._stamp = max(self._stamp, stamp + 1)
-            else:
-                if state == COMMITTED:  # a second copy of an entry: the slot is free
-                    with contextlib.suppress(OSError):
-                        self._pwrite(pack_header(group, h, tag, size, 0, 0, EMPTY), offset)
-                self._space.give(offset, end - offset)  # joined in memory; headers stay
-            offset = end
-        self._space.top = offset
-        found.sort(key=lambda e: e.stamp)
+        """Walk the carved slots from the front (:func:`~hybridkv.storage.disk_space.walk`):
+        committed ones become :attr:`entries`, empty ones and the holes a kill left free
+        space; the entries found, oldest first."""
+        self.entries, found, self._stamp = walk(
+            self._fd, self.sizes, self.file_bytes, self._space, self._pwrite
+        )
         return found
-
-    def _header(
-        self, offset: int, size_now: int
-    ) -> tuple[int, int, int, int, int, int, int] | None:
-        """The header at ``offset`` if it checks out and its slot lies within the file (an
-        empty one may span joined free slots), else None."""
-        if offset + HEADER_BYTES > size_now:
-            return None
-        try:
-            raw = os.pread(self._fd, HEADER_READ, offset)
-        except OSError:
-            return None
-        parsed = parse_header(raw)
-        if parsed is None:
-            return None
-        size = parsed[1]
-        limit = self.sizes[-1] if parsed[2] else self.file_bytes
-        if not 0 < size <= limit or offset + slot_stride(size) > self.file_bytes:
-            return None
-        return parsed
 
     # -- entries ------------------------------------------------------------------------------
     def keep_only(self, keys: Iterable[tuple[int, int]]) -> None:
@@ -379,6 +317,8 @@ class DiskSlots:
             else:
                 places.append((offset, self._stamp))
                 self._stamp += 1
+        if not self._write_marks(sizes, places):
+            return [False] * len(items)
         errors = self._put_shared(items, places, helper)
         done = []
         for (key, tag, _), size, place, error in zip(items, sizes, places, errors, strict=True):
@@ -532,6 +472,46 @@ class DiskSlots:
         """Payload bytes of the committed entries."""
         return sum(e.size for e in self.entries.values())
 
+    def check_invariants(self) -> None:
+        """Raise :class:`~hybridkv.errors.InvariantError` unless the bookkeeping agrees with
+        itself (a broken one is a bug in hybridkv; the file is not read, so damage to it,
+        which reads as missing, is not one): each entry is filed under its own key, with a
+        payload of 1 to ``sizes[-1]`` bytes and a stamp below the next one to be given; the
+        entries' slots (their stride from their size) and the free extents tile the carved
+        part of the file, ``[0, top)``, without overlap or gap, aligned, within the file
+        (:func:`~hybridkv.storage.disk_space.check_tiling`); no run's planned empty marks
+        are left unwritten; ``recovered`` is in store order; the failure counters are not
+        negative.  O(entries log entries), no I/O; call it between operations, not while a
+        :meth:`write_many` runs on another thread."""
+        where = f"disk slots in {self.directory}"
+        if self._space.limit != self.file_bytes:
+            raise InvariantError(
+                f"{where}: free space spans {self._space.limit} B, the file {self.file_bytes}"
+            )
+        used = []
+        for key, e in self.entries.items():
+            if key != (e.group_id, e.block_hash):
+                raise InvariantError(f"{where}: entry {e} is filed under key {key}")
+            if not 0 < e.size <= self.sizes[-1]:
+                raise InvariantError(
+                    f"{where}: entry {key} holds {e.size} B; slots hold 1 to {self.sizes[-1]}"
+                )
+            if not 0 <= e.stamp < self._stamp:
+                raise InvariantError(
+                    f"{where}: entry {key} has stamp {e.stamp}, the next stamp is {self._stamp}"
+                )
+            used.append((e.offset, slot_stride(e.size), f"entry {key} ({e.size} B)"))
+        if self._marks:
+            raise InvariantError(f"{where}: empty marks {self._marks.marks} were never written")
+        check_tiling(self._space, used, where)
+        stamps = [e.stamp for e in self.recovered]
+        if stamps != sorted(stamps):
+            raise InvariantError(f"{where}: recovered entries are not in store order: {stamps}")
+        if min(self.write_errors, self.no_room) < 0:
+            raise InvariantError(
+                f"{where}: write_errors {self.write_errors}, no_room {self.no_room}"
+            )
+
     def close(self) -> None:
         """Close the files and release the directory's lock."""
         if self._lock_fd >= 0 and _HELD_HERE.get(self._lock_id) == os.getpid():
@@ -548,32 +528,47 @@ class DiskSlots:
     # -- slots --------------------------------------------------------------------------------
     def _take(self, size: int) -> int | None:
         """The offset of a slot for a ``size``-byte payload, or None when no free space
-        has room.  A slot split from a larger free extent first marks the rest empty in the
-        file (one header), so a walk after a kill finds the rest, whatever became of the
-        slot's own write."""
-        stride = slot_stride(size)
-        got = self._space.take(stride)
+        has room.  A slot split from a larger free extent plans the empty marks that
+        :meth:`_write_marks` puts in the file before the run's writes (:class:`SplitMarks`:
+        the rest's, and the slot's own once a later slot of the run follows it), so a walk
+        after a kill finds every whole slot, whichever of the run's writes happened."""
+        got = self._space.take(slot_stride(size))
         if got is None:
             return None
         offset, rest = got
-        if rest is not None:
-            try:
-                self._pwrite(_empty_header(rest[1]), rest[0])
-            except OSError as exc:
-                logger.warning("disk cache: marking free space failed: %s", exc)
-                self.write_errors += 1
-                self._space.give(offset, stride)
-                return None
+        self._marks.taken(offset, rest)
         return offset
+
+    def _write_marks(self, sizes: Sequence[int], places: Sequence[tuple[int, int] | None]) -> bool:
+        """Write the empty marks the run's splits planned (one header each, highest offset
+        first); True when they are out.  When one fails (an I/O error) every slot of the run
+        (``places``, for payloads of ``sizes``) is freed again, highest first, each marked
+        empty with its free neighbours (:meth:`_give`): the run stores nothing, and the
+        walk's chain of headers stays whole at every step."""
+        try:
+            self._marks.write(self._pwrite)
+        except OSError as exc:
+            logger.warning("disk cache: marking free space failed: %s", exc)
+            taken = sorted(
+                ((p[0], size) for p, size in zip(places, sizes, strict=True) if p is not None),
+                reverse=True,
+            )
+            for offset, size in taken:
+                self._give(offset, size)
+            self.write_errors += len(taken)
+            return False
+        return True
 
     def _give(self, offset: int, size: int) -> None:
         """Free the slot at ``offset`` (a ``size``-byte payload): it joins its free
         neighbours, and one header at the joined extent's start marks the whole of it empty
         (a slot whose mark fails stays committed in the file: a later process adopts its
-        entry, whose bytes are still right)."""
+        entry, whose bytes are still right).  Marks a run being carved planned inside the
+        joined extent are dropped: this header supersedes them."""
         start, length = self._space.give(offset, slot_stride(size))
+        self._marks.freed(start, length)
         with contextlib.suppress(OSError):
-            self._pwrite(_empty_header(length), start)
+            self._pwrite(empty_header(length), start)
 
     def _pwrite(self, data: bytes, offset: int) -> None:
         """Write a header (a drop's or a failed write's empty mark)."""
@@ -582,8 +577,3 @@ class DiskSlots:
     def _pwritev(self, pieces: Sequence[bytes | memoryview], offset: int) -> None:
         """Write an entry's header and payload pieces back to back from ``offset``."""
         pwritev_all(self._fd, pieces, offset)
-
-
-def _empty_header(length: int) -> bytes:
-    """The header marking ``length`` bytes of slots (header included) free."""
-    return pack_header(0, 0, 0, length - HEADER_BYTES, 0, 0, EMPTY)
