@@ -598,8 +598,12 @@ class DiskTier:
         naming the first broken invariant): staged copies against their ages and disk entries,
         the batch and queue byte counts against their contents and ``max_pending_bytes``, the
         spares against ``max_spare_bytes`` (and never holding a tensor still in use), and the
-        generations and bad marks against the reads in flight.  O(entries held); no I/O."""
+        generations and bad marks against the reads in flight; and, when no write is queued
+        or running, the slots' own bookkeeping (:meth:`DiskSlots.check_invariants`, which
+        the writer thread changes).  O(entries held); no I/O."""
         check_disk_tier(self)
+        if not self._batch and all(job.done() for job, _, _ in self._queue):
+            self.slots.check_invariants()
 
     def close(self) -> None:
         """Finish every queued write and in-flight read, then close the directory (threads
