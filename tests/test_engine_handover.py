@@ -396,6 +396,8 @@ def test_a_handover_of_two_sampled_tokens_hits_no_further_than_the_prompt() -> N
     assert verify_completions(_reference("llama"), [dec.completions["x"]]).ok
     dec.check_invariants()
     assert not dec.manager._coord.requests and not dec.scheduler.seqs
+    stats = dec.stats()  # the import counts as an admission with its hit (review: it did not)
+    assert (stats.admitted_tokens, stats.prefix_hit_tokens) == (62, 24)
 
 
 def test_an_import_that_raises_leaves_no_trace_in_the_scheduler() -> None:

@@ -229,4 +229,5 @@ def import_request(
         live.logits.extend(handover.logits)
     engine._live[rid] = live
     engine._counts["prompt"] += len(prompt)
+    engine._tracker.record_import(rid, len(prompt), seq.num_cached_tokens)
     return True

@@ -159,6 +159,15 @@ class CacheTracker:
                     )
                 self._tables[(item.request_id, gid)] = table
 
+    def record_import(self, request_id: str, num_tokens: int, hit_tokens: int) -> None:
+        """Count a request another instance prefilled, admitted straight into the running
+        set with ``num_tokens`` prompt tokens of which ``hit_tokens`` hit this cache (found
+        by review: imports were left out, while the manager counted their lookups)."""
+        if request_id not in self.counted:
+            self.counted.add(request_id)
+            self.admitted_tokens += num_tokens
+            self.prefix_hit_tokens += hit_tokens
+
     def record_holdings(self, manager: KVCacheManager, running: Iterable[str]) -> None:
         """Update the peaks from the tables of the ``running`` requests."""
         held: list[set[int]] = [set() for _ in range(self.num_groups)]
