@@ -9,7 +9,9 @@ returning logits at every position (:attr:`~hybridkv.engine.runner.StepOutput.po
 Verification is greedy and exact: with ``g[i]`` the argmax after the decode token and the
 first ``i`` drafts, drafts are accepted while ``draft[i] == g[i]``; the step yields the
 accepted drafts and ``g[accepted]`` (:func:`accept_greedy`), which are exactly the tokens plain
-greedy decoding produces one step at a time.  The accepted drafts' K/V are already in the
+greedy decoding produces one step at a time (on Mamba2 layers, up to the model's chunked-scan
+versus one-step numerics: a near-tie can flip, as between transformers' own forward and
+``generate``; see docs/architecture.md).  The accepted drafts' K/V are already in the
 cache; a recurrent state, which scanned every draft, is rolled back by
 :meth:`~hybridkv.engine.runner.ModelRunner.rewind` (the state the step started from, and the
 kept tokens run again).  A speculative step never ends on a state checkpoint boundary
