@@ -36,7 +36,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import itertools
-import logging
 import os
 import threading
 from collections import deque
@@ -45,32 +44,19 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine.disk_batches import Item, Key, run_batch
 from hybridkv.engine.disk_tier_check import check_disk_tier
 from hybridkv.storage.disk_slots import DiskCacheError, DiskSlots
 
 __all__ = ["DiskTier"]
 
-logger = logging.getLogger(__name__)
-
-Key = tuple[int, int]
-#: A write's payload: bytes of a staging tensor the tier owns, or borrowed pieces of the
-#: caller's memory (:meth:`DiskTier.write_borrowed`).
-_Payload = torch.Tensor | tuple[memoryview, ...]
 #: A reader job's result: each key it read, with its checked copy or None (bad).
 _Result = dict[Key, torch.Tensor | None]
-#: A queued write (key, tag, payload, the CUDA event the bytes are ready at, the tensor to
-#: give back once it is written: a staging run's tensor on its last entry, else None) or
-#: drop (no payload).
-_Item = tuple[Key, int, _Payload | None, torch.cuda.Event | None, torch.Tensor | None]
 
 
 def _malformed(entries: Sequence[tuple[Key, int]]) -> int:
     """How many of ``entries`` are not ``((group, hash), tag)``."""
     return sum(1 for e in entries if not (len(e) == 2 and len(e[0]) == 2))
-
-
-def _view(data: _Payload) -> memoryview | tuple[memoryview, ...]:
-    return data.numpy().data if isinstance(data, torch.Tensor) else data
 
 
 class DiskTier:
@@ -141,7 +127,7 @@ class DiskTier:
         self.readers = readers
         #: Writes (with the CUDA event their bytes are ready at, if any), drops (no data) and
         #: clears (None) not yet handed to the writer.
-        self._batch: list[_Item | None] = []
+        self._batch: list[Item | None] = []
         self._batch_bytes = 0
         self._pending_keys: list[Key] = []
         #: A clear in the batch not yet handed over, and the writer job running one.
@@ -335,48 +321,9 @@ class DiskTier:
         self._clearing = None
         return True
 
-    def _run_batch(self, batch: list[_Item | None]) -> object:
-        """The writer's job: clears and drops in order, each run of writes between them by
-        one :meth:`~hybridkv.storage.disk_slots.DiskSlots.write_many` shared with the helper
-        (once the CUDA events their bytes are ready at are done); staging tensors are given
-        back once written."""
-        slots = self.slots
-        run: list[tuple[Key, int, memoryview | tuple[memoryview, ...]]] = []
-        ready: list[torch.cuda.Event] = []
-        owners: list[torch.Tensor] = []
-
-        def flush_run() -> None:
-            try:
-                for event in ready:
-                    event.synchronize()
-                if run:
-                    slots.write_many(run, self._helper)
-            except Exception:  # the run's entries read as missing; the batch goes on
-                self.failed_runs += 1  # (its drops and clears still run), and it is logged
-                logger.exception("disk cache: a run of %d writes failed", len(run))
-            finally:  # the staging tensors go back whatever happened
-                for owner in owners:
-                    self.give(owner)
-                run.clear()
-                ready.clear()
-                owners.clear()
-
-        for item in batch:
-            if item is None:
-                flush_run()
-                slots.clear()
-                continue
-            key, tag, data, event, owner = item
-            if data is None:
-                flush_run()
-                slots.drop(key)
-                continue
-            run.append((key, tag, _view(data)))
-            if event is not None and (not ready or ready[-1] is not event):
-                ready.append(event)
-            if owner is not None:
-                owners.append(owner)
-        flush_run()
+    def _run_batch(self, batch: list[Item | None]) -> object:
+        """The writer's job (:func:`~hybridkv.engine.disk_batches.run_batch`)."""
+        self.failed_runs += run_batch(self.slots, self._helper, batch, self.give)
         return None
 
     def flush(self) -> None:
