@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -853,7 +854,7 @@ def test_split_slots_cost_one_header_each_and_one_for_the_rest(
     assert marks == [(start + 256, 1280)]
     marks.clear()
     keys = [(0, 7), (1, 8), (0, 9)]
-    assert s.write_many([(k, 0, memoryview(payload(k[1], SIZES[k[0]]))) for k in keys])
+    assert s.write_many(_items(keys))
     at = start + 256  # slots of 256, 384 and 256 B, then a rest of 384 B; highest first:
     # the rest's, the third slot's (still the second's rest), then the two slots' own
     assert marks == [(at + 896, 384), (at + 640, 640), (at + 256, 384), (at, 256)]
@@ -900,28 +901,48 @@ def test_a_drop_inside_a_run_keeps_its_marks_whole(
     again.check_invariants()
 
 
+def _items(keys: list[tuple[int, int]]) -> list[tuple[tuple[int, int], int, memoryview]]:
+    """``write_many`` items of ``keys`` (tag 0), each with its :func:`payload`."""
+    return [(k, 0, memoryview(payload(k[1], SIZES[k[0]]))) for k in keys]
+
+
+def _pwrite_raising(
+    monkeypatch: pytest.MonkeyPatch, raises: Callable[[int], BaseException | None]
+) -> None:
+    """Patch ``os.pwrite`` so that its ``n``-th call (from 1) raises ``raises(n)``, if any."""
+    real = os.pwrite
+    calls = [0]
+
+    def patched(fd: int, data: Any, offset: int) -> int:
+        calls[0] += 1
+        exc = raises(calls[0])
+        if exc is not None:
+            raise exc
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", patched)
+
+
 @pytest.mark.parametrize("fails", ["first-mark", "second-mark", "every-header"])
 def test_a_run_whose_marks_fail_stores_nothing_and_keeps_the_walk_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str
 ) -> None:
     s, _ = freed_run(tmp_path)
-    real = os.pwrite
-    calls = [0]
-
-    def failing(fd: int, data: Any, offset: int) -> int:
-        calls[0] += 1
-        if fails == "every-header" or calls[0] == {"first-mark": 1, "second-mark": 2}[fails]:
-            raise OSError(5, "Input/output error")
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", failing)
+    _pwrite_raising(
+        monkeypatch,
+        lambda n: (
+            OSError(5, "Input/output error")
+            if fails == "every-header" or n == {"first-mark": 1, "second-mark": 2}[fails]
+            else None
+        ),
+    )
     keys = [(0, 7), (1, 8), (0, 9)]
-    done = s.write_many([(k, 0, memoryview(payload(k[1], SIZES[k[0]]))) for k in keys])
+    done = s.write_many(_items(keys))
     monkeypatch.undo()
     assert done == [False, False, False] and s.write_errors == 3 and s.no_room == 0
     assert set(s.entries) == {(1, 0), (1, 5)}
     s.check_invariants()
-    assert s.write_many([(k, 0, memoryview(payload(k[1], SIZES[k[0]]))) for k in keys])
+    assert s.write_many(_items(keys))
     s.check_invariants()
     s.close()
     again = slots(tmp_path)
@@ -1031,19 +1052,9 @@ def test_a_kill_while_a_runs_marks_go_out_loses_nothing(
     # the extent: a kill after any of them leaves the walk a whole chain of headers (the
     # extent's inner headers still name the dropped entries, which must not come back)
     s, _ = freed_run(tmp_path)
-    real = os.pwrite
-    calls = [0]
-
-    def killed(fd: int, data: Any, offset: int) -> int:
-        if calls[0] == written:
-            raise KeyboardInterrupt
-        calls[0] += 1
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", killed)
-    keys = [(0, 7), (1, 8), (0, 9)]
+    _pwrite_raising(monkeypatch, lambda n: KeyboardInterrupt() if n == written + 1 else None)
     with pytest.raises(KeyboardInterrupt):
-        s.write_many([(k, 0, memoryview(payload(k[1], SIZES[k[0]]))) for k in keys])
+        s.write_many(_items([(0, 7), (1, 8), (0, 9)]))
     monkeypatch.undo()
     s.close()
     again = slots(tmp_path)

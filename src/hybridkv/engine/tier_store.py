@@ -163,7 +163,9 @@ class TierStore:
         disk = self.disk
         if disk is None:
             return hit
-        self.apply(manager.take_tier_ops(), tick=False)
+        pending = manager.take_tier_ops()
+        if pending:  # (an empty apply would still wait for borrowed disk writes)
+            self.apply(pending, tick=False)
         while True:
             bad: list[tuple[int, int]] = []
             waiting = False
