@@ -15,6 +15,7 @@ from hybridkv.engine.disaggregate import run_disaggregated
 from hybridkv.engine.errors import EngineError
 from hybridkv.engine.handover import export_request, import_request, release, shard_handover
 from hybridkv.engine.tp_shards import shard_caches
+from hybridkv.scheduler import SchedulerConfig
 from hybridkv.storage import TransferError
 from hybridkv.storage.transfer_plan import TransferPlan
 from test_engine_tiers import _reference, conversations
@@ -163,6 +164,49 @@ def test_a_handover_its_first_token_ends_completes_without_a_pull() -> None:
     assert (one.token_ids, one.finish_reason.value) == (first[:1], "length")
     assert len(eos.logits) == 1 and dec.stats().generated_tokens == 2
     assert verify_completions(_reference("llama"), [eos], [first[0]]).ok
+
+
+def test_larger_decode_window_blocks_import_and_never_serve_the_tokens_they_lack() -> None:
+    """Found by review (D3): the decode side's first kept window block (tokens 16-31 of 16-token
+    blocks) starts before the first token the prefill side still holds (26: 2-token blocks,
+    released up to its last chunk's window).  The import writes tokens 26-36 and withholds
+    that block from the prefix cache (it used to refuse the plan and recompute).  Without
+    the withholding a later hit at 32 reads token 25, which was never written: the decode
+    buffers are filled with junk first, so that would be a wrong token."""
+    pre = LLMEngine(
+        "mistral",  # sliding window 8 everywhere
+        cache=CacheConfig(strategy="pools", block_size=2, num_blocks=256, max_model_len=128),
+        scheduler=SchedulerConfig(max_prefill_chunk=33),
+        keep_logits=True,
+    )
+    dec = LLMEngine(
+        "mistral",
+        cache=CacheConfig(strategy="arena", block_size=16, max_model_len=128, publish="computed"),
+        keep_logits=True,
+    )
+    for buffer in dec.storage.buffers:
+        buffer.fill_(7)
+    prompt = PROMPTS[3][:37]
+    assert len(prompt) == 37
+    pre.add_request("r0", prompt, max_tokens=1, hold=True)
+    pre.run()
+    handover = export_request(pre, "r0")
+    assert handover.tables[0][:13] == [0] * 13  # tokens 0-25 released on the prefill side
+    reasons: dict[str, str] = {}
+    pull = lambda plan, source, bufs: plan.copy(pre.storage.buffers, bufs)  # noqa: E731
+    assert import_request(dec, handover, max_tokens=4, pull=pull, reasons=reasons), reasons
+    assert dec.manager.get_block_ids("r0")[0][:2] == [0, dec.manager.get_block_ids("r0")[0][1]]
+    release(pre, "r0")
+    dec.run()
+    hits = []
+    for i, cut in enumerate((32, 32)):  # the first recomputes 16-31 and publishes them
+        dec.add_request(f"x{i}", [*prompt[:cut], 5, 6, 7], max_tokens=4)
+        dec.run()
+        hits.append(dec.completions[f"x{i}"].num_cached_tokens)
+    assert hits == [0, 32]
+    done = [dec.completions[r] for r in ("r0", "x0", "x1")]
+    assert verify_completions(_reference("mistral"), done).ok
+    dec.check_invariants()
 
 
 def test_processes_stop_at_eos() -> None:

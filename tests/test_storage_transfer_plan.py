@@ -309,6 +309,27 @@ def test_plan_errors_name_the_array() -> None:
     assert isinstance(plan_transfer(reg, st, reg, dt, tokens=(3, 3)), TransferPlan)
 
 
+def test_skipped_tokens_are_left_out_of_their_group_only() -> None:
+    """``skip``: tokens a source released (a null block) are left out of that destination
+    group alone; every other group still moves them, and an unskipped hole still raises."""
+    sp = specs(1, state=False)
+    layout = pools_layout(groups(sp, 4))
+    src = filled(layout, LayoutKind.CROSS_LAYER, "nhd", 1)
+    st, dt = tables(layout, 0), tables(layout, 1)
+    reg = register(src.placement)
+    holes = {**st, 1: [0, *st[1][1:]]}  # group 1 released tokens 0..3
+    whole = plan_transfer(reg, st, reg, dt, tokens=(0, TOKENS))
+    skipped = plan_transfer(reg, holes, reg, dt, tokens=(0, TOKENS), skip={1: [(0, 4)]})
+    head_all = plan_transfer(reg, st, reg, dt, tokens=(0, 4))
+    head = plan_transfer(reg, st, reg, dt, tokens=(0, 4), skip={1: [(0, 4)]})
+    assert 0 < head.total_bytes < head_all.total_bytes
+    assert skipped.total_bytes == whole.total_bytes - (head_all.total_bytes - head.total_bytes)
+    with pytest.raises(TransferError, match="the source holds no data for token 0"):
+        plan_transfer(reg, holes, reg, dt, tokens=(0, TOKENS), skip={0: [(0, 4)]})
+    with pytest.raises(TransferError, match=r"skip\[1\]: need \(start, end\) token ranges"):
+        plan_transfer(reg, holes, reg, dt, tokens=(0, TOKENS), skip={1: [(0,)]})  # type: ignore[list-item]
+
+
 def test_plan_refuses_tables_and_tokens_it_cannot_move_exactly() -> None:
     sp = specs(1)
     layout = pools_layout(tuple(group(i, s, (2 * i, 2 * i + 1)) for i, s in enumerate(sp.values())))

@@ -571,6 +571,7 @@ class HybridCoordinator:
                         st.pending_index,
                         st.source,
                         st.keep,
+                        st.withheld,
                     )
                     for st in rs.groups
                 ],

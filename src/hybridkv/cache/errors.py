@@ -15,6 +15,7 @@ __all__ = [
     "RequestLengthError",
     "StaleComputedBlocksError",
     "UnknownRequestError",
+    "UnwrittenTokensError",
 ]
 
 
@@ -40,3 +41,8 @@ class StaleComputedBlocksError(RequestError):
 
 class DuplicateRequestError(RequestError):
     """Two different :class:`~hybridkv.cache.request.Request` objects use one request id."""
+
+
+class UnwrittenTokensError(RequestError):
+    """An import cannot write tokens that a later query reads, or that a block already
+    published holds (:meth:`~hybridkv.cache.manager.KVCacheManager.drop_unread`)."""

@@ -26,7 +26,7 @@ changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from hybridkv.cache.arguments import (
@@ -46,6 +46,7 @@ from hybridkv.cache.errors import (
 )
 from hybridkv.cache.events import EventLog, KVEvent
 from hybridkv.cache.hashing import BlockHasher, HasherError, make_hasher
+from hybridkv.cache.imports import drop_unread
 from hybridkv.cache.manager_tiers import TierCalls
 from hybridkv.cache.pool_base import DEFAULT_CHANCES, BlockPool, check_chances
 from hybridkv.cache.request import MultiModalItem, Request
@@ -495,29 +496,31 @@ class KVCacheManager(TierCalls):
         """The block pool (read-only use: ref counts, hashes, chunk owners for storage)."""
         return self._coord.pool
 
-    def drop_unread(self, request_id: str, num_tokens: int) -> int:
+    def drop_unread(
+        self,
+        request_id: str,
+        num_tokens: int,
+        *,
+        missing: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+    ) -> int:
         """Tokens ``[0, num_tokens)`` of ``request_id`` were computed elsewhere and are being
         imported (a disaggregated prefill's handover): in windowed groups (sliding window,
         local chunks), null the blocks its allocation took fresh that no query at a position
         >= ``num_tokens`` reads, and free them unpublished, as a prefix hit of ``num_tokens``
         tokens would not have held them.  Call it after that allocation and before its data
         is written; the import then fills what the tables still hold.  Blocks already
-        published (``publish="scheduled"``) or hit are kept.  Returns how many blocks were
-        freed.  Raises :class:`UnknownRequestError` for a request holding no blocks and
+        published (``publish="scheduled"``) or hit are kept.  ``missing``: per group, token
+        ranges ``[start, end)`` the import will not write (the exporting side released them:
+        its window blocks are smaller); the blocks past the hit holding any of them are
+        never published.  Returns how many blocks were freed (:mod:`hybridkv.cache.imports`).
+
+        Raises :class:`UnknownRequestError` for a request holding no blocks,
         :class:`RequestLengthError` for ``num_tokens`` outside ``[num_computed_tokens,
-        allocated slots]``, changing nothing."""
-        check_request_id("drop_unread", request_id)
-        rs = self._coord.requests.get(request_id)
-        if rs is None:
-            raise UnknownRequestError(f"drop_unread: request {request_id!r} holds no blocks")
-        n = check_count("drop_unread: num_tokens", num_tokens)
-        if not rs.request.num_computed_tokens <= n <= rs.num_slots:
-            raise RequestLengthError(
-                f"drop_unread: num_tokens {n} outside [{rs.request.num_computed_tokens}, "
-                f"{rs.num_slots}] (computed tokens, allocated slots) of {request_id!r}"
-            )
-        managers = self._coord.managers
-        return sum(len(m.drop_unread(st, n)) for m, st in zip(managers, rs.groups, strict=True))
+        allocated slots]`` or a malformed ``missing``, and :class:`UnwrittenTokensError`
+        when a missing token past the hit is read by a query at or after ``num_tokens``
+        (every token of a full-attention group is) or lies in a published block; each
+        changes nothing."""
+        return drop_unread(self._coord, request_id, num_tokens, missing)
 
     def has_blocks(self, request_id: str) -> bool:
         """True while ``request_id`` holds blocks (allocated, not freed or preempted).  Raises

@@ -45,7 +45,14 @@ from hybridkv.storage.connector import Registration, register_storage
 from hybridkv.storage.transfer import copy_blocks
 from hybridkv.storage.transfer_plan import TransferPlan, plan_transfer
 
-__all__ = ["Handover", "export_request", "import_request", "release", "shard_handover"]
+__all__ = [
+    "Handover",
+    "export_request",
+    "import_request",
+    "release",
+    "released_tokens",
+    "shard_handover",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +122,28 @@ def _finished_by(
     return None
 
 
+def released_tokens(
+    handover: Handover, own: Registration, num_tokens: int
+) -> dict[int, list[tuple[int, int]]]:
+    """Per group of ``own`` (the decode side's registration), the ranges of tokens
+    ``[0, num_tokens)`` the prefill side no longer holds: its sliding-window or local-chunk
+    blocks that a null entry of its tables shows released."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    seen: set[tuple[int, int, int]] = set()
+    for i, (reg, tables) in enumerate(handover.sources):
+        for d in own.segments:
+            s = reg.segment(d.key)
+            if d.token_axis is None or s is None or (i, s.group_id, d.group_id) in seen:
+                continue
+            seen.add((i, s.group_id, d.group_id))
+            bs, table = s.block_size, tables.get(s.group_id, ())
+            gaps = out.setdefault(d.group_id, [])
+            for j, b in enumerate(table[: -(-num_tokens // bs)]):
+                if not b:
+                    gaps.append((j * bs, min((j + 1) * bs, num_tokens)))
+    return {g: r for g, r in out.items() if r}
+
+
 def import_request(
     engine: LLMEngine,
     handover: Handover,
@@ -175,7 +204,9 @@ def import_request(
         def planned(i: int, dst: Registration, dst_tables: dict[int, list[int]]) -> TransferPlan:
             reg, src_tables = handover.sources[i]
             try:
-                return plan_transfer(reg, src_tables, dst, dst_tables, tokens=span, unsplit=i == 0)
+                return plan_transfer(
+                    reg, src_tables, dst, dst_tables, tokens=span, unsplit=i == 0, skip=missing
+                )
             except TransferError as exc:
                 raise TransferError(f"no transfer plan from the prefill side: {exc}") from exc
 
@@ -208,6 +239,9 @@ def import_request(
         "still loading from a lower tier)"
     )
     try:
+        # Window tokens the prefill side released: when its blocks are smaller, this side's
+        # first kept block starts before them; they are left unwritten, never published.
+        missing = released_tokens(handover, own, len(prompt))
         seq = engine.scheduler.import_computed(
             rid,
             prompt,
@@ -215,6 +249,7 @@ def import_request(
             max_tokens=max_tokens,
             eos_token_ids=eos_token_ids,
             fill=fill,
+            missing=missing,
         )
     except (HybridKVError, OSError) as exc:
         seq = None

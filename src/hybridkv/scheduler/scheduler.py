@@ -47,6 +47,7 @@ from hybridkv.cache import (
     ComputedBlocks,
     KVCacheManager,
 )
+from hybridkv.scheduler.imports import place_import
 from hybridkv.scheduler.types import (
     FinishReason,
     HitCheck,
@@ -182,16 +183,19 @@ class Scheduler:
         max_tokens: int,
         eos_token_ids: Sequence[int] = (),
         fill: Callable[[tuple[list[int], ...], int, AllocationResult], None],
+        missing: Mapping[int, Sequence[tuple[int, int]]] | None = None,
     ) -> SequenceState | None:
         """Admit a request whose prompt another instance computed, straight into the running
         set: its own prefix hit is taken, slots for the rest of the prompt are allocated and
         ``fill(block_tables, hit_tokens, allocation)`` must write their data (the prompt's
-        tokens from ``hit_tokens`` on, and the recurrent state at the prompt's end).  The
-        next step computes the first of ``output_token_ids`` (sampled by the other
-        instance).  Returns None, changing nothing, when the cache cannot hold it now (or
-        :attr:`hit_check` is still reading its lower-tier copies);
-        when ``fill`` raises, the request is freed (nothing it was to receive is published
-        or read) and the error propagates.  Any other error leaves the scheduler as it was."""
+        tokens from ``hit_tokens`` on, and the recurrent state at the prompt's end), but for
+        ``missing`` (per group, token ranges the other instance released: see
+        :meth:`~hybridkv.cache.KVCacheManager.drop_unread`).  The next step computes the
+        first of ``output_token_ids`` (sampled by the other instance).  Returns None,
+        changing nothing, when the cache cannot hold it now (or :attr:`hit_check` is still
+        reading its lower-tier copies); when ``fill`` raises (or the cache refuses
+        ``missing``), the request is freed (nothing it was to receive is published or read)
+        and the error propagates.  Any other error leaves the scheduler as it was."""
         if not output_token_ids:
             raise SchedulerError(f"request {request_id!r}: an imported request needs a token")
         seq = self.add_request(
@@ -199,7 +203,9 @@ class Scheduler:
         )
         self.waiting.pop()
         try:
-            placed = self._place_import(seq, len(prompt_token_ids), output_token_ids, fill)
+            placed = place_import(
+                self.manager, self.hit_check, seq, output_token_ids, fill, missing
+            )
         except BaseException:
             self.seqs.pop(request_id, None)  # found by review: a stray id refused every retry
             raise
@@ -208,47 +214,6 @@ class Scheduler:
             return None
         self.running.append(seq)
         return seq
-
-    def _place_import(
-        self,
-        seq: SequenceState,
-        n: int,
-        output_token_ids: Sequence[int],
-        fill: Callable[[tuple[list[int], ...], int, AllocationResult], None],
-    ) -> bool:
-        """:meth:`import_computed`'s hit, allocation and ``fill`` for ``seq`` (its ``n``
-        prompt tokens); False, changing nothing, when it cannot be placed now."""
-        req, mgr = seq.request, self.manager
-        # The hit is looked up on the prompt alone, so it ends before the prompt's end (found
-        # by review: with two or more sampled tokens it could run past it, which the
-        # allocation refused).
-        hit = mgr.get_computed_blocks(req)
-        if self.hit_check is not None and hit.num_computed_tokens:
-            checked = self.hit_check(req, hit)  # lower-tier copies checked before use
-            if checked is None:  # still being read: not now
-                return False
-            hit = checked
-        req.append_token_ids(list(output_token_ids))  # (a request not placed is dropped)
-        seq.num_output_tokens = len(output_token_ids)
-        cached = hit.num_computed_tokens
-        res = mgr.allocate_slots(
-            req, n - cached, num_new_computed_tokens=cached, new_computed_blocks=hit
-        )
-        if res is None:
-            return False
-        req.num_computed_tokens = cached
-        try:
-            # Window blocks before the prompt's last window: the other instance may have
-            # dropped them already, and no query here reads them.
-            mgr.drop_unread(req.request_id, n)
-            fill(mgr.get_block_ids(req.request_id), cached, res)
-        except BaseException:
-            mgr.free(req.request_id)  # publishes only the hit it had
-            raise
-        req.num_computed_tokens = n
-        seq.num_cached_tokens = cached
-        seq.junction = hit.junction_tokens
-        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -194,6 +194,7 @@ def plan_transfer(
     tokens: tuple[int, int] | tuple[np.ndarray, np.ndarray],
     state: bool = True,
     unsplit: bool = True,
+    skip: Mapping[int, Sequence[tuple[int, int]]] | None = None,
 ) -> TransferPlan:
     """The runs moving tokens ``[tokens[0], tokens[1])`` of every token-indexed array (and,
     with ``state``, every state slot) from ``src`` to ``dst`` (see the module doc).
@@ -202,7 +203,11 @@ def plan_transfer(
     (a context-parallel rank's local tokens and their places in the whole request,
     :mod:`hybridkv.storage.cp`).  ``unsplit=False`` leaves out the arrays the source holds
     whole (MLA latents, unsplit states): every tensor-parallel rank has them, so a
-    destination filled from several source ranks takes them from the first only.  Pure.
+    destination filled from several source ranks takes them from the first only.
+    ``skip[g]``: ranges ``[start, end)`` of source positions whose tokens are left out of
+    the destination group ``g``'s arrays (the source released them; the destination never
+    publishes the blocks they fall in: :meth:`~hybridkv.cache.KVCacheManager.drop_unread`).
+    Pure.
 
     Raises :class:`TransferError` for an array the source lacks, shapes or element types
     that differ, a table too short for the tokens, block ids that are not integers of the
@@ -210,6 +215,7 @@ def plan_transfer(
     needs data, or a null state slot.
     """
     pair = _token_pairs(tokens)
+    pairs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     checked: dict[tuple[str, int], np.ndarray] = {}
     parts: list[tuple[np.ndarray, ...]] = []
     for d in dst.segments:
@@ -223,7 +229,13 @@ def plan_transfer(
             continue
         s_tab = _table(src_tables, s, "source", checked)
         d_tab = _table(dst_tables, d, "destination", checked)
-        part = _segment_units(s, s_tab, d, d_tab, pair)
+        own = pair
+        if skip and d.token_axis is not None and skip.get(d.group_id):
+            got = pairs.get(d.group_id)
+            if got is None:
+                got = pairs[d.group_id] = _skipping(pair, skip[d.group_id], d.group_id)
+            own = got
+        part = _segment_units(s, s_tab, d, d_tab, own)
         if part is not None:
             parts.append(part)
     if not parts:
@@ -231,6 +243,21 @@ def plan_transfer(
         return TransferPlan(empty, empty, empty, empty, empty)
     sb, so, db, do, n = (np.concatenate(x) for x in zip(*parts, strict=True))
     return _coalesce(sb, so, db, do, n)
+
+
+def _skipping(
+    pair: tuple[np.ndarray, np.ndarray], ranges: Sequence[tuple[int, int]], g: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``pair`` without the tokens whose source position lies in one of ``ranges``."""
+    td, ts = pair
+    out = np.zeros(len(ts), dtype=bool)
+    for r in ranges:
+        ok = isinstance(r, tuple | list) and len(r) == 2
+        if not ok or not all(isinstance(x, int | np.integer) for x in r):
+            raise TransferError(f"skip[{g}]: need (start, end) token ranges, got {brief_repr(r)}")
+        a, b = r
+        out |= (ts >= a) & (ts < b)
+    return td[~out], ts[~out]
 
 
 def _table(

@@ -33,6 +33,24 @@ __all__ = [
 ]
 
 
+#: A table range past any table's end (``keep`` of a table with no range left out).
+_WHOLE = 1 << 62
+
+
+def _without(
+    ranges: Sequence[tuple[int, int]], indices: Sequence[int]
+) -> tuple[tuple[int, int], ...]:
+    """``ranges`` (sorted, disjoint) less the table ``indices`` (sorted)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        for j in indices:
+            if lo <= j < hi:
+                out.append((lo, j))
+                lo = j + 1
+        out.append((lo, hi))
+    return tuple(r for r in out if r[0] < r[1])
+
+
 def _merged(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """Non-empty ``[lo, hi)`` ranges, sorted, overlapping or touching ones merged."""
     out: list[tuple[int, int]] = []
@@ -211,8 +229,9 @@ class FullAttentionManager(_AttentionManager):
 class WindowedManager(_AttentionManager):
     """Kinds that keep only the blocks overlapping ``[first_kept(n), n)`` (plus sinks)."""
 
-    #: Leading blocks kept forever (attention sinks).
+    #: Leading blocks kept forever (attention sinks), and the tokens every query reads there.
     sink_blocks: int = 0
+    sink_tokens: int = 0
 
     @abstractmethod
     def first_kept_token(self, num_computed: int) -> int:
@@ -255,7 +274,7 @@ class WindowedManager(_AttentionManager):
     def _retain_end(self, st: GroupState, request: Request) -> None:
         if st.keep is not None:  # tail retention: also the window before the computed end
             tail = self._tail(request.num_computed_tokens)
-            st.keep = _merged([*st.keep, tail])
+            st.keep = _without(_merged([*st.keep, tail]), st.withheld)
             st.num_cached = min(st.num_cached, tail[0])
 
     def _tail(self, end: int) -> tuple[int, int]:
@@ -362,7 +381,13 @@ class WindowedManager(_AttentionManager):
         if blocks:
             self.pool.refresh(self.group_id, blocks)
 
-    def drop_unread(self, st: GroupState, num_tokens: int) -> list[int]:
+    def drop_unread(
+        self,
+        st: GroupState,
+        num_tokens: int,
+        missing: Sequence[tuple[int, int]] = (),
+        start: int = 0,
+    ) -> list[int]:
         # Fresh blocks only: those below num_cached came with the hit (cached data, maybe a
         # lower tier's load in flight) and leave through the normal release.
         table = st.table
@@ -372,10 +397,58 @@ class WindowedManager(_AttentionManager):
         if out:
             table[lo:hi] = [0] * (hi - lo)
             self.pool.release(self.group_id, out)
+        if missing:
+            self._withhold(st, start, num_tokens, missing)
         return out
+
+    def unwritable(
+        self, st: GroupState, start: int, num_tokens: int, missing: Sequence[tuple[int, int]]
+    ) -> tuple[int, str] | None:
+        first = self.first_kept_token(num_tokens)
+        for a, b in missing:
+            a, b = max(a, start), min(b, num_tokens)
+            if a < b and a < self.sink_tokens:
+                return a, "every query reads it (an attention sink)"
+            if a < b and b > first:
+                return max(a, first), f"a query at or after {num_tokens} reads it"
+        for j in self._holding(st, start, num_tokens, missing):
+            if self.block_hashes[st.table[j]] is not None:
+                bs = self.block_size
+                return max(j * bs, start), f"block {st.table[j]} holding it is published"
+        return None
+
+    def _holding(
+        self, st: GroupState, start: int, num_tokens: int, missing: Sequence[tuple[int, int]]
+    ) -> set[int]:
+        """Indices of the table entries past the hit (``start`` tokens) holding a token of
+        ``missing``."""
+        bs, table = self.block_size, st.table
+        out: set[int] = set()
+        for a, b in missing:
+            lo = max(a, start) // bs
+            hi = min(-(-min(b, num_tokens) // bs), len(table))
+            out.update(j for j in range(lo, hi) if table[j])
+        return out
+
+    def _withhold(
+        self, st: GroupState, start: int, num_tokens: int, missing: Sequence[tuple[int, int]]
+    ) -> None:
+        """Keep the fresh blocks holding tokens of ``missing`` out of the prefix cache: a
+        hit inside their window would read the tokens the import did not write."""
+        out = self._holding(st, start, num_tokens, missing) | set(st.withheld)
+        if len(out) > len(st.withheld):
+            st.withheld = tuple(sorted(out))
+            st.keep = _without(st.keep if st.keep is not None else ((0, _WHOLE),), st.withheld)
 
     def check_request(self, st: GroupState, request: Request) -> None:
         super().check_request(st, request)
+        for j in st.withheld:
+            b = st.table[j] if j < len(st.table) else 0
+            if b and self.block_hashes[b] is not None:
+                raise InvariantError(
+                    f"group {self.group_id}, request {request.request_id}: block {b} at "
+                    f"index {j} is published, but the import did not write all its tokens"
+                )
         if any(st.table[self.sink_blocks : st.released]):
             raise InvariantError(
                 f"group {self.group_id}, request {request.request_id}: released positions "
@@ -392,6 +465,7 @@ class SlidingWindowManager(WindowedManager):
         spec = self.spec
         assert isinstance(spec, SlidingWindowSpec)
         self.window = spec.window
+        self.sink_tokens = spec.sink_tokens
         self.sink_blocks = -(-spec.sink_tokens // self.block_size)
         #: A hit of j blocks needs blocks [max(0, j - reach), j): reach = cdiv(W - 1, bs).
         self.reach = -(-(spec.window - 1) // self.block_size)

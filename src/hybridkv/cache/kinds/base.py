@@ -46,7 +46,9 @@ class GroupState:
     that the kind may have nulled.  ``pending`` / ``pending_index`` / ``source``: state kinds'
     checkpoint awaiting publication (index of the block it ends) and hit checkpoint awaiting
     its copy (0 = none).  ``keep``: windowed kinds under tail retention, the ``[lo, hi)`` table
-    ranges worth publishing (None: every block).  ``saved``: state kinds, the checkpoints
+    ranges worth publishing (None: every block).  ``withheld``: table entries an import
+    could not write in full, never published (the other instance had released some of their
+    tokens; :meth:`KindManager.drop_unread`).  ``saved``: state kinds, the checkpoints
     this request published, as ``(slot, hash)`` (refreshed when it frees its blocks under
     ``checkpoint_life="kv"``; None: none, or not tracked).
     """
@@ -60,6 +62,7 @@ class GroupState:
         "saved",
         "source",
         "table",
+        "withheld",
     )
 
     def __init__(self, released: int = 0) -> None:
@@ -71,6 +74,7 @@ class GroupState:
         self.pending_index = 0
         self.source = 0
         self.saved: list[tuple[int, int]] | None = None
+        self.withheld: tuple[int, ...] = ()
 
 
 class StepPlan(NamedTuple):
@@ -356,11 +360,31 @@ class KindManager(ABC):
         its junction and its computed end.
         """
 
-    def drop_unread(self, st: GroupState, num_tokens: int) -> list[int]:
+    def drop_unread(
+        self,
+        st: GroupState,
+        num_tokens: int,
+        missing: Sequence[tuple[int, int]] = (),
+        start: int = 0,
+    ) -> list[int]:
         """Null and free (unpublished) the blocks ``st`` took fresh at its allocation that no
         query at a position >= ``num_tokens`` reads; returns them.  Only windowed kinds have
-        such blocks (see :meth:`KVCacheManager.drop_unread`)."""
+        such blocks (see :meth:`KVCacheManager.drop_unread`).  ``missing``: token ranges the
+        import will not write (checked first with :meth:`unwritable`); windowed kinds
+        withhold the blocks past the hit (``start`` tokens) holding any of them from
+        publication."""
         return []
+
+    def unwritable(
+        self, st: GroupState, start: int, num_tokens: int, missing: Sequence[tuple[int, int]]
+    ) -> tuple[int, str] | None:
+        """The first token of ``missing`` in ``[start, num_tokens)`` that the import must
+        write, and why (some query at a position >= ``num_tokens`` reads it: every one, here;
+        or a block holding it is published already), or None when there is none."""
+        for a, b in missing:
+            if max(a, start) < min(b, num_tokens):
+                return max(a, start), f"a query at or after {num_tokens} reads it"
+        return None
 
     @abstractmethod
     def held_blocks(self, st: GroupState) -> list[int]:
