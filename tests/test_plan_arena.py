@@ -27,13 +27,13 @@ def test_two_groups_exact_chunk() -> None:
     ]
     cap = plan.capacity
     # Sliding window 8 needs 4 blocks, full attention 8; group 0 also holds the 3 blocks of
-    # chunk 0 past the null region (below): N = 5 takes ceil((20 - 3) / 4) + 10 = 15 usable
-    # chunks, N = 6 would take 18.
+    # chunk 0 past the null region and the 3 past chunk 15 (below): N = 5 takes
+    # ceil((20 - 6) / 4) + 10 = 14 usable chunks, N = 6 would take 17.
     assert cap.blocks_per_request == (4, 8)
     assert cap.blocks_per_chunk == (4, 4)
     assert cap.max_concurrent_requests == 5
     assert cap.max_resident_tokens == 160
-    assert cap.chunks_in_use == (5, 10)
+    assert cap.chunks_in_use == (4, 10)
     assert cap.num_chunks == 16
     # Chunk 0: the null region is one 256-byte block; its other 3 blocks are lent to group 0.
     assert layout.null_host == (0, 1, 4)
@@ -45,7 +45,7 @@ def test_two_groups_exact_chunk() -> None:
     assert plan.waste.chunk_tails == 1000 - 768
     assert plan.waste.padded_pages == plan.waste.padded_layers == 0
     assert plan.allocated_bytes == 5 * (4 + 8) * 256
-    assert plan.free_bytes == 3 * 256 + 768  # 3 blocks of group 0's chunks, the tail
+    assert plan.free_bytes == 2 * 256 + 1024  # 2 blocks of group 0's chunks, a whole chunk
     # Sliding layers read 8 tokens, full layers 32, at 32 bytes per token.
     assert plan.physical_need.per_layer == (1280, 5120, 1280, 5120)
     assert plan.physical_need.total == 12800

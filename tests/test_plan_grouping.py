@@ -169,7 +169,7 @@ def test_auto_state_split_cuts_under_pressure_or_whole_chunk_slots_in_small_aren
         ("Qwen3-Next-80B-A3B", 8, 131072): (4, 110, 2),
         ("Qwen3-Next-80B-A3B", 32, 131072): (4, 441, 10),
         ("Qwen3-Next-80B-A3B", 64, 131072): (1, 882, 20),
-        ("Qwen3-Next-80B-A3B", 8, 4096): (4, 110, 47),  # many fit, but whole-chunk slots
+        ("Qwen3-Next-80B-A3B", 8, 4096): (4, 110, 48),  # many fit, but whole-chunk slots
         ("Nemotron-H-8B", 8, 131072): (4, 83, 3),
         ("Nemotron-H-8B", 16, 131072): (4, 166, 7),
         ("Nemotron-H-8B", 64, 131072): (1, 667, 30),
@@ -190,18 +190,25 @@ def test_auto_state_split_cuts_under_pressure_or_whole_chunk_slots_in_small_aren
         assert auto.options.state_split == split, key
         assert auto.layout == plan(name, gib, length, state_split=split).layout
     assert auto_state_split(plan("Jamba-v0.1", 16, state_split=1).layout) == 1  # not judged
-    # The rule would cut Nemotron-H-8B at 8 GiB and 8,192 tokens (its 98 MiB slot takes a
-    # whole chunk of 83), but cut in four it plans 35, not 36: a split that plans fewer
-    # requests (or wastes more than 1%) is not kept.
+    # The rule cuts Nemotron-H-8B at 8 GiB and 8,192 tokens (its 98 MiB slot takes a whole
+    # chunk of 83); cut in four it plans 36 too, counting the blocks past its last chunk
+    # (35 before they were counted, and a split that plans fewer requests, or wastes more
+    # than 1%, is not kept).
     whole = plan("Nemotron-H-8B", 8, 8192, state_split=1)
     assert auto_state_split(whole.layout, whole.capacity.max_concurrent_requests) == 4
-    assert plan("Nemotron-H-8B", 8, 8192, state_split=4).capacity.max_concurrent_requests == 35
+    assert plan("Nemotron-H-8B", 8, 8192, state_split=4).capacity.max_concurrent_requests == 36
     auto = plan("Nemotron-H-8B", 8, 8192)
-    assert auto.options.state_split == 1 and auto.capacity.max_concurrent_requests == 36
+    assert auto.options.state_split == 4 and auto.capacity.max_concurrent_requests == 36
     # the plan's notes say what "auto" chose and why
     assert auto.notes[-1] == (
-        "state_split auto: 1 (cut in 4 it would plan 35 requests and waste 39.6 MiB, whole 36 "
-        "and 13.8 MiB)"
+        "state_split auto: 4 (group 0's 98.2 MiB state slot takes a whole chunk of an arena of "
+        "83 chunks)"
+    )
+    kept_whole = plan("Nemotron-H-8B", 10, 4096)  # where the cut plans fewer: not kept
+    assert kept_whole.options.state_split == 1
+    assert kept_whole.notes[-1] == (
+        "state_split auto: 1 (cut in 4 it would plan 62 requests and waste 70 MiB, whole 63 "
+        "and 23.9 MiB)"
     )
     assert plan("Jamba-v0.1", 16).notes[-1] == (
         "state_split auto: 4 (7 requests of max_model_len fit the arena, fewer than 16: "

@@ -46,10 +46,12 @@ def _fits(plan: Plan, requests: int) -> bool:
         # a chunk lends every whole block, less one when the block does not divide it
         lent = [size // g.block_bytes - (size % g.block_bytes > 0) for g in layout.groups]
         assert min(lent) >= 1
-        # the null host's ids of chunk 0 hold blocks too
+        # the null host's ids of chunk 0 and the tail host's past the last chunk hold
+        # blocks too
         loans = [0] * len(layout.groups)
-        if layout.null_host is not None:
-            loans[layout.null_host.group_id] = layout.null_host.end - layout.null_host.first
+        for host in (layout.null_host, layout.tail_host):
+            if host is not None:
+                loans[host.group_id] += host.end - host.first
         chunks = sum(
             _cdiv(max(0, requests * n - loan), k)
             for k, n, loan in zip(lent, need, loans, strict=True)

@@ -96,6 +96,24 @@ def test_qwen3_next_fits_one_request_with_chunk_zero_lent() -> None:
     _hold_all(plan)
 
 
+def test_the_blocks_past_the_last_chunk_count_toward_the_arenas_capacity() -> None:
+    """Found by review: the arena planned 178 requests where ``uniform`` plans 179, because
+    its capacity left out the 15 blocks past the last chunk that the pool lends its tail
+    host for good; counted, it plans 179, and the manager holds them all."""
+    from hybridkv.models import resolve_model
+
+    model = resolve_model("DeepSeek-V3", tp_size=8, kv_cache_dtype="fp8")
+    kw = {"memory_bytes": parse_bytes("24GiB"), "max_model_len": 4096}
+    plan = make_plan(model, strategy=Strategy.ARENA, **kw)  # type: ignore[arg-type]
+    uniform = make_plan(model, strategy=Strategy.UNIFORM, **kw)  # type: ignore[arg-type]
+    host = plan.layout.tail_host
+    assert host is not None and (host.group_id, host.end - host.first) == (0, 15)
+    assert plan.layout.loaned_blocks == [plan.layout.null_loan_blocks[0] + 15]
+    assert plan.capacity.max_concurrent_requests == uniform.capacity.max_concurrent_requests
+    assert plan.capacity.max_concurrent_requests == 179
+    _hold_all(plan)
+
+
 @pytest.mark.parametrize(("name", "memory", "length"), [("gemma-3-27b", "4GiB", 4096)])
 def test_a_windowed_model_holds_its_planned_requests_decoding_side_by_side(
     name: str, memory: str, length: int

@@ -7,10 +7,13 @@ Capacity rules (``need[g]`` = :func:`hybridkv.plan.need.blocks_for_request` of g
 * arena: ``N`` requests fit when ``sum_g ceil(max(0, N * need[g] - loaned[g]) /
   blocks_per_chunk[g]) <= num_chunks - 1``: each group carves whole chunks (chunk 0 is the
   null chunk) for what its blocks of chunk 0 (the null host's:
-  :func:`hybridkv.plan.layout.null_loan_blocks`) do not hold.  The tail host's ids past the
-  last chunk are not counted (they are free at the capacity point): a search that counted
-  them would prefer huge chunks whose tail locks a third of the budget to one group
-  (Zamba2-7B-like: 3 chunks of 2 GiB).
+  :func:`hybridkv.plan.layout.null_loan_blocks`) do not hold.  The chunk-size search does
+  not count the tail host's ids past the last chunk: one that counted them would prefer
+  huge chunks whose tail locks a third of the budget to one group (Zamba2-7B-like: 3 chunks
+  of 2 GiB).  The chosen layout's capacity does (``loaned`` of
+  :func:`hybridkv.plan.layout.loan_blocks`): the pool hands them to their host like chunk
+  0's loan, and without them the arena planned fewer requests than ``uniform`` on budgets
+  whose tail held a request's worth (DeepSeek-V3, fp8, 24 GiB: 178 against 179).
 
 Byte ledger at the capacity point ``N`` (every field >= 0; they sum to the budget exactly):
 
@@ -204,7 +207,7 @@ def _arena_ledger(
     usable = layout.null_chunk_usable_bytes  # chunk 0 past the null region
     tail = layout.tail_usable_bytes  # lent to the tail host past the last chunk: free
     free += usable + tail  # less what the held blocks take of chunk 0, below
-    for g, loan in zip(layout.groups, layout.null_loan_blocks, strict=True):
+    for g, loan in zip(layout.groups, layout.loaned_blocks, strict=True):
         per_chunk = layout.blocks_per_chunk(g.group_id)
         held = requests * need[g.group_id]
         in_loans = min(held, loan)  # the loans hold blocks first

@@ -53,6 +53,7 @@ __all__ = [
     "NullHost",
     "PoolPlan",
     "Strategy",
+    "loan_blocks",
     "null_chunk_usable_bytes",
     "null_host",
     "null_loan_blocks",
@@ -280,6 +281,19 @@ def null_loan_blocks(groups: Sequence[GroupPlan], chunk_bytes: int) -> list[int]
     return out
 
 
+def loan_blocks(
+    groups: Sequence[GroupPlan], chunk_bytes: int, num_chunks: int, tail_bytes: int
+) -> list[int]:
+    """Per group, the blocks it holds for good outside the whole chunks: the null host's of
+    chunk ``0`` (:func:`null_loan_blocks`) and the tail host's past the last chunk
+    (:func:`tail_host`)."""
+    out = null_loan_blocks(groups, chunk_bytes)
+    host = tail_host(groups, chunk_bytes, num_chunks, tail_bytes) if num_chunks >= 2 else None
+    if host is not None:
+        out[host.group_id] += host.end - host.first
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArenaPlan:
     """One shared region of ``num_chunks`` chunks; chunk 0 holds the null blocks.
@@ -456,6 +470,13 @@ class MemoryLayout:
         """Arena only: per group, its blocks of chunk ``0`` (:func:`null_loan_blocks`)."""
         chunk = self._arena_plan("null_loan_blocks").chunk_bytes
         return null_loan_blocks(self.groups, chunk)
+
+    @property
+    def loaned_blocks(self) -> list[int]:
+        """Arena only: per group, the blocks it holds for good outside the whole chunks, in
+        chunk ``0`` and past the last chunk (:func:`loan_blocks`)."""
+        arena = self._arena_plan("loaned_blocks")
+        return loan_blocks(self.groups, arena.chunk_bytes, arena.num_chunks, arena.tail_bytes)
 
     @property
     def tail_usable_bytes(self) -> int:

@@ -178,7 +178,7 @@ def parse_strategy(value: Strategy | str) -> Strategy:
 def _capacity(layout: MemoryLayout, need: tuple[int, ...], max_model_len: int) -> Capacity:
     if layout.arena is not None:
         per_chunk = tuple(layout.blocks_per_chunk(g.group_id) for g in layout.groups)
-        loaned = layout.null_loan_blocks
+        loaned = layout.loaned_blocks  # chunk 0's and the tail's, for good
         n = arena_capacity(per_chunk, layout.arena.num_chunks - 1, need, loaned)
         in_use = tuple(n * b for b in need)
         return Capacity(
