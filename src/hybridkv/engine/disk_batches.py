@@ -9,7 +9,7 @@ from concurrent.futures import Executor
 
 import torch
 
-from hybridkv.storage.disk_slots import DiskSlots
+from hybridkv.storage.disk_slots import DiskCacheError, DiskSlots
 
 __all__ = ["Item", "Key", "Payload", "run_batch"]
 
@@ -29,6 +29,23 @@ def _view(data: Payload) -> memoryview | tuple[memoryview, ...]:
     return data.numpy().data if isinstance(data, torch.Tensor) else data
 
 
+#: A run's items as :meth:`~hybridkv.storage.disk_slots.DiskSlots.write_many` takes them.
+_Run = list[tuple[Key, int, memoryview | tuple[memoryview, ...]]]
+
+
+def _one_by_one(slots: DiskSlots, run: _Run) -> int:
+    """Write ``run`` entry by entry (as :meth:`DiskSlots.write_many` would, without its
+    helper); returns how many entries the slots refused (each logged)."""
+    refused = 0
+    for key, tag, data in run:
+        try:
+            slots.write(key, tag, data)
+        except DiskCacheError as exc:
+            refused += 1
+            logger.warning("a disk write refused: %s", exc)
+    return refused
+
+
 def run_batch(
     slots: DiskSlots,
     helper: Executor,
@@ -38,10 +55,13 @@ def run_batch(
     """Clears (None) and drops in order, each run of writes between them by one
     :meth:`~hybridkv.storage.disk_slots.DiskSlots.write_many` shared with ``helper`` (once
     the CUDA events their bytes are ready at are done); staging tensors go back to ``give``
-    once written.  Returns how many runs failed (logged; their entries read as missing, and
-    the batch goes on)."""
+    once written.  A run with an entry the slots refuse (a payload of a size no slot holds:
+    :class:`DiskCacheError`, raised before any change) is written entry by entry, so only
+    that entry fails (found by review: the whole run did).  Returns how many runs (or
+    refused entries) failed (logged; their entries read as missing, and the batch goes
+    on)."""
     failed = 0
-    run: list[tuple[Key, int, memoryview | tuple[memoryview, ...]]] = []
+    run: _Run = []
     ready: list[torch.cuda.Event] = []
     owners: list[torch.Tensor] = []
 
@@ -51,7 +71,10 @@ def run_batch(
             for event in ready:
                 event.synchronize()
             if run:
-                slots.write_many(run, helper)
+                try:
+                    slots.write_many(run, helper)
+                except DiskCacheError:  # an entry refused: the others still go out
+                    failed += _one_by_one(slots, run)
         except Exception:  # the run's entries read as missing; the batch goes on
             failed += 1  # (its drops and clears still run), and it is logged
             logger.exception("disk cache: a run of %d writes failed", len(run))

@@ -122,7 +122,8 @@ class DiskTier:
         self._closed = False
         #: Reads that found a copy missing, torn or corrupt.
         self.bad_reads = 0
-        #: Runs of writes the writer could not make (raised: logged, their entries missing).
+        #: Runs of writes the writer could not make (raised: logged, their entries missing),
+        #: and entries the slots refused (a size no slot holds; the rest of their run is written).
         self.failed_runs = 0
         self.readers = readers
         #: Writes (with the CUDA event their bytes are ready at, if any), drops (no data) and
@@ -175,7 +176,7 @@ class DiskTier:
         entry ``key``; it goes to the writer with the rest of the batch at :meth:`commit`.
         ``ready``: a CUDA event recorded after the (asynchronous) copy that fills ``data``; the
         threads wait for it before they read the bytes.  A write that fails stores nothing:
-        the entry then reads as bad."""
+        the entry then reads as bad (a rewrite that finds no slot keeps the old copy)."""
         self.write_run([(key, tag)], [data.numel()], data, ready)
 
     def write_run(
@@ -503,8 +504,8 @@ class DiskTier:
 
     def take(self, key: Key) -> torch.Tensor | None:
         """The checked bytes of ``key`` for its load (:meth:`give` them back after): staged
-        ones, or (when no check ran before the admission) read and checked now, after its
-        queued write; None when bad."""
+        ones, those of its finished prefetch, or (when no check ran before the admission)
+        read and checked now, after its queued write; None when bad."""
         self._own()
         data = self._unstage(key)
         if data is not None:
@@ -516,12 +517,27 @@ class DiskTier:
         writing = self._writing.pop(key, None)
         if writing is not None:
             writing.result()
+        data = self._done_copy(key)  # (found by review: a finished prefetch was read again)
+        if data is not None:
+            return data
         if key in self._reads:  # read here: that copy would only wait, staged and unasked
             self._abandon(key)
         data = self._read(key)
         if data is None:
             self.bad_reads += 1
         return data
+
+    def _done_copy(self, key: Key) -> torch.Tensor | None:
+        """``key``'s checked copy from its read, taken off it, when that read is current (no
+        write or drop since it was asked), finished and good; else None (the read stays)."""
+        read = self._reads.get(key)
+        if read is None or key in self._gen or not read[1].done():
+            return None
+        job = read[1]
+        if job.cancelled() or job.exception() is not None or job.result().get(key) is None:
+            return None
+        self._pop_read(key)
+        return job.result().pop(key)
 
     def reading(self) -> bool:
         """Whether reads (or writes a read waits for) are in flight."""

@@ -65,7 +65,14 @@ from hybridkv.storage.disk_format import (
 )
 from hybridkv.storage.disk_io import pwrite_all, pwritev_all
 from hybridkv.storage.disk_manifest import DiskCacheError, check_manifest
-from hybridkv.storage.disk_space import SlotEntry, SplitMarks, check_tiling, empty_header, walk
+from hybridkv.storage.disk_space import (
+    SlotEntry,
+    SplitMarks,
+    check_tiling,
+    empty_header,
+    room_in_place,
+    walk,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -274,9 +281,13 @@ class DiskSlots:
         """Store ``data`` (contiguous bytes, or pieces whose concatenation is the payload) as
         entry ``key`` with admission ``tag``: its checksum, then header and payload by one
         ``pwritev`` (:meth:`write_many` of the one item).  Returns False, storing nothing,
-        when no slot is left for its size or the write fails (the entry then reads as
-        missing).  Raises :class:`DiskCacheError`, storing nothing, for a key, tag or payload
-        size the slots cannot hold (:meth:`_check_item`) or a closed cache."""
+        when no slot is left for its size (a stored ``key`` keeps its old copy: found by
+        review, it was dropped first) or the write fails (the entry then reads as missing: a
+        rewrite that has room frees the old copy's slot first, so a full file rewrites in
+        place; the engine learns of a failed write only by that miss, at the entry's next
+        check, and its manager never asks to rewrite a key its tier holds).  Raises
+        :class:`DiskCacheError`, storing nothing, for a key, tag or payload size the slots
+        cannot hold (:meth:`_check_item`) or a closed cache."""
         return self.write_many([(key, tag, data)])[0]
 
     def write_many(
@@ -308,9 +319,10 @@ class DiskSlots:
             self._check_item(key, tag, size)
         places: list[tuple[int, int] | None] = []
         for (key, _, _), size in zip(items, sizes, strict=True):
-            if key in self.entries:
+            old = self.entries.get(key)
+            if old is not None and room_in_place(self._space, old, size):
                 self.drop(key)
-            offset = self._take(size)
+            offset = None if key in self.entries else self._take(size)
             if offset is None:
                 self.no_room += 1
                 places.append(None)

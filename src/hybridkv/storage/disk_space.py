@@ -16,6 +16,7 @@ before the run's writes (found by review: until then the walk lost those entries
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
@@ -28,12 +29,13 @@ from hybridkv.storage.disk_format import (
     HEADER_BYTES,
     HEADER_READ,
     SLOT_ALIGN,
+    checksum,
     pack_header,
     parse_header,
     slot_stride,
 )
 
-__all__ = ["SlotEntry", "SplitMarks", "check_tiling", "empty_header", "walk"]
+__all__ = ["SlotEntry", "SplitMarks", "check_tiling", "empty_header", "room_in_place", "walk"]
 
 #: Writes a header at an offset of the file.
 _Pwrite = Callable[[bytes, int], None]
@@ -113,6 +115,14 @@ class SplitMarks:
             self._after.clear()
 
 
+def room_in_place(space: FreeExtents, entry: SlotEntry, size: int) -> bool:
+    """Whether ``space`` has a slot for a ``size``-byte payload once ``entry``'s slot is
+    freed (tried on a copy, nothing changes): a rewrite that finds none keeps its old copy."""
+    trial = copy.deepcopy(space)
+    trial.give(entry.offset, slot_stride(entry.size))
+    return trial.take(slot_stride(size)) is not None
+
+
 def check_tiling(space: FreeExtents, used: Iterable[tuple[int, int, str]], where: str) -> None:
     """Raise :class:`InvariantError` (its message starting with ``where``) unless the slots
     ``used`` (``(offset, stride, what)``) and the free extents of ``space`` tile the carved
@@ -153,9 +163,12 @@ def walk(
     over it; for a slot carved at the end of the file the walk tries the header a slot of
     each block size would end at, goes on from the first that checks out (the hole becomes
     free space, marked so in the file by ``pwrite``) and ends only where none does.  A
-    header found so may be older than the hole (the file's last life); its entry's payload
-    checksum is checked at every read, as any entry's.  Returns the entries by key, the
-    same oldest first, and the stamp the next write takes."""
+    header found so may be older than the hole (an earlier life's, inside the slot the run
+    carved over it), so a committed one counts only when its payload checksum holds
+    (:func:`_whole`): one whose payload a later slot overwrote led the walk along the old
+    slots, past the whole entry after the hole (found by review).  Any entry's payload
+    checksum is checked at every read, too.  Returns the entries by key, the same oldest
+    first, and the stamp the next write takes."""
     entries: dict[tuple[int, int], SlotEntry] = {}
     found: list[SlotEntry] = []
     next_stamp = 0
@@ -167,7 +180,8 @@ def walk(
         if parsed is None:
             for stride in strides:  # a hole of one slot of this size?
                 parsed = _header(fd, offset + stride, size_now, sizes[-1], file_bytes)
-                if parsed is not None:  # marked free, so the next walk strides over it
+                if parsed is not None and _whole(fd, offset + stride, parsed):
+                    # marked free, so the next walk strides over it
                     with contextlib.suppress(OSError):
                         pwrite(empty_header(stride), offset)
                     space.give(offset, stride)
@@ -191,6 +205,19 @@ def walk(
     space.top = offset
     found.sort(key=lambda e: e.stamp)
     return entries, found, next_stamp
+
+
+def _whole(fd: int, offset: int, parsed: tuple[int, int, int, int, int, int, int]) -> bool:
+    """Whether the slot at ``offset`` with header ``parsed`` is empty or its payload matches
+    its checksum (read: the walk calls this only past a hole)."""
+    _, size, state, _, _, _, crc = parsed
+    if state != COMMITTED:
+        return True
+    try:
+        data = os.pread(fd, size, offset + HEADER_BYTES)
+    except OSError:
+        return False
+    return len(data) == size and checksum(memoryview(data)) == crc
 
 
 def _header(
