@@ -503,3 +503,32 @@ def test_a_decode_process_that_ends_without_a_result_is_reported_at_once() -> No
     box: queue_mod.Queue[bytes] = queue_mod.Queue()
     box.put(b"late")  # a result put just before it ended still counts
     assert _result(box, Ended(), 600.0) == b"late"
+
+
+def test_a_prompt_the_prefill_process_cannot_serve_is_recomputed_on_the_decode_side() -> None:
+    # Found by review: the prefill process ended with a traceback, and the decode process
+    # waited out its timeout, then recomputed every request left.
+    prefill = CacheConfig(strategy="pools", block_size=4, num_blocks=64, max_model_len=32)
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1]]  # 30, 39 and 30 tokens
+    res = run_disaggregated(
+        ["llama"], prompts, max_tokens=3, prefill_cache=prefill, decode_cache=DECODE, timeout=20
+    )["llama"]
+    assert (res.imported, res.recomputed, res.refused, res.errors) == (2, 1, 0, [])
+    assert res.reasons["r1"].startswith("the prefill instance cannot serve it: request 'r1'")
+    done = [res.completions[f"r{i}"] for i in range(3)]
+    assert verify_completions(_reference("llama"), done).ok
+
+
+def test_the_prefill_process_says_in_one_line_why_it_stopped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybridkv.engine import disaggregate
+
+    def lost(*_: Any) -> None:
+        raise TransferError("transport: no message from rank 1 within 5 s")
+
+    monkeypatch.setattr(disaggregate, "_prefill", lost)
+    assert not disaggregate._prefill_or_say(None, [], None, 1)  # type: ignore[arg-type]
+    assert capsys.readouterr().err == (
+        "hybridkv: prefill process stopped: transport: no message from rank 1 within 5 s\n"
+    )

@@ -26,6 +26,7 @@ import datetime
 import os
 import pickle
 import queue
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -110,7 +111,11 @@ def _prefill(engine: LLMEngine, prompts: list[list[int]], die_after: int | None,
         if refused is not None:
             send_object(("failed", refused), 1)
             continue
-        engine.add_request(rid, prompt, max_tokens=1, hold=True)
+        try:
+            engine.add_request(rid, prompt, max_tokens=1, hold=True)
+        except HybridKVError as exc:  # announced: the decode side recomputes it, or refuses
+            send_object(("failed", f"the prefill instance cannot serve it: {exc}"), 1)
+            continue
         engine.run()
         try:
             handover = export_request(engine, rid)
@@ -131,6 +136,21 @@ def _prefill(engine: LLMEngine, prompts: list[list[int]], die_after: int | None,
                 break
             send_plan(message[2], sources[message[1]], 1)
         release(engine, rid)
+
+
+def _prefill_or_say(
+    engine: LLMEngine, prompts: list[list[int]], die_after: int | None, tp: int
+) -> bool:
+    """:func:`_prefill`; False once it stopped on an error (the decode process out of reach:
+    it stopped pulling after a transfer of its failed, say), said in one line on stderr: the
+    decode process recomputes what it did not receive, and its result says why (found by
+    review: the prefill process ended with a traceback)."""
+    try:
+        _prefill(engine, prompts, die_after, tp)
+    except HybridKVError as exc:
+        print(f"hybridkv: prefill process stopped: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _decode(
@@ -247,7 +267,8 @@ def _worker(
     for model in models:
         engine = LLMEngine(model, cache=caches[rank], keep_logits=True, seed=seed)
         if rank == 0:
-            _prefill(engine, prompts, die_after, tps[0])
+            if not _prefill_or_say(engine, prompts, die_after, tps[0]):
+                break
             continue
         results[model] = result = _decode(engine, max_tokens, eos_token_ids, tps[1])
         if result.errors:  # the peer is gone: the models after this one run nowhere
