@@ -227,8 +227,9 @@ def test_bounded_chunks_when_the_common_multiple_is_huge() -> None:
     assert arena.layout.arena.tail_bytes == 1440 * 5963776 - 9 * 920678400
     assert arena.waste.total == 54964224 + 14184448 <= (8 << 30) // 100
     big = make_plan(spec, memory_bytes=40 << 30, max_model_len=4096, strategy="arena")
-    assert big.capacity.max_concurrent_requests == 24
-    assert big.waste.total <= (40 << 30) // 100  # 0.24%
+    # of the chunk sizes that plan 24 without the tail, one plans 25 with it (uniform: 24)
+    assert big.capacity.max_concurrent_requests == 25
+    assert big.waste.total <= (40 << 30) // 100  # 0.25%
 
 
 def test_arena_plan_tail_bytes_are_checked_and_round_trip() -> None:

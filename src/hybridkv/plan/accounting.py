@@ -10,7 +10,8 @@ Capacity rules (``need[g]`` = :func:`hybridkv.plan.need.blocks_for_request` of g
   :func:`hybridkv.plan.layout.null_loan_blocks`) do not hold.  The chunk-size search does
   not count the tail host's ids past the last chunk: one that counted them would prefer
   huge chunks whose tail locks a third of the budget to one group (Zamba2-7B-like: 3 chunks
-  of 2 GiB).  The chosen layout's capacity does (``loaned`` of
+  of 2 GiB); it breaks ties between chunk sizes of equal capacity with them.  The chosen
+  layout's capacity counts them (``loaned`` of
   :func:`hybridkv.plan.layout.loan_blocks`): the pool hands them to their host like chunk
   0's loan, and without them the arena planned fewer requests than ``uniform`` on budgets
   whose tail held a request's worth (DeepSeek-V3, fp8, 24 GiB: 178 against 179).

@@ -107,11 +107,14 @@ class _Candidate(NamedTuple):
     waste: int  # chunk tails + null region + page padding at the capacity point, bytes
     min_bytes: int  # smallest budget holding one request with this chunk size
     tail_bytes: int  # past the last whole chunk, lent to the tail host (plan.layout.tail_host)
+    with_tail: int  # the capacity counting the tail host's blocks too (the plan's)
 
     def score(
         self, memory_bytes: int, one_slot: bool = True
-    ) -> tuple[int, bool, bool, float, int, int]:
-        """Larger is better: capacity, then meeting the aim, then (when it is met, and
+    ) -> tuple[int, int, bool, bool, float, int, int]:
+        """Larger is better: capacity, then capacity counting the tail host's blocks (the
+        plan's; not first, or huge chunks whose tail one group holds win), then meeting the
+        aim, then (when it is met, and
         ``one_slot``) one slot of every state group per chunk within
         :data:`ONE_SLOT_MAX_PADDING`, then the least relative page padding, then the least
         waste, then the smaller chunk."""
@@ -119,6 +122,7 @@ class _Candidate(NamedTuple):
         one = aim and one_slot and self.one_slot
         return (
             self.capacity,
+            self.with_tail,
             aim,
             one,
             -self.padding if aim else 0.0,
@@ -245,6 +249,10 @@ def _evaluate_chunk(
     lent = 0 if host is None else host.usable_bytes(groups)
     tails = memory_bytes - start - lent  # budget past the chunks the tail host cannot use
     reserved = null_chunk_reserved(groups, chunk)
+    with_tail = capacity
+    if host is not None:
+        loaned[host.group_id] += host.end - host.first
+        with_tail = arena_capacity(per_chunk, num_chunks - 1, need, loaned)
     return _Candidate(
         groups,
         chunk,
@@ -253,6 +261,7 @@ def _evaluate_chunk(
         tails + reserved + padding + inside,
         min_bytes,
         tail_bytes,
+        with_tail,
     )
 
 
