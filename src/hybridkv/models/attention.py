@@ -194,7 +194,7 @@ def _derive_mistral(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
 
 
 def _derive_qwen(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
-    """Qwen2/Qwen3: ``sliding_window`` only counts with ``use_sliding_window``.
+    """Qwen2/Qwen3: ``sliding_window`` (class default 4096) only counts with ``use_sliding_window``.
 
     Without ``layer_types``, layers ``i >= max_window_layers`` slide and the rest are full.
     """
@@ -285,7 +285,8 @@ def _derive_llama4(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
     """Llama 4 text: RoPE layers are chunked-local, NoPE layers (every 4th) are full.
 
     ``no_rope_layers[i]`` is 1 for a RoPE (chunked) layer; without it transformers uses
-    ``(i + 1) % no_rope_layer_interval != 0``.
+    ``(i + 1) % no_rope_layer_interval != 0``.  With ``attention_chunk_size: null`` every
+    layer is full attention (``Llama4TextConfig.__post_init__``).
     """
     n = cfg.num_layers()
     rope_flags = cfg.opt_int_list("no_rope_layers")
@@ -294,16 +295,25 @@ def _derive_llama4(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
         rope_flags = [int((i + 1) % interval != 0) for i in range(n)]
     cfg.check_length("no_rope_layers", rope_flags, n)
     flags = rope_flags
-    types = _layer_types(cfg, n, lambda i: "chunked_attention" if flags[i] else "full_attention")
-    shape = AttentionShape(
-        num_kv_heads=kv_heads(cfg),
-        head_dim=default_head_dim(cfg),
-        chunk=cfg.opt_int("attention_chunk_size"),
+    # "attention_chunk_size": null switches chunking off: every layer is full attention
+    chunk = cfg.opt_int("attention_chunk_size")
+    types = _layer_types(
+        cfg,
+        n,
+        lambda i: "chunked_attention" if flags[i] and chunk is not None else "full_attention",
     )
+    shape = AttentionShape(num_kv_heads=kv_heads(cfg), head_dim=default_head_dim(cfg), chunk=chunk)
     return uniform_attention_layers(cfg, ctx, types, shape)
 
 
-_QWEN_DEFAULTS: Mapping[str, Any] = {"use_sliding_window": False, "max_window_layers": 28}
+# Qwen2Config has no head_dim field (hidden_size // num_attention_heads); Qwen3Config's is 128.
+# The 4096 window only counts when use_sliding_window is true.
+_QWEN2_DEFAULTS: Mapping[str, Any] = {
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+_QWEN3_DEFAULTS: Mapping[str, Any] = {**_QWEN2_DEFAULTS, "head_dim": 128}
 _GEMMA_DEFAULTS: Mapping[str, Any] = {
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
@@ -316,8 +326,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(_derive_llama, {}, "attention"),
     "mistral": Architecture(_derive_mistral, {"sliding_window": 4096}, "attention"),
     "mixtral": Architecture(_derive_mistral, {}, "attention"),
-    "qwen2": Architecture(_derive_qwen, _QWEN_DEFAULTS, "attention"),
-    "qwen3": Architecture(_derive_qwen, _QWEN_DEFAULTS, "attention"),
+    "qwen2": Architecture(_derive_qwen, _QWEN2_DEFAULTS, "attention"),
+    "qwen3": Architecture(_derive_qwen, _QWEN3_DEFAULTS, "attention"),
     "gemma2": Architecture(_derive_gemma2, _GEMMA_DEFAULTS, "attention"),
     "gemma3_text": Architecture(
         _derive_gemma3,

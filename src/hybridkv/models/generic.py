@@ -12,9 +12,9 @@ otherwise.  ``tests/test_models_generic.py`` checks the result against the cache
 allocates for every architecture it lists.
 
 A config that carries the fields of another cache kind (MLA latents, recurrent or conv state,
-KV sharing, compressed attention) or of an encoder-decoder is refused: deriving it as plain
-attention would be wrong, so it needs a registry entry.  The derived spec says in its notes
-that it took this path.  No torch.
+KV sharing, compressed attention, cross-attention, looped layers) or of an encoder-decoder is
+refused: deriving it as plain attention would be wrong, so it needs a registry entry.  The
+derived spec says in its notes that it took this path.  No torch.
 """
 
 from __future__ import annotations
@@ -59,10 +59,16 @@ _FOREIGN_FIELDS: dict[str, str] = {
     "type_vocab_size": "an encoder's token-type embeddings",
     "attn_layers": "LSH / local attention layers (Reformer)",
     "v_head_dim": "a value head size of its own",
+    # mllama: these layers cache the image's K/V (fixed size), not per-token K/V
+    "cross_attention_layers": "cross-attention layers caching image K/V, not per-token K/V",
 }
 #: Fields whose mere presence (even 0 or empty) marks a family the shared rule misreads.
 _FOREIGN_KEYS: dict[str, str] = {
     "num_kv_shared_layers": "KV sharing between layers",
+    # dory: recurrent layers run n_recurrent_loops times; "per_loop" (the default) keeps a KV
+    # cache per loop, "last_loop" shares one across loops
+    "n_recurrent_loops": "looped recurrent layers with a KV cache per loop",
+    "recurrent_kv_cache_mode": "looped recurrent layers with a KV cache per loop",
 }
 
 

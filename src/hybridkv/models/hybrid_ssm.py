@@ -204,6 +204,17 @@ def _nemotron_layer_types(cfg: ConfigView) -> list[str]:
     return types
 
 
+def _nemotron_head_dim(cfg: ConfigView) -> int:
+    """The checkpoint's ``head_dim``, else its ``attention_head_dim`` (the name remote-code
+    Nemotron-H configs use), else NemotronHConfig's class default (128, declared in the
+    defaults; not ``hidden_size // num_attention_heads``)."""
+    if cfg.data.get("head_dim") is None:
+        alias = cfg.opt_int("attention_head_dim")
+        if alias is not None:
+            return alias
+    return cfg.req_int("head_dim")
+
+
 def _derive_nemotron_h(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
     """Nemotron-H: one layer per pattern entry (M mamba2, * attention, - mlp, E moe)."""
     types = _nemotron_layer_types(cfg)
@@ -224,8 +235,9 @@ def _derive_nemotron_h(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
             ssm_dtype_flag=ssm_flag,
         )
 
-    head_dim = cfg.first_int("head_dim", "attention_head_dim") or default_head_dim(cfg)
-    attention = _full_attention(cfg, ctx, num_kv_heads=kv_heads(cfg), head_dim=head_dim)
+    attention = _full_attention(
+        cfg, ctx, num_kv_heads=kv_heads(cfg), head_dim=_nemotron_head_dim(cfg)
+    )
     return assemble_layers(cfg, types, _table(attention, state))
 
 
@@ -311,6 +323,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         _derive_nemotron_h,
         {
             "num_key_value_heads": 8,
+            "head_dim": 128,
             "mamba_num_heads": 128,
             "mamba_head_dim": 64,
             "n_groups": 8,

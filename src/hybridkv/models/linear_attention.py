@@ -37,7 +37,52 @@ def _derive_qwen3_next(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
     n = cfg.num_layers()
     interval = cfg.req_int("full_attention_interval")
     default = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-    types = _types_or(cfg, n, default)
+    return _gated_deltanet_layers(cfg, ctx, _types_or(cfg, n, default))
+
+
+def _olmo_hybrid_view(cfg: ConfigView) -> ConfigView:
+    """``cfg`` with the head counts and sizes ``OlmoHybridConfig.__post_init__`` derives when a
+    field is absent or null: ``linear_num_key_heads`` / ``linear_num_value_heads`` /
+    ``num_key_value_heads`` = ``num_attention_heads``, ``linear_key_head_dim`` =
+    ``int(0.75 * hidden_size / linear_num_key_heads)``, ``linear_value_head_dim`` = twice that.
+    """
+    heads = cfg.req_int("num_attention_heads")
+    resolved: dict[str, int] = {}
+    key_heads = cfg.opt_int("linear_num_key_heads") or heads
+    resolved["linear_num_key_heads"] = key_heads
+    resolved["linear_num_value_heads"] = cfg.opt_int("linear_num_value_heads") or heads
+    resolved["num_key_value_heads"] = cfg.opt_int("num_key_value_heads") or heads
+    key_dim = cfg.opt_int("linear_key_head_dim")
+    if key_dim is None:
+        # transformers' own float expression, so rounding agrees exactly
+        key_dim = int(0.75 * cfg.req_int("hidden_size") / key_heads)
+    resolved["linear_key_head_dim"] = key_dim
+    resolved["linear_value_head_dim"] = cfg.opt_int("linear_value_head_dim") or 2 * key_dim
+    return ConfigView(cfg.model_type, {**cfg.data, **resolved}, cfg.defaults)
+
+
+def _olmo_hybrid_default_types(n: int) -> list[str]:
+    # OlmoHybridConfig: full attention where i % 4 == 3; the last layer when that gives none
+    types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+    if "full_attention" not in types:
+        types[-1] = "full_attention"
+    return types
+
+
+def _derive_olmo_hybrid(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
+    """OLMo hybrid: gated DeltaNet layers and full attention, by ``layer_types`` (default 3 : 1).
+
+    Absent head counts and sizes follow ``OlmoHybridConfig`` (see :func:`_olmo_hybrid_view`).
+    """
+    view = _olmo_hybrid_view(cfg)
+    n = view.num_layers()
+    return _gated_deltanet_layers(view, ctx, _types_or(view, n, _olmo_hybrid_default_types(n)))
+
+
+def _gated_deltanet_layers(
+    cfg: ConfigView, ctx: DeriveContext, types: list[str]
+) -> list[LayerSpec]:
+    """Gated DeltaNet (``linear_attention``) and ``full_attention`` layers, one per entry."""
     shape = AttentionShape(num_kv_heads=kv_heads(cfg), head_dim=default_head_dim(cfg))
     flag = cfg.opt_str("mamba_ssm_dtype")
     ssm_flag = (
@@ -218,19 +263,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         {**_GDN_DEFAULTS, "num_attention_heads": 16, "num_key_value_heads": 2},
         "linear-attention",
     ),
-    # OLMo hybrid: gated DeltaNet + full attention, laid out by ``layer_types`` (3 : 1).
+    # OLMo hybrid: its other head counts and sizes derive from these (_olmo_hybrid_view).
     "olmo_hybrid": Architecture(
-        _derive_qwen3_next,
-        {
-            "full_attention_interval": 4,
-            "linear_conv_kernel_dim": 4,
-            "linear_key_head_dim": 96,
-            "linear_value_head_dim": 192,
-            "linear_num_key_heads": 30,
-            "linear_num_value_heads": 30,
-            "num_attention_heads": 30,
-            "num_key_value_heads": 30,
-        },
+        _derive_olmo_hybrid,
+        {"hidden_size": 3840, "num_attention_heads": 30, "linear_conv_kernel_dim": 4},
         "linear-attention",
     ),
     "kimi_linear": Architecture(
