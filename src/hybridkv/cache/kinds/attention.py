@@ -274,7 +274,8 @@ class WindowedManager(_AttentionManager):
     def _retain_end(self, st: GroupState, request: Request) -> None:
         if st.keep is not None:  # tail retention: also the window before the computed end
             tail = self._tail(request.num_computed_tokens)
-            st.keep = _without(_merged([*st.keep, tail]), st.withheld)
+            keep = _merged([*st.keep, tail])
+            st.keep = _without(keep, st.withheld) if st.withheld else keep
             st.num_cached = min(st.num_cached, tail[0])
 
     def _tail(self, end: int) -> tuple[int, int]:
