@@ -84,6 +84,26 @@ def test_qwen2_without_head_dim_keeps_hidden_over_heads() -> None:
     }
 
 
+QWEN_NO_KV_HEADS: dict[str, Any] = {
+    "model_type": "qwen2",
+    "num_hidden_layers": 2,
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(("model_type", "head_dim"), [("qwen2", 64), ("qwen3", 128)])
+def test_qwen_without_num_key_value_heads_uses_the_class_default_32(
+    model_type: str, head_dim: int
+) -> None:
+    # Qwen2Config and Qwen3Config default num_key_value_heads to 32, not num_attention_heads
+    spec = spec_from_config({**QWEN_NO_KV_HEADS, "model_type": model_type})
+    assert {layer.caches for layer in spec.layers} == {
+        (FullAttentionSpec(num_kv_heads=32, head_dim=head_dim, dtype=BF16),)
+    }
+
+
 NEMOTRON_NO_HEAD_DIM: dict[str, Any] = {
     "model_type": "nemotron_h",
     "dtype": "float32",
@@ -307,6 +327,8 @@ def test_mllama_cross_attention_layers_are_refused() -> None:
 
 ORACLE_CASES: dict[str, dict[str, Any]] = {
     "qwen3-no-head-dim": QWEN3_NO_HEAD_DIM,
+    "qwen2-no-kv-heads": QWEN_NO_KV_HEADS,
+    "qwen3-no-kv-heads": {**QWEN_NO_KV_HEADS, "model_type": "qwen3"},
     "nemotron_h-no-head-dim": NEMOTRON_NO_HEAD_DIM,
     "olmo_hybrid-derived-dims": {**OLMO_HYBRID, "num_key_value_heads": 2},
     "olmo_hybrid-mha": {**OLMO_HYBRID, "linear_num_key_heads": 2, "linear_key_head_dim": 8},

@@ -309,6 +309,7 @@ def _derive_llama4(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
 # Qwen2Config has no head_dim field (hidden_size // num_attention_heads); Qwen3Config's is 128.
 # The 4096 window only counts when use_sliding_window is true.
 _QWEN2_DEFAULTS: Mapping[str, Any] = {
+    "num_key_value_heads": 32,  # the class default, not num_attention_heads
     "use_sliding_window": False,
     "sliding_window": 4096,
     "max_window_layers": 28,
