@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 
 from hybridkv.cache import (
+    ComputedBlocks,
     HasherError,
     KVCacheManager,
     LayoutMismatchError,
     Request,
+    RequestLengthError,
     TierSpec,
     UnknownRequestError,
     compiled,
@@ -584,7 +586,51 @@ CASES: dict[str, Case] = {
         lambda m, r: m.make_request("r1", [1, 2], mm_items=5),
         False,
     ),
+    # found by review: a junction of None failed inside the allocation, after the request
+    # had taken blocks; an object's repr (another in every process) keyed the hashes
+    "new_computed_blocks-junction-none": (
+        RequestLengthError,
+        ("new_computed_blocks.junction_tokens must be an integer", "None (NoneType)"),
+        lambda m, r: _allocate_with_junction(m, None),
+        True,
+    ),
+    "new_computed_blocks-junction-past-end": (
+        RequestLengthError,
+        ("new_computed_blocks.junction_tokens 1000000000 outside [",),
+        lambda m, r: _allocate_with_junction(m, 10**9),
+        False,
+    ),
+    "lora_id-object": (
+        RequestError,
+        ("Request.lora_id: must be an int, a str or None", "(object)"),
+        lambda m, r: m.make_request("r1", [1, 2], lora_id=object()),
+        True,
+    ),
+    "cache_salt-int": (
+        RequestError,
+        ("Request.cache_salt: must be a str or None", "123 (int)"),
+        lambda m, r: m.make_request("r1", [1, 2], cache_salt=123),
+        True,
+    ),
+    "hasher-str": (
+        RequestError,
+        ("Request.hasher: must be a BlockHasher", "'xxh3' (str)"),
+        lambda m, r: Request("r1", [1, 2], hash_block_size=4, hasher="xxh3"),
+        True,
+    ),
+    "hash_block_size-bool": (
+        RequestError,
+        ("Request.hash_block_size: must be a positive integer, got True",),
+        lambda m, r: Request("r1", [1, 2], hash_block_size=True),
+        True,
+    ),
 }
+
+
+def _allocate_with_junction(mgr: KVCacheManager, junction: Any) -> Any:
+    none = ComputedBlocks(tuple(() for _ in mgr.num_free_blocks), 0, junction)  # no hit
+    r1 = mgr.make_request("r1", list(range(40)))
+    return mgr.allocate_slots(r1, 8, new_computed_blocks=none)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -10,9 +10,11 @@ from typing import SupportsIndex
 
 from hybridkv.cache.errors import LayoutMismatchError, RequestLengthError, UnknownRequestError
 from hybridkv.cache.tiers import TierSpec
+from hybridkv.cache.types import ComputedBlocks
 from hybridkv.errors import PlanError, brief_repr
 
 __all__ = [
+    "check_computed_blocks",
     "check_count",
     "check_group_id",
     "check_index",
@@ -71,3 +73,26 @@ def check_count(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise RequestLengthError(f"{name}: must be an integer >= 0, got {value!r}")
     return value
+
+
+def check_computed_blocks(rid: str, num_tokens: int, blocks: object) -> None:
+    """Raise unless ``blocks`` has the shape ``KVCacheManager.get_computed_blocks`` returns for
+    request ``rid`` of ``num_tokens`` tokens (found by review: a junction of None failed inside
+    the allocation, after the request had taken blocks)."""
+    if not isinstance(blocks, ComputedBlocks) or not isinstance(blocks.blocks, tuple):
+        raise LayoutMismatchError(
+            f"request {rid!r}: new_computed_blocks must be the ComputedBlocks "
+            f"get_computed_blocks returned, got {brief_repr(blocks)}"
+        )
+    hit, junction = blocks.num_computed_tokens, blocks.junction_tokens
+    for name, value in (("num_computed_tokens", hit), ("junction_tokens", junction)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise RequestLengthError(
+                f"request {rid!r}: new_computed_blocks.{name} must be an integer, got "
+                f"{brief_repr(value)}"
+            )
+    if not hit <= junction <= num_tokens:
+        raise RequestLengthError(
+            f"request {rid!r}: new_computed_blocks.junction_tokens {junction} outside "
+            f"[{hit}, {num_tokens}] (the hit, the request's tokens)"
+        )

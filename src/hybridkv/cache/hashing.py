@@ -180,7 +180,12 @@ class Xxh3Hasher(_DigestHasher):
 
 
 class BuiltinHasher(BlockHasher):
-    """CPython tuple hash; fast, 64-bit, stable across processes of one CPython version."""
+    """CPython tuple hash; fast, 64-bit, stable across processes of one CPython version.
+
+    Not injective on integers, which the other hashers are: CPython hashes ints modulo
+    2**61 - 1 and -1 like -2, so token ids from 2**61 - 1 up, and the multimodal keys of
+    items starting one and two tokens into a block, collide by construction (found by
+    review).  Use ``xxh3`` (the default) or ``sha256`` for such requests."""
 
     name: ClassVar[str] = "builtin"
 

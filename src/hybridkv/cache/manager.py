@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from hybridkv.cache.arguments import (
+    check_computed_blocks,
     check_count,
     check_group_id,
     check_index,
@@ -386,6 +387,7 @@ class KVCacheManager(TierCalls):
                     "new_computed_blocks get_computed_blocks returned"
                 )
             return None
+        check_computed_blocks(rid, request.num_tokens, blocks)
         if blocks.num_computed_tokens != length:
             raise RequestLengthError(
                 f"request {rid!r}: num_new_computed_tokens={length} but new_computed_blocks "
@@ -508,18 +510,15 @@ class KVCacheManager(TierCalls):
         local chunks), null the blocks its allocation took fresh that no query at a position
         >= ``num_tokens`` reads, and free them unpublished, as a prefix hit of ``num_tokens``
         tokens would not have held them.  Call it after that allocation and before its data
-        is written; the import then fills what the tables still hold.  Blocks already
-        published (``publish="scheduled"``) or hit are kept.  ``missing``: per group, token
-        ranges ``[start, end)`` the import will not write (the exporting side released them:
-        its window blocks are smaller); the blocks past the hit holding any of them are
-        never published.  Returns how many blocks were freed (:mod:`hybridkv.cache.imports`).
-
-        Raises :class:`UnknownRequestError` for a request holding no blocks,
-        :class:`RequestLengthError` for ``num_tokens`` outside ``[num_computed_tokens,
-        allocated slots]`` or a malformed ``missing``, and :class:`UnwrittenTokensError`
-        when a missing token past the hit is read by a query at or after ``num_tokens``
-        (every token of a full-attention group is) or lies in a published block; each
-        changes nothing."""
+        is written.  Blocks already published (``publish="scheduled"``) or hit are kept.
+        ``missing``: per group, token ranges ``[start, end)`` the import will not write (the
+        exporting side released them); the blocks past the hit holding any are never
+        published.  Returns how many blocks were freed (:mod:`hybridkv.cache.imports`).
+        Raises :class:`UnknownRequestError` (no blocks held), :class:`RequestLengthError`
+        (``num_tokens`` outside ``[num_computed_tokens, allocated slots]``, a malformed
+        ``missing``) and :class:`UnwrittenTokensError` (a missing token past the hit that a
+        query at or after ``num_tokens`` reads, or in a published block); none changes
+        anything."""
         return drop_unread(self._coord, request_id, num_tokens, missing)
 
     def has_blocks(self, request_id: str) -> bool:

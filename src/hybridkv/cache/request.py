@@ -93,6 +93,25 @@ def _checked_tokens(ids: Iterable[int], field: str) -> list[int]:
     return _checked_array(ids, field).tolist()
 
 
+def _check_extras(hasher: object, lora_id: object, cache_salt: object) -> None:
+    """Raise :class:`RequestError` for a hasher, LoRA id or cache salt of another type (found
+    by review: an object's repr, which differs between processes, keyed the hashes, and the
+    salt 123 hashed as "123")."""
+    if hasher is not None and not isinstance(hasher, BlockHasher):
+        raise RequestError(
+            f"Request.hasher: must be a BlockHasher (hybridkv.cache.make_hasher(name)) or None, "
+            f"got {brief_repr(hasher)}"
+        )
+    if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int | str)):
+        raise RequestError(
+            f"Request.lora_id: must be an int, a str or None, got {brief_repr(lora_id)}"
+        )
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise RequestError(
+            f"Request.cache_salt: must be a str or None, got {brief_repr(cache_salt)}"
+        )
+
+
 def _mm_items(given: object, request_id: str) -> tuple[MultiModalItem, ...]:
     """``mm_items`` as :class:`MultiModalItem` tuples; raises :class:`RequestError` for one that
     is not ``(identifier: str, offset: int, length: int)``."""
@@ -162,10 +181,12 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"Request.request_id: must be a non-empty str, got {request_id!r}")
-        if not isinstance(hash_block_size, int) or hash_block_size <= 0:
+        size_ok = isinstance(hash_block_size, int) and not isinstance(hash_block_size, bool)
+        if not size_ok or hash_block_size <= 0:
             raise RequestError(
                 f"Request.hash_block_size: must be a positive integer, got {hash_block_size!r}"
             )
+        _check_extras(hasher, lora_id, cache_salt)
         checked = _checked_array(prompt_token_ids, f"Request({request_id}).prompt_token_ids")
         # A list that passed the check holds integers only: copied as it is (5x faster than
         # converting the array back).
