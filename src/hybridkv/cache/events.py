@@ -25,7 +25,11 @@ class BlockStored(NamedTuple):
 
     ``block_hashes`` in prefix order; ``parent_block_hash`` is the group-level hash of the block
     just before the first one (``None`` when the first is the request's first block);
-    ``token_count`` tokens are covered (``len(block_hashes) * block_size``).
+    ``token_count`` tokens are covered (``len(block_hashes) * block_size``).  A lower tier's
+    events name one block each, in the order the blocks went down (often the tail first),
+    with ``parent_block_hash`` ``None``: unknown there, not a first block (a tier entry does
+    not keep its parent).  No event carries token ids, a LoRA id or extra keys: a router
+    keys on these hashes (the manager's hasher), not on keys of its own.
     """
 
     group_id: int
