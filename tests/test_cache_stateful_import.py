@@ -59,20 +59,24 @@ class ImportMachine(CacheMachine):
             mgr.free(req.request_id)  # what the scheduler does: only the hit is published
             return
         known = set(self.written)
-        self.written.update(req.block_hashes[: n // req.hash_block_size])
+        done = set(req.block_hashes[: n // req.hash_block_size])
+        self.written.update(done)
         tables = mgr.get_block_ids(req.request_id)
-        for g, ranges in missing.items():
+        for g in range(len(managers)):
+            ranges = missing.get(g, [])
             m = managers[g]
             bs, k = m.block_size, m.stride
+            left: set[int] = set()  # this import's blocks of group g holding a missing token
             for j, block in enumerate(tables[g]):
                 top = (j + 1) * k - 1
                 lo, hi = max(j * bs, cached), min((j + 1) * bs, n)
                 if not block or top >= len(req.block_hashes) or lo >= hi:
                     continue
                 if any(a < hi and b > lo for a, b in ranges):
-                    h = req.block_hashes[top]
-                    if h not in known:
-                        self.partial.setdefault(g, set()).add(h)
+                    left.add(req.block_hashes[top])
+            partial = self.partial.setdefault(g, set())
+            partial -= done - left  # blocks it wrote in full, an earlier import's partial ones
+            partial |= left - known
         req.num_computed_tokens = n
         self.running.append(req)
 
