@@ -75,14 +75,15 @@ def check_count(name: str, value: object) -> int:
     return value
 
 
-def check_computed_blocks(rid: str, num_tokens: int, blocks: object) -> None:
-    """Raise unless ``blocks`` has the shape ``KVCacheManager.get_computed_blocks`` returns for
-    request ``rid`` of ``num_tokens`` tokens (found by review: a junction of None failed inside
-    the allocation, after the request had taken blocks)."""
-    if not isinstance(blocks, ComputedBlocks) or not isinstance(blocks.blocks, tuple):
+def check_computed_blocks(rid: str, num_tokens: int, blocks: ComputedBlocks) -> None:
+    """Raise unless the fields of ``blocks`` (its type is checked at the call's boundary) have
+    the shape ``KVCacheManager.get_computed_blocks`` returns for request ``rid`` of
+    ``num_tokens`` tokens (found by review: a junction of None failed inside the allocation,
+    after the request had taken blocks)."""
+    if not isinstance(blocks.blocks, tuple):
         raise LayoutMismatchError(
-            f"request {rid!r}: new_computed_blocks must be the ComputedBlocks "
-            f"get_computed_blocks returned, got {brief_repr(blocks)}"
+            f"request {rid!r}: new_computed_blocks.blocks must be a tuple of per-group block "
+            f"ids, got {brief_repr(blocks.blocks)}"
         )
     hit, junction = blocks.num_computed_tokens, blocks.junction_tokens
     for name, value in (("num_computed_tokens", hit), ("junction_tokens", junction)):
