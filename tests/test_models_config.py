@@ -59,19 +59,36 @@ def test_typed_getters_reject_bad_values() -> None:
     )
     assert cfg.req_int("zero", minimum=0) == 0
     assert cfg.req_int("whole") == 4
-    with pytest.raises(ConfigError, match=r"field 'zero' must be an integer >= 1, got 0"):
+    with pytest.raises(
+        ConfigError, match=r"field 'zero' must be an integer in \[1, 2147483647\], got 0"
+    ):
         cfg.req_int("zero")
     with pytest.raises(ConfigError, match=r"field 'flag' must be true or false, got 'yes'"):
         cfg.req_bool("flag", default=False)
     assert cfg.req_bool("absent", default=True) is True
     with pytest.raises(ConfigError, match=r"field 'name' must be a string, got 3"):
         cfg.opt_str("name")
-    with pytest.raises(ConfigError, match=r"field 'ints\[1\]' must be an integer >= 0, got '2'"):
+    with pytest.raises(
+        ConfigError, match=r"field 'ints\[1\]' must be an integer in \[0, 2147483647\], got '2'"
+    ):
         cfg.opt_int_list("ints")
     with pytest.raises(ConfigError, match=r"field 'strs' must be a list of strings"):
         cfg.opt_str_list("strs")
     with pytest.raises(ConfigError, match=r"field 'obj' must be a JSON object, got \[1\]"):
         cfg.opt_mapping("obj")
+
+
+@pytest.mark.parametrize("value", [2**31, 2**63, 10**30, 1e308])
+def test_integer_fields_have_an_upper_bound(value: object) -> None:
+    # Found by review: a 1e308 head_dim overflowed the planner's floats and a 2^63
+    # max_position_embeddings overflowed len(range(...)) in `hybridkv models`; both ended in
+    # tracebacks instead of a ConfigError naming the field.
+    cfg = view(big=value, ok=2**31 - 1)
+    assert cfg.req_int("ok") == 2**31 - 1
+    with pytest.raises(ConfigError, match=r"field 'big' must be an integer in \[1, 2147483647\]"):
+        cfg.req_int("big")
+    with pytest.raises(ConfigError, match=r"field 'big\[0\]' must be an integer in \[0, "):
+        view(big=[value]).opt_int_list("big")
 
 
 def test_check_length() -> None:

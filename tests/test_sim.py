@@ -203,7 +203,7 @@ def test_cli_strategy_that_cannot_plan_is_na(capsys: pytest.CaptureFixture[str])
     rows = {line.split()[0]: line for line in out.splitlines()[3:6]}
     assert rows["pools"].split()[1:] == ["n/a"] * 11
     assert rows["arena"].split()[-2:] == ["4/4", "0"]
-    assert "pools: n/a: memory_bytes: 4 GiB (4294967296 B) holds no request" in out
+    assert "pools: n/a: --memory: 4 GiB (4294967296 B) holds no request" in out
     assert "pools cannot run at all" in out.splitlines()[-1]
 
 

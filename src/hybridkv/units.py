@@ -8,7 +8,15 @@ from decimal import Decimal, localcontext
 
 from hybridkv.errors import HybridKVError
 
-__all__ = ["MAX_BYTES", "SizeError", "format_bytes", "format_bytes_exact", "parse_bytes"]
+__all__ = [
+    "MAX_BYTES",
+    "SizeError",
+    "format_bytes",
+    "format_bytes_exact",
+    "format_bytes_si",
+    "parse_bytes",
+    "parse_rate",
+]
 
 
 class SizeError(HybridKVError, ValueError):
@@ -72,6 +80,41 @@ def parse_bytes(text: str | int, *, field: str = "size", allow_zero: bool = Fals
             "(2^64 B)"
         )
     return value
+
+
+_PER_SECOND_RE = re.compile(r"\s*/\s*s\s*$")
+
+
+def parse_rate(text: str | int, *, field: str = "bandwidth") -> int:
+    """Parse a transfer rate in bytes per second: :func:`parse_bytes`'s sizes, optionally
+    followed by ``/s`` (``"50GB"``, ``"50 GB/s"``, ``"12.5GiB/s"``).
+
+    A unit that ends in a lowercase ``b`` after a prefix (``Gb``, ``gb``, ``Mb``, ``Gib``)
+    reads as bits where rates are concerned (a "400 Gb/s" link moves 50 GB/s), so it is
+    refused with the byte figure rather than taken as bytes, eight times too fast."""
+    if isinstance(text, str):
+        text = _PER_SECOND_RE.sub("", text)
+        size = _SIZE_RE.match(text)
+        if size is not None and not size.group(1):
+            unit = size.group(3)
+            if len(unit) >= 2 and unit[-1] == "b" and unit[:-1].lower() + "b" in _UNITS:
+                per_second = parse_bytes(size.group(2) + unit[:-1] + "B", field=field) // 8
+                raise SizeError(
+                    f"{field}: {text.strip()!r} reads as bits per second (lowercase b); give "
+                    f"bytes per second, e.g. {format_bytes_si(per_second)}"
+                )
+    return parse_bytes(text, field=field)
+
+
+def format_bytes_si(num: int) -> str:
+    """``num`` bytes in the largest decimal unit that keeps three significant digits
+    (``50000000000`` -> ``'50GB'``, ``1500`` -> ``'1.5kB'``): a form :func:`parse_bytes`
+    reads back."""
+    for unit, size in (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("kB", 1000)):
+        if num >= size:
+            value = num / size
+            return f"{value:.4g}{unit}" if value < 1000 else f"{value:.0f}{unit}"
+    return f"{num}B"
 
 
 def _three_digits(value: float) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.errors import HybridKVError
+from hybridkv.specs import MAX_TOKENS
 
 if TYPE_CHECKING:
     from hybridkv.specs import ModelSpec
@@ -356,7 +357,8 @@ def max_model_len_for(
     here, but a plan for lengths it cannot serve is most likely a mistake."""
     limit = spec.max_position_embeddings
     if requested is not None:
-        if warn and limit is not None and requested > limit:
+        # Past MAX_TOKENS the plan refuses the length with its own error: no warning first.
+        if warn and limit is not None and limit < requested <= MAX_TOKENS:
             prog = f"hybridkv {command}" if command else "hybridkv"
             print(
                 f"{prog}: warning: --max-model-len {requested} is above {spec.name}'s own "

@@ -35,6 +35,7 @@ from hybridkv.cli.common import (
     chunk_alignment_arg,
     max_model_len_for,
     model_name,
+    with_flag_names,
 )
 from hybridkv.cli.format import compact_ranges, percent, render_table
 from hybridkv.errors import PlanError
@@ -380,7 +381,7 @@ def comparison_report(comparison: StrategyComparison) -> str:
         ]
     )
     lines.append(render_table(headers, rows, align="lrrrrr"))
-    lines.extend(f"{f.strategy.value}: {f.reason}" for f in comparison.failures)
+    lines.extend(f"{f.strategy.value}: {with_flag_names(f.reason)}" for f in comparison.failures)
     if comparison.plans:
         lines.extend(f"note: {note}" for note in comparison.plans[0].model.notes)
     lines.extend(f"note: {note}" for p in comparison.plans for note in p.notes)

@@ -109,8 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link-bandwidth",
         default=None,
         metavar="SIZE",
-        help="with --disaggregate: bytes per second between the instances (default: 50GB, "
-        "a 400 Gb/s RDMA link)",
+        help="with --disaggregate: bytes per second between the instances, e.g. 50GB or "
+        "50GB/s (the default: a 400 Gb/s RDMA link; a lowercase b, as in 400Gb, is bits and "
+        "refused)",
     )
     add_max_model_len(parser)
     add_block_options(parser, kernel=True)

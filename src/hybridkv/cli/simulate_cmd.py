@@ -36,6 +36,7 @@ from hybridkv.cli.common import (
     is_zero_size,
     max_model_len_for,
     model_name,
+    with_flag_names,
 )
 from hybridkv.cli.simulate_args import (
     DEFAULT_TRACE,
@@ -69,7 +70,8 @@ def _check_report_dir(path: str) -> Path:
 
 
 def _warnings(results: list[SimResult]) -> list[str]:
-    """One warning per distinct set of rejected requests (usually the same for every run)."""
+    """One warning per distinct set of rejected requests, and one per distinct count of
+    outputs cut at ``max_model_len`` (usually the same for every run)."""
     seen: dict[tuple[str, ...], list[str]] = {}
     for r in results:
         if r.rejected:
@@ -83,6 +85,18 @@ def _warnings(results: list[SimResult]) -> list[str]:
             f"warning{who}: {len(ids)} of {r.num_requests} requests rejected: prompt of "
             f"max_model_len {r.plan.max_model_len} tokens or more (longest {longest}); they "
             "count as misses in the hit rate; raise --max-model-len to admit them"
+        )
+    cut: dict[int, list[str]] = {}
+    for r in results:
+        if r.truncated:
+            cut.setdefault(r.truncated, []).append(r.strategy)
+    for n, strategies in cut.items():
+        r = next(r for r in results if r.strategy == strategies[0])
+        who = "" if len(strategies) == len(results) else f" ({', '.join(strategies)})"
+        lines.append(
+            f"warning{who}: {n} of {r.num_requests} requests had their outputs cut at "
+            f"max_model_len {r.plan.max_model_len} tokens (prompt plus output); they finish "
+            "early and count as finished; raise --max-model-len to run them in full"
         )
     return lines
 
@@ -303,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         except PlanError as exc:
             if len(strategies) == 1 or isinstance(exc, PoolRatiosError):
                 raise  # one strategy, or the user's --pool-ratios: the command's error
-            failures.append(StrategyFailure(str(config.strategy), str(exc)))
+            failures.append(StrategyFailure(str(config.strategy), with_flag_names(str(exc))))
             if isinstance(exc, BudgetTooSmallError) and exc.least_bytes:
                 least[str(config.strategy)] = exc.least_bytes
         else:
@@ -340,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
         except (SimulationError, SchedulerError) as exc:
             if len(strategies) == 1:
                 raise
-            failures.append(StrategyFailure(str(config.strategy), str(exc)))
+            failures.append(StrategyFailure(str(config.strategy), with_flag_names(str(exc))))
         finally:
             bar.close()
     if not results:

@@ -33,7 +33,7 @@ def run_disaggregated(
     from hybridkv.errors import PlanError
     from hybridkv.sim.disagg import simulate_pd
     from hybridkv.sim.simulator import plan_for
-    from hybridkv.units import format_bytes, parse_bytes
+    from hybridkv.units import format_bytes, parse_bytes, parse_rate
 
     if config.host_memory_bytes or config.disk_memory_bytes:
         raise CliInputError("--disaggregate: not with --host-memory / --disk-memory")
@@ -47,7 +47,7 @@ def run_disaggregated(
         except PlanError as exc:
             text = str(exc).removeprefix("memory_bytes: ")
             raise CliInputError(f"--prefill-memory: {text}") from None
-    link = parse_bytes(args.link_bandwidth or DEFAULT_LINK_BANDWIDTH, field="--link-bandwidth")
+    link = parse_rate(args.link_bandwidth or DEFAULT_LINK_BANDWIDTH, field="--link-bandwidth")
     result = simulate_pd(model, profile, workload, prefill, config, link_bandwidth=float(link))
     summary = result.summary()
     if result.rejected and not args.quiet:
@@ -56,6 +56,13 @@ def run_disaggregated(
             f"max_model_len {config.max_model_len} tokens or more (longest "
             f"{result.longest_rejected}); they count as misses in the hit rates; raise "
             "--max-model-len to admit them",
+            file=sys.stderr,
+        )
+    if result.truncated and not args.quiet:
+        print(
+            f"warning: {result.truncated} of {summary['requests']} requests had their outputs "
+            f"cut at max_model_len {config.max_model_len} tokens (prompt plus output); they "
+            "finish early and count as finished; raise --max-model-len to run them in full",
             file=sys.stderr,
         )
     if args.json:

@@ -108,6 +108,14 @@ def attention_spec(
     heads = kv_heads_per_rank(
         shape.num_kv_heads, ctx.tp_size, field="num_key_value_heads", model_type=cfg.model_type
     )
+    queries = cfg.raw("num_attention_heads")
+    if type(queries) is int and queries > 0 and queries % ctx.tp_size:
+        # Found by review: tp=3 of 4 query heads planned one rank's cache without a word.
+        raise ConfigError(
+            f"{cfg.model_type}: tp_size={ctx.tp_size} does not divide "
+            f"num_attention_heads={queries}; engines give every rank the same number of query "
+            f"heads, so use a tp_size that divides {queries}"
+        )
     if heads * ctx.tp_size > shape.num_kv_heads:
         ctx.note(
             f"tp_size={ctx.tp_size} > {shape.num_kv_heads} KV heads: each rank holds one "

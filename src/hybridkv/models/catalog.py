@@ -70,6 +70,12 @@ def catalog_names() -> list[str]:
     return [entry.name for entry in _ENTRIES]
 
 
+#: Unit words a size split by a space leaves as a separate argument (``--memory 16 GiB``).
+_UNIT_WORDS = frozenset(
+    ("b", "kb", "mb", "gb", "tb", "kib", "mib", "gib", "tib", "k", "m", "g", "t")
+)
+
+
 def _unknown(model: str) -> UnknownModelError:
     keys = [e.name for e in _ENTRIES] + [e.hf_id for e in _ENTRIES]
     lowered = {k.lower(): k for k in keys}
@@ -83,10 +89,20 @@ def _unknown(model: str) -> UnknownModelError:
             f"model: {model!r} is a directory without a config.json; give a directory that "
             "holds one, a path to a config.json, or a catalog name"
         )
+    if path.exists():  # a device, a pipe, a socket: there, but nothing to read a config from
+        return UnknownModelError(
+            f"model: {model!r} is not a regular file or a directory; give a path to a "
+            "config.json (or the directory holding it), or a catalog name"
+        )
     if model.endswith(".json") or model.startswith(("/", "./", "../", "~")):  # meant as a path
         return UnknownModelError(
             f"model: {model!r} does not exist; give a path to a config.json (or the "
             "directory holding it), or a catalog name"
+        )
+    if model.lower() in _UNIT_WORDS:  # `--memory 16 GiB`: the unit went to the model argument
+        return UnknownModelError(
+            f"model: {model!r} is a size unit, not a model; a size is one word without a "
+            "space (--memory 16GiB, or quoted: --memory '16 GiB')"
         )
     return UnknownModelError(
         f"model: {model!r} is neither a catalog name, a path to a config.json nor a model "

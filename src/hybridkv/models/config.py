@@ -28,6 +28,7 @@ from hybridkv.errors import ConfigError, brief_repr
 from hybridkv.specs import DType, LayerSpec
 
 __all__ = [
+    "MAX_CONFIG_INT",
     "MAX_LAYERS",
     "WRAPPER_TEXT_TYPES",
     "Architecture",
@@ -52,6 +53,10 @@ WRAPPER_TEXT_TYPES: dict[str, str] = {
 #: The most decoder layers a config may declare: real models have a few hundred at most, and
 #: a planner walks every layer (a typo of 10^11 layers would run out of memory, not fail).
 MAX_LAYERS = 1 << 16
+#: The largest value any integer field of a config may take unless the field says otherwise
+#: (2^31 - 1): past every real size, position count or id, and small enough that products of
+#: a few such fields still convert to float (a ``1e308`` head_dim overflowed the planner).
+MAX_CONFIG_INT = (1 << 31) - 1
 
 #: The model dtype when a config names none (the dtype nearly every checkpoint ships in).
 DEFAULT_DTYPE = DType.BF16
@@ -199,17 +204,15 @@ class ConfigView:
         return ConfigError(f"{self.model_type} config: missing required field {key!r}{extra}")
 
     def _int(self, key: str, value: object, minimum: int, maximum: int | None = None) -> int:
-        expected = (
-            f"an integer >= {minimum}"
-            if maximum is None
-            else f"an integer in [{minimum}, {maximum}]"
-        )
+        if maximum is None:
+            maximum = MAX_CONFIG_INT
+        expected = f"an integer in [{minimum}, {maximum}]"
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self._fail(key, value, expected)
         if isinstance(value, float) and not value.is_integer():
             raise self._fail(key, value, expected)
         number = int(value)
-        if number < minimum or (maximum is not None and number > maximum):
+        if number < minimum or number > maximum:
             raise self._fail(key, value, expected)
         return number
 

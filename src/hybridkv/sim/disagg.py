@@ -60,6 +60,8 @@ class PDResult:
     rejected: int = 0
     #: The longest rejected prompt (0 when none was).
     longest_rejected: int = 0
+    #: Admitted requests whose outputs were cut at the decode instance's ``max_model_len``.
+    truncated: int = 0
 
     def summary(self) -> dict[str, Any]:
         # None where nothing was measured (no request got a first token, or none a second)
@@ -77,6 +79,7 @@ class PDResult:
             "requests": self.num_requests,
             "finished": self.finished,
             "rejected": self.rejected,
+            "truncated": self.truncated,
             "prompt_tokens": self.prompt_tokens,
             "prefill_hit_rate": self.prefill_hit_tokens / p,
             "decode_hit_rate": self.decode_hit_tokens / p,
@@ -210,6 +213,7 @@ def simulate_pd(
         longest_rejected=max(
             (r.prompt_len for r in workload.requests if r.prompt_len >= limit), default=0
         ),
+        truncated=sum(r.prompt_len + r.output_len > decode.max_model_len for r in reqs),
     )
     # ``use_arrivals`` off: every request is there at time 0, as in simulate()
     arrive = [r.arrival_ms / 1000.0 if prefill.use_arrivals else 0.0 for r in reqs]

@@ -114,6 +114,9 @@ class SimResult:
     #: Blocks the scheduler's compaction moved instead of preempting (a device copy each,
     #: charged at the accelerator's memory bandwidth).
     moved_blocks: int = 0
+    #: Admitted requests whose outputs were cut at ``max_model_len`` (prompt plus the
+    #: workload's output length past it): they finish early, with fewer output tokens.
+    truncated: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -136,6 +139,7 @@ class SimResult:
             "requests": self.num_requests,
             "finished": self.finished,
             "rejected": len(self.rejected),
+            "truncated": self.truncated,
             "max_model_len": self.plan.max_model_len,
             "prompt_tokens": self.prompt_tokens,
             "admitted_prompt_tokens": self.admitted_prompt_tokens,
@@ -321,6 +325,7 @@ def simulate(
     ttft: list[float] = []
     tpot: list[float] = []
     cached_tokens = computed = output_tokens = prompt_tokens = admitted_tokens = 0
+    truncated = 0
     peak_running = peak_used = peak_need = finished = steps = moved_blocks = 0
     timeline: list[TimelinePoint] = []
     sample_every = 1
@@ -371,6 +376,7 @@ def simulate(
                         mgr.unprotect(sessions[r.request_id].session)
                 continue
             max_tokens = min(r.output_len, config.max_model_len - r.prompt_len)
+            truncated += max_tokens < r.output_len
             c = sessions.get(r.request_id)
             sched.add_request(
                 r.request_id,
@@ -497,6 +503,7 @@ def simulate(
         output_tokens=output_tokens,
         preemptions=sched.num_preemptions,
         moved_blocks=moved_blocks,
+        truncated=truncated,
         steps=steps,
         sim_time_s=clock,
         wall_time_s=time.perf_counter() - wall0,
