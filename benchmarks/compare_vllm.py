@@ -6,7 +6,15 @@ budget, preemption by recompute, and for recurrent-state models vLLM's "align" m
 splits at block boundaries and at the shared-prefix junction) over the same requests, at the
 same memory bytes.  Printed per model and system: token hit rate, preemptions, peak memory,
 manager microseconds per step (get_computed_blocks + allocate_slots + free + end-of-step
-bookkeeping; request hashing reported apart), and the ratios hybridkv / vLLM.
+bookkeeping) and hashing microseconds per step (vLLM: building the Request with its block
+hashes and appending output tokens; hybridkv: make_request and append_token_ids), each side's
+time over its own step count; and the ratios hybridkv / vLLM.  The time ratios are of TOTAL
+time over the same workload (sum over the run of hybridkv's time / vLLM's), not of the
+per-step figures, since the two sides may take different step counts: manager time alone,
+and manager time plus hashing.  Thread CPU time per step is in the JSON as well.  Each side's
+run starts with ``gc.collect(); gc.freeze()`` after its manager is built (as vLLM's engine
+freezes its start-up heap) and ``gc.unfreeze()`` after.  ``--vllm-retention-interval`` sets
+vLLM's ``CacheConfig.prefix_cache_retention_interval`` (default: vLLM's own, 0).
 
 vLLM is optional: see docs/vllm.md for the CPU install recipe.  Without it the script prints
 one line and exits 0.  Run it with the interpreter that has vLLM, e.g.
@@ -19,6 +27,7 @@ hybridkv is imported from this checkout's ``src/`` (no install needed in vLLM's 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -136,9 +145,18 @@ def without_state(model: ModelSpec) -> ModelSpec | None:
     )
 
 
-def _summary(metrics: dict[str, Any], timings: dict[str, list[int]]) -> dict[str, Any]:
+def _summary(
+    metrics: dict[str, Any], timings: dict[str, list[int]], cpu_ns: dict[str, int]
+) -> dict[str, Any]:
+    """One run of one side: its decisions, and its times from the adapter's ``timings``
+    (wall ns per call) and ``cpu_ns`` (thread CPU ns per operation, all calls): totals in
+    ns (``manager_ns``: the :data:`MANAGER_OPS`; ``hash_ns``: the "hash" op) for the ratios,
+    and the same per step of this side's own run for display."""
     steps = max(1, metrics["steps"])
     manager_ns = sum(sum(timings.get(op, ())) for op in MANAGER_OPS)
+    hash_ns = sum(timings.get("hash", ()))
+    manager_cpu_ns = sum(cpu_ns.get(op, 0) for op in MANAGER_OPS)
+    hash_cpu_ns = cpu_ns.get("hash", 0)
     return {
         "token_hit_rate": metrics["token_hit_rate"],
         "preemptions": metrics["preemptions"],
@@ -146,9 +164,15 @@ def _summary(metrics: dict[str, Any], timings: dict[str, list[int]]) -> dict[str
         "finished": metrics["finished"],
         "rejected": metrics["rejected"],
         "steps": metrics["steps"],
+        "manager_ns": manager_ns,
+        "hash_ns": hash_ns,
+        "manager_cpu_ns": manager_cpu_ns,
+        "hash_cpu_ns": hash_cpu_ns,
         "manager_us_per_step": manager_ns / 1e3 / steps,
-        "hash_us_per_step": sum(timings.get("hash", ())) / 1e3 / steps,
-        "calls": vd.op_stats(timings),
+        "hash_us_per_step": hash_ns / 1e3 / steps,
+        "manager_cpu_us_per_step": manager_cpu_ns / 1e3 / steps,
+        "hash_cpu_us_per_step": hash_cpu_ns / 1e3 / steps,
+        "calls": vd.op_stats(timings, {op: cpu_ns.get(op, 0) for op in timings}),
         "wall_s": metrics["wall_s"],
     }
 
@@ -156,14 +180,28 @@ def _summary(metrics: dict[str, Any], timings: dict[str, list[int]]) -> dict[str
 #: Summary keys every repeated run of one side must reproduce exactly (the decisions).
 DECISIONS = ("token_hit_rate", "preemptions", "peak_used_bytes", "finished", "rejected", "steps")
 
+#: Summary keys :func:`merge_runs` takes from the median run (by manager time).
+TIMES = (
+    "manager_ns",
+    "hash_ns",
+    "manager_cpu_ns",
+    "hash_cpu_ns",
+    "manager_us_per_step",
+    "hash_us_per_step",
+    "manager_cpu_us_per_step",
+    "hash_cpu_us_per_step",
+    "calls",
+)
+
 
 def merge_runs(
     runs: Sequence[dict[str, Any]], side: str, decisions: Sequence[str] = DECISIONS
 ) -> dict[str, Any]:
     """One side's repeated runs as one summary: the ``decisions`` (default :data:`DECISIONS`)
     must be identical in every run (the loop is deterministic; a difference is a bug,
-    raised); the times are the median run's, with every run's manager time in
-    ``manager_us_per_step_runs``."""
+    raised); the times (:data:`TIMES`) are all the median run's (by manager time), with
+    every run's manager and hashing time per step in ``manager_us_per_step_runs`` and
+    ``hash_us_per_step_runs``."""
     if not runs:
         raise ValueError(f"{side}: no runs to merge")
     first = runs[0]
@@ -176,12 +214,76 @@ def merge_runs(
     mid = runs[order[(len(runs) - 1) // 2]]  # the lower median: a run that happened
     return {
         **first,
-        "manager_us_per_step": mid["manager_us_per_step"],
-        "hash_us_per_step": mid["hash_us_per_step"],
-        "calls": mid["calls"],
+        **{key: mid[key] for key in TIMES},
         "wall_s": sum(r["wall_s"] for r in runs),
         "manager_us_per_step_runs": times,
+        "hash_us_per_step_runs": [r["hash_us_per_step"] for r in runs],
     }
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def time_ratios(vllm: dict[str, Any], ours: dict[str, Any]) -> dict[str, float | None]:
+    """hybridkv / vLLM of the TOTAL time over the same workload (the summaries' ns totals),
+    not of the per-step figures (each side's steps are its own): manager time, manager time
+    plus hashing, and the same two in thread CPU time.  None where vLLM's is 0."""
+    return {
+        "manager_time": _ratio(ours["manager_ns"], vllm["manager_ns"]),
+        "manager_time_with_hash": _ratio(
+            ours["manager_ns"] + ours["hash_ns"], vllm["manager_ns"] + vllm["hash_ns"]
+        ),
+        "manager_cpu_time": _ratio(ours["manager_cpu_ns"], vllm["manager_cpu_ns"]),
+        "manager_cpu_time_with_hash": _ratio(
+            ours["manager_cpu_ns"] + ours["hash_cpu_ns"],
+            vllm["manager_cpu_ns"] + vllm["hash_cpu_ns"],
+        ),
+    }
+
+
+def parse_retention_interval(text: str) -> int | str | None:
+    """``--vllm-retention-interval``: "default" (vLLM's own, :data:`vd.DEFAULT_RETENTION`),
+    "none" (None: dense) or a positive int of tokens.  ValueError (one line) otherwise;
+    whether vLLM accepts the int for a model (a multiple of its scheduler block size, a
+    sliding-window or Mamba group) is checked per model once vLLM is importable."""
+    word = text.strip().lower()
+    if word == vd.DEFAULT_RETENTION:
+        return vd.DEFAULT_RETENTION
+    if word == "none":
+        return None
+    try:
+        value = int(word)
+    except ValueError:
+        raise ValueError(
+            f"--vllm-retention-interval: {text!r} is not 'default', 'none' or a positive integer"
+        ) from None
+    if value <= 0:
+        raise ValueError(
+            f"--vllm-retention-interval: {text!r} must be a positive integer ('default' is "
+            "vLLM's own 0; 'none' keeps every block)"
+        )
+    return value
+
+
+def _retention_label(value: int | str | None) -> str:
+    return "none" if value is None else str(value)
+
+
+def _run_frozen(
+    adapter: Any, requests: Sequence[StepRequest], token_budget: int, max_model_len: int
+) -> dict[str, Any]:
+    """One side's run with everything that exists before it (its manager included) out of
+    the collector's way, as vLLM's engine does after start-up (``gc.freeze``); both sides
+    alike."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return vd.run_minimal_scheduler(
+            adapter, requests, token_budget, max_model_len=max_model_len
+        )
+    finally:
+        gc.unfreeze()
 
 
 def compare(
@@ -204,10 +306,13 @@ def compare(
     dead_tails: str = "auto",
     ceiling: bool = False,
     checkpoint_life: str = "auto",
+    vllm_retention_interval: int | str | None = vd.DEFAULT_RETENTION,
 ) -> dict[str, Any]:
     """One model's head to head; ``repeat`` runs of each side, alternating, report the
     median manager time (decisions must repeat exactly).  ``ceiling``: also run the
-    hybridkv side once on the model without its state (:func:`without_state`)."""
+    hybridkv side once on the model without its state (:func:`without_state`).
+    ``vllm_retention_interval``: vLLM's ``prefix_cache_retention_interval`` ("default":
+    vLLM's own; see :func:`parse_retention_interval`)."""
     model = resolve_model(name)
 
     def plan_for(spec: ModelSpec) -> Any:
@@ -237,7 +342,7 @@ def compare(
             token_budget=token_budget,
             compaction=compaction,
         )
-        h = vd.run_minimal_scheduler(ours, requests, token_budget, max_model_len=max_model_len)
+        h = _run_frozen(ours, requests, token_budget, max_model_len)
         return h, ours
 
     plan = plan_for(model)
@@ -249,26 +354,34 @@ def compare(
             memory_bytes=memory_bytes,
             max_model_len=max_model_len,
             token_budget=token_budget,
+            retention_interval=vllm_retention_interval,
         )
         vllm_adapter = vd.VllmManagerAdapter(setup)
-        v = vd.run_minimal_scheduler(
-            vllm_adapter, requests, token_budget, max_model_len=max_model_len
-        )
-        vruns.append(_summary(v, vllm_adapter.timings))
+        v = _run_frozen(vllm_adapter, requests, token_budget, max_model_len)
+        vruns.append(_summary(v, vllm_adapter.timings, vllm_adapter.cpu_ns))
         h, ours = run_ours(plan.layout)
-        hruns.append({**_summary(h, ours.timings), "moved_blocks": ours.moved_blocks})
+        hruns.append({**_summary(h, ours.timings, ours.cpu_ns), "moved_blocks": ours.moved_blocks})
     vs = merge_runs(vruns, "vLLM")
     hs = merge_runs(hruns, "hybridkv", (*DECISIONS, "moved_blocks"))
     stateless = without_state(model) if ceiling else None
     bound: dict[str, Any] | None = None
     if stateless is not None:
         h, ours = run_ours(plan_for(stateless).layout)
-        b = _summary(h, ours.timings)
+        b = _summary(h, ours.timings, ours.cpu_ns)
         bound = {k: b[k] for k in ("token_hit_rate", "preemptions", "steps")}
     return {
         "model": name,
         "memory_bytes": memory_bytes,
-        "vllm": {**vs, "groups": setup.groups, "scheduler_block_size": setup.scheduler_block_size},
+        "vllm": {
+            **vs,
+            "groups": setup.groups,
+            "scheduler_block_size": setup.scheduler_block_size,
+            # the option as given ("default": not passed) and the value vLLM ran with
+            "retention_interval": _retention_label(vllm_retention_interval),
+            "prefix_cache_retention_interval": (
+                setup.vllm_config.cache_config.prefix_cache_retention_interval
+            ),
+        },
         "hybridkv": {
             **hs,
             "strategy": strategy,
@@ -293,9 +406,7 @@ def compare(
             "ceiling_hit_rate": bound["token_hit_rate"] / vs["token_hit_rate"]
             if bound and vs["token_hit_rate"]
             else None,
-            "manager_time": hs["manager_us_per_step"] / vs["manager_us_per_step"]
-            if vs["manager_us_per_step"]
-            else None,
+            **time_ratios(vs, hs),  # of total time over the workload, not per step
             "peak_bytes": hs["peak_used_bytes"] / vs["peak_used_bytes"]
             if vs["peak_used_bytes"]
             else None,
@@ -306,18 +417,31 @@ def compare(
 def _print(result: dict[str, Any]) -> None:
     v, h, r = result["vllm"], result["hybridkv"], result["ratios"]
     gib = float(1 << 30)
-    print(f"\n{result['model']} at {result['memory_bytes'] / gib:.1f} GiB")
+    ret = v.get("retention_interval", "default")
+    if ret == "default":
+        ret = f"default ({v.get('prefix_cache_retention_interval')})"
     print(
-        f"  {'':16} {'hit rate':>9} {'preempt':>8} {'steps':>7} {'peak GiB':>9} {'mgr us/step':>12}"
+        f"\n{result['model']} at {result['memory_bytes'] / gib:.1f} GiB; "
+        f"vLLM prefix_cache_retention_interval: {ret}"
+    )
+    print(
+        f"  {'':16} {'hit rate':>9} {'preempt':>8} {'steps':>7} {'peak GiB':>9} "
+        f"{'mgr us/step':>12} {'hash us/step':>13}"
     )
     for label, s in (("vLLM 0.33", v), (f"hybridkv/{h['strategy']}", h)):
         print(
             f"  {label:16} {s['token_hit_rate']:9.1%} {s['preemptions']:8d} {s['steps']:7d} "
-            f"{s['peak_used_bytes'] / gib:9.2f} {s['manager_us_per_step']:12.1f}"
+            f"{s['peak_used_bytes'] / gib:9.2f} {s['manager_us_per_step']:12.1f} "
+            f"{s['hash_us_per_step']:13.1f}"
         )
-    hr = "n/a" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}x"
-    mt = "n/a" if r["manager_time"] is None else f"{r['manager_time']:.2f}x"
-    print(f"  hybridkv / vLLM: hit rate {hr}, manager time {mt}")
+
+    def x(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}x"
+
+    print(
+        f"  hybridkv / vLLM: hit rate {x(r['hit_rate'])}; total time over the workload: "
+        f"manager {x(r['manager_time'])}, manager + hashing {x(r['manager_time_with_hash'])}"
+    )
     c = result.get("ceiling")
     if c is not None:
         cr = r["ceiling_hit_rate"]
@@ -400,6 +524,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="runs of each side per model, alternating; manager time is the median run's",
     )
     p.add_argument(
+        "--vllm-retention-interval",
+        default="default",
+        metavar="{default,none,N}",
+        help="vLLM's CacheConfig.prefix_cache_retention_interval: default (vLLM's own, 0: "
+        "sliding-window blocks and Mamba states kept only at the prompt's end and "
+        "shared-prefix junctions), none (kept at every block) or N tokens (a positive "
+        "multiple of vLLM's scheduler block size, for models with sliding-window or Mamba "
+        "layers).  The time ratios printed are of total time over the workload",
+    )
+    p.add_argument(
         "--ceiling",
         action="store_true",
         help="for models with recurrent state, also run hybridkv once with the state layers "
@@ -409,6 +543,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 1:
         print(f"compare_vllm: --repeat must be at least 1, got {args.repeat}", file=sys.stderr)
+        return 2
+    try:
+        retention = parse_retention_interval(args.vllm_retention_interval)
+    except ValueError as exc:
+        print(f"compare_vllm: {exc}", file=sys.stderr)
         return 2
     from hybridkv.errors import HybridKVError
     from hybridkv.units import parse_bytes
@@ -426,6 +565,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not vd.vllm_available():
         print("compare_vllm: vLLM is not importable here; see docs/vllm.md (skipped)")
         return 0
+    if isinstance(retention, int):  # vLLM's rule per model, before any run
+        for name in args.models.split(","):
+            try:
+                vd.check_retention_interval(
+                    vllm_groups(resolve_model(name), args.block_size),
+                    retention,
+                    memory_bytes=memory,
+                    max_model_len=args.max_model_len,
+                    token_budget=args.token_budget,
+                )
+            except ValueError as exc:
+                print(f"compare_vllm: --vllm-retention-interval: {name}: {exc}", file=sys.stderr)
+                return 2
     if not trace.is_file():
         print(f"compare_vllm: trace {trace} not found (skipped)")
         return 0
@@ -467,11 +619,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             dead_tails=args.dead_tails,
             ceiling=args.ceiling,
             checkpoint_life=args.checkpoint_life,
+            vllm_retention_interval=retention,
         )
         res["wall_s"] = time.perf_counter() - t0
         _print(res)
         results.append(res)
-    payload = {"args": vars(args), "compiled": compiled(), "results": results}
+    payload = {
+        "args": vars(args),
+        "compiled": compiled(),
+        "gc": "collect + freeze before each side's run, unfreeze after",
+        "time_ratios": "total time over the workload, hybridkv / vLLM",
+        "results": results,
+    }
     out.write_text(json.dumps(payload, indent=1))
     print(f"\nwrote {out}")
     return 0

@@ -1,6 +1,7 @@
 """hybridkv's side of ``compare_vllm.py``: its :class:`KVCacheManager` behind the driver's
 ``ManagerAdapter`` interface (``vllm_driver``), with the calls that count as manager time
-timed one by one.  Imported by ``compare_vllm.py`` after it put this checkout's ``src`` (or
+timed one by one (wall time per call and thread CPU time per operation, as vLLM's adapter
+times its calls).  Imported by ``compare_vllm.py`` after it put this checkout's ``src`` (or
 ``HYBRIDKV_SRC``) on the path."""
 
 from __future__ import annotations
@@ -43,14 +44,20 @@ class HybridkvAdapter:
         self.mamba_align = any(g.spec.kind is CacheKind.STATE for g in layout.groups)
         self.partial_hash_hits = False
         self.bytes_per_block = 1
-        self.timings: dict[str, list[int]] = {op: [] for op in (*vd.OPS, "admission_check")}
+        ops = (*vd.OPS, "admission_check")
+        self.timings: dict[str, list[int]] = {op: [] for op in ops}  # wall ns per call
+        self.cpu_ns: dict[str, int] = dict.fromkeys(ops, 0)  # thread CPU ns, all calls
         self._reqs: dict[str, Request] = {}
         self._pending: dict[str, ComputedBlocks] = {}
 
     def _timed(self, op: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        # the same clocks, in the same order, as VllmManagerAdapter._timed
+        c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
         out = fn(*args, **kw)
-        self.timings[op].append(time.perf_counter_ns() - t0)
+        t1 = time.perf_counter_ns()
+        self.cpu_ns[op] += time.thread_time_ns() - c0
+        self.timings[op].append(t1 - t0)
         return out
 
     def add_request(self, req: vd.SimRequest) -> None:

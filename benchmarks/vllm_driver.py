@@ -63,15 +63,18 @@ from vllm_sched import (
     run_minimal_scheduler,
 )
 from vllm_setup import (
+    DEFAULT_RETENTION,
     GroupDesc,
     VllmSetup,
     VllmUnavailable,
     _import_vllm,
     build_vllm_manager,
+    check_retention_interval,
     vllm_available,
 )
 
 __all__ = [
+    "DEFAULT_RETENTION",
     "OPS",
     "GroupDesc",
     "ManagerAdapter",
@@ -80,6 +83,7 @@ __all__ = [
     "VllmSetup",
     "VllmUnavailable",
     "build_vllm_manager",
+    "check_retention_interval",
     "op_stats",
     "run_minimal_scheduler",
     "run_real_scheduler",

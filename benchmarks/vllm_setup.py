@@ -18,10 +18,13 @@ from types import SimpleNamespace
 from typing import Any
 
 __all__ = [
+    "DEFAULT_RETENTION",
     "GroupDesc",
     "VllmSetup",
     "VllmUnavailable",
     "build_vllm_manager",
+    "check_retention_interval",
+    "retention_interval_error",
     "vllm_available",
 ]
 
@@ -176,7 +179,37 @@ def _layer_specs(v: SimpleNamespace, descs: list[GroupDesc], align: int) -> tupl
     return specs, block
 
 
-def build_vllm_manager(
+#: ``retention_interval`` of :func:`build_vllm_manager` that leaves vLLM's own default
+#: (``CacheConfig.prefix_cache_retention_interval`` = 0 in vLLM 0.33: sliding-window blocks and
+#: Mamba states are kept only at the prompt's end and shared-prefix junctions).
+DEFAULT_RETENTION = "default"
+
+
+def retention_interval_error(
+    retention_interval: int | None, scheduler_block_size: int, kinds: Sequence[str]
+) -> str | None:
+    """Why vLLM 0.33 refuses ``prefix_cache_retention_interval`` (None: it accepts it), by
+    the rule of ``kv_cache_coordinator._validate_prefix_cache_retention_interval``: None
+    (dense) always passes; an int must be >= 0 and a multiple of the scheduler block size,
+    and a positive one needs a sliding-window or Mamba group (``kinds``: GroupDesc kinds)."""
+    if retention_interval is None:
+        return None
+    if not any(k in ("sliding", "mamba") for k in kinds):
+        if retention_interval == 0:
+            return None
+        return (
+            f"prefix_cache_retention_interval={retention_interval}: this model has no "
+            "sliding-window or Mamba group, so vLLM refuses any interval but 0 or None"
+        )
+    if retention_interval < 0 or retention_interval % scheduler_block_size:
+        return (
+            f"prefix_cache_retention_interval={retention_interval}: vLLM needs a "
+            f"non-negative multiple of its scheduler block size ({scheduler_block_size})"
+        )
+    return None
+
+
+def _resolve(
     groups: Sequence[GroupDesc | Mapping[str, Any]],
     *,
     memory_bytes: int | None = None,
@@ -187,22 +220,31 @@ def build_vllm_manager(
     hash_algo: str = "sha256",
     prefix_match_unit: int | None = None,
     kernel_block_alignment: int = 16,
-) -> VllmSetup:
-    """A vLLM ``KVCacheManager`` with prefix caching, built as vLLM's engine core builds it.
-
-    Exactly one of ``memory_bytes`` or ``num_blocks`` (``num_gpu_blocks_override``, null block
-    included) sizes the pool.  Grouping, page unification, padding layers, bytes per block,
-    num_blocks and the scheduler / hash block sizes come from vLLM's own functions; see
-    :func:`_layer_specs` for the one rule replicated.  Raises VllmUnavailable, or ValueError
-    naming a bad argument."""
+    retention_interval: int | str | None = DEFAULT_RETENTION,
+) -> SimpleNamespace:
+    """The vLLM config and KV cache config :func:`build_vllm_manager` builds its manager from
+    (no manager yet, so no block pool: cheap), with the retention interval checked."""
     v = _import_vllm()
     descs = [GroupDesc.from_any(g) for g in groups]
     if (memory_bytes is None) == (num_blocks is None):
         raise ValueError(f"{memory_bytes=}, {num_blocks=}: give exactly one of them")
     if not descs or len({d.block_size for d in descs}) != 1:
         raise ValueError(f"block_size={[d.block_size for d in descs]}: need one shared size")
+    if retention_interval != DEFAULT_RETENTION and not (
+        retention_interval is None
+        or (isinstance(retention_interval, int) and not isinstance(retention_interval, bool))
+    ):
+        raise ValueError(
+            f"retention_interval={retention_interval!r}: must be {DEFAULT_RETENTION!r}, "
+            "None or an int"
+        )
     specs, block = _layer_specs(v, descs, kernel_block_alignment)
     has_mamba = any(d.kind == "mamba" for d in descs)
+    retention = (
+        {}
+        if retention_interval == DEFAULT_RETENTION
+        else {"prefix_cache_retention_interval": retention_interval}
+    )
     cfg = v.config.VllmConfig(
         cache_config=v.config.CacheConfig(
             block_size=block,
@@ -211,6 +253,7 @@ def build_vllm_manager(
             mamba_cache_mode="align" if has_mamba else "none",
             mamba_block_size=block if has_mamba else None,
             prefix_match_unit=prefix_match_unit,
+            **retention,
         ),
         scheduler_config=v.config.SchedulerConfig(
             max_num_batched_tokens=token_budget,
@@ -226,6 +269,70 @@ def build_vllm_manager(
     n_blocks = num_blocks if num_blocks is not None else int(memory_bytes or 0) // per_block
     kv_cfg = builder.get_kv_cache_config_from_groups(cfg, kv_groups, n_blocks)
     sched_bs, hash_bs = v.utils.resolve_kv_cache_block_sizes(kv_cfg, cfg)
+    # vLLM checks it in the manager's constructor; checked here first, with the same rule,
+    # so that a bad value is one clear line before any manager (or run) exists
+    error = retention_interval_error(
+        cfg.cache_config.prefix_cache_retention_interval, sched_bs, [d.kind for d in descs]
+    )
+    if error is not None:
+        raise ValueError(error)
+    return SimpleNamespace(
+        v=v,
+        cfg=cfg,
+        kv_cfg=kv_cfg,
+        sched_bs=sched_bs,
+        hash_bs=hash_bs,
+        per_block=per_block,
+        has_mamba=has_mamba,
+    )
+
+
+def check_retention_interval(
+    groups: Sequence[GroupDesc | Mapping[str, Any]],
+    retention_interval: int | str | None,
+    **sizing: Any,
+) -> int:
+    """Raise ValueError (one line) when vLLM would refuse ``retention_interval`` for this
+    model; else return its scheduler block size.  ``sizing``: :func:`build_vllm_manager`'s
+    keyword arguments (memory_bytes, max_model_len, ...).  Builds no manager."""
+    return int(_resolve(groups, retention_interval=retention_interval, **sizing).sched_bs)
+
+
+def build_vllm_manager(
+    groups: Sequence[GroupDesc | Mapping[str, Any]],
+    *,
+    memory_bytes: int | None = None,
+    num_blocks: int | None = None,
+    max_model_len: int = 16_384,
+    token_budget: int = 8_192,
+    max_num_seqs: int = 256,
+    hash_algo: str = "sha256",
+    prefix_match_unit: int | None = None,
+    kernel_block_alignment: int = 16,
+    retention_interval: int | str | None = DEFAULT_RETENTION,
+) -> VllmSetup:
+    """A vLLM ``KVCacheManager`` with prefix caching, built as vLLM's engine core builds it.
+
+    Exactly one of ``memory_bytes`` or ``num_blocks`` (``num_gpu_blocks_override``, null block
+    included) sizes the pool.  Grouping, page unification, padding layers, bytes per block,
+    num_blocks and the scheduler / hash block sizes come from vLLM's own functions; see
+    :func:`_layer_specs` for the one rule replicated.  ``retention_interval``:
+    ``CacheConfig.prefix_cache_retention_interval`` (:data:`DEFAULT_RETENTION`: vLLM's
+    default, not passed; None: dense; an int: see :func:`retention_interval_error`).
+    Raises VllmUnavailable, or ValueError naming a bad argument."""
+    r = _resolve(
+        groups,
+        memory_bytes=memory_bytes,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        token_budget=token_budget,
+        max_num_seqs=max_num_seqs,
+        hash_algo=hash_algo,
+        prefix_match_unit=prefix_match_unit,
+        kernel_block_alignment=kernel_block_alignment,
+        retention_interval=retention_interval,
+    )
+    v, cfg, kv_cfg, sched_bs, hash_bs = r.v, r.cfg, r.kv_cfg, r.sched_bs, r.hash_bs
     kv_cfg.hash_block_size = hash_bs
     cfg.cache_config.num_gpu_blocks = kv_cfg.num_blocks
     hash_fn = v.get_hash_fn_by_name(hash_algo)
@@ -255,9 +362,9 @@ def build_vllm_manager(
         vllm=v,
         scheduler_block_size=sched_bs,
         hash_block_size=hash_bs,
-        bytes_per_block=per_block,
+        bytes_per_block=r.per_block,
         num_blocks=kv_cfg.num_blocks,
-        mamba_align=has_mamba,
+        mamba_align=r.has_mamba,
         partial_hash_hits=manager.coordinator.enable_partial_hash_hits,
         groups=summary,
     )
