@@ -298,11 +298,13 @@ def test_plan_errors_name_the_array() -> None:
     small = register(filled(fewer, LayoutKind.CROSS_LAYER, "nhd", 3).placement)
     with pytest.raises(TransferError, match=r"layer 2 slot 0 'k': the source instance"):
         plan_transfer(small, st, reg, dt, tokens=(0, TOKENS))
-    other = {**sp, "full": FullAttentionSpec(num_kv_heads=2, head_dim=4, dtype="bf16")}
+    other = {**sp, "full": FullAttentionSpec(num_kv_heads=4, head_dim=4, dtype="bf16")}
     wide = register(
         filled(pools_layout(groups(other, 4)), LayoutKind.CROSS_LAYER, "nhd", 4).placement
     )
-    with pytest.raises(TransferError, match=r"layer 0 slot 0 'k': axis 2 has 8 entries on the"):
+    with pytest.raises(
+        TransferError, match=r"layer 0 slot 0 'k': axis 2 has 8 entries in all on the source"
+    ):
         plan_transfer(reg, st, wide, dt, tokens=(0, TOKENS))
     with pytest.raises(TransferError, match=r"tokens: need 0 <= start <= end"):
         plan_transfer(reg, st, reg, dt, tokens=(5, 2))

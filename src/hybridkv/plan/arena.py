@@ -33,7 +33,8 @@ request's slot pins its chunk, so the chunk cannot go to the attention group, an
 request's slot needs a chunk whose slots are free or evictable.  Under memory pressure,
 admission then stalls while memory is free.  The candidate pads each state group's pages to
 ``chunk / layers``, where ``chunk`` is the least multiple of the alignment, of every other
-group's block and of every state group's layer count that holds the largest slot.  Layouts
+group's block and of every state group's layer count times its largest element size (so the
+padded page stays a whole number of elements) that holds the largest slot.  Layouts
 whose state slots already fill a chunk whole are unchanged.
 
 Measured in the ``benchmarks/compare_vllm.py`` loop (Mooncake conversation trace, 2,000
@@ -58,7 +59,13 @@ from math import lcm
 from typing import NamedTuple
 
 from hybridkv.plan.accounting import arena_capacity, too_small_error
-from hybridkv.plan.grouping import BuiltLayout, SpecGroup, base_group_plans, is_state
+from hybridkv.plan.grouping import (
+    BuiltLayout,
+    SpecGroup,
+    base_group_plans,
+    element_alignment,
+    is_state,
+)
 from hybridkv.plan.layout import (
     ArenaPlan,
     GroupPlan,
@@ -153,17 +160,19 @@ class _Candidate(NamedTuple):
         )
 
 
-def state_page_candidates(page_bytes: int) -> list[int]:
+def state_page_candidates(page_bytes: int, align: int = 1) -> list[int]:
     """Padded sizes tried for a state page: ``page_bytes`` rounded up to ``d * 2^j``.
 
-    Sorted, starting with ``page_bytes`` itself, none above ``2 * page_bytes``.
+    Sorted, starting with ``page_bytes`` itself, none above ``2 * page_bytes``; only multiples
+    of ``align`` (the group's largest element size, :func:`element_alignment`: a page that is
+    not one leaves the next member's tensors misaligned).
     """
     out = {page_bytes}
     for odd in _ODD_FACTORS:
         step = odd
         while step <= 2 * page_bytes:
             padded = _cdiv(page_bytes, step) * step
-            if padded <= 2 * page_bytes:
+            if padded <= 2 * page_bytes and padded % align == 0:
                 out.add(padded)
             step *= 2
     return sorted(out)
@@ -188,7 +197,7 @@ def _one_slot(
     step = lcm(
         alignment,
         *(g.block_bytes for g in base if not is_state(g.spec)),
-        *(g.num_members + g.padded_members for g in states),
+        *((g.num_members + g.padded_members) * element_alignment(g.spec) for g in states),
     )
     chunk = _cdiv(max(g.block_bytes for g in states), step) * step
     groups = tuple(
@@ -319,7 +328,7 @@ def _search(
         for i, group in enumerate(base):
             if not is_state(group.spec):
                 continue
-            for page in state_page_candidates(group.page_bytes):
+            for page in state_page_candidates(group.page_bytes, element_alignment(group.spec)):
                 groups = list(current.groups)
                 groups[i] = replace(groups[i], page_bytes=page)
                 cand = _evaluate(tuple(groups), need, memory_bytes, alignment)

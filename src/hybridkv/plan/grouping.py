@@ -15,7 +15,7 @@ from typing import NamedTuple
 from hybridkv.errors import PlanError, brief_repr
 from hybridkv.plan.layout import GroupPlan, MemoryLayout
 from hybridkv.plan.options import DEFAULT_STATE_BLOCK_SIZE, PlanOptions, kernel_block_size_for
-from hybridkv.specs import CacheKind, CacheSpec, ModelSpec
+from hybridkv.specs import CacheKind, CacheSpec, DType, ModelSpec, StateSpec
 
 __all__ = [
     "TOKEN_KINDS",
@@ -23,6 +23,7 @@ __all__ = [
     "SpecGroup",
     "base_group_plans",
     "check_model",
+    "element_alignment",
     "group_entries",
     "is_state",
 ]
@@ -48,6 +49,25 @@ class BuiltLayout(NamedTuple):
 def is_state(spec: CacheSpec) -> bool:
     """True for fixed-size per-request state kinds (one slot per block)."""
     return spec.kind is CacheKind.STATE
+
+
+def element_alignment(spec: CacheSpec) -> int:
+    """The largest element size (bytes) of the arrays ``spec`` stores: every page of the group
+    starts at a multiple of it, so its ``page_bytes`` must be one (a state of an fp32 ``[1]``
+    and an fp8 ``[3]`` tensor needs 7 bytes, but pages of 8 so the next page's fp32 lines up).
+    """
+    if isinstance(spec, StateSpec):
+        return max((t.dtype.itemsize for t in spec.tensors), default=1)
+    dtype = getattr(spec, "dtype", None)
+    return dtype.itemsize if isinstance(dtype, DType) else 1
+
+
+def aligned_page_bytes(spec: CacheSpec, block_size: int) -> int:
+    """``spec.bytes_per_block(block_size)`` rounded up to a multiple of
+    :func:`element_alignment` (unchanged for every attention and MLA page, whose bytes are
+    whole elements of one type)."""
+    align = element_alignment(spec)
+    return -(-spec.bytes_per_block(block_size) // align) * align
 
 
 def check_model(model: object) -> ModelSpec:
@@ -99,8 +119,10 @@ def split_state_groups(groups: tuple[SpecGroup, ...], k: int) -> tuple[SpecGroup
 
 def base_group_plans(groups: tuple[SpecGroup, ...], options: PlanOptions) -> tuple[GroupPlan, ...]:
     """Unpadded group plans: per-token groups use ``options.block_size``, state groups
-    ``options.state_block_size`` (default 256 tokens); pages are exactly
-    ``spec.bytes_per_block(block_size)``.  Used by the ``arena`` and ``pools`` strategies.
+    ``options.state_block_size`` (default 256 tokens); pages are
+    ``spec.bytes_per_block(block_size)`` rounded up to a multiple of the largest element size
+    (:func:`aligned_page_bytes`; exact for every model whose state bytes are whole elements
+    of its largest type).  Used by the ``arena`` and ``pools`` strategies.
     """
     state_bs = options.state_block_size or DEFAULT_STATE_BLOCK_SIZE
     out: list[GroupPlan] = []
@@ -113,7 +135,7 @@ def base_group_plans(groups: tuple[SpecGroup, ...], options: PlanOptions) -> tup
                 members=group.members,
                 block_size=bs,
                 kernel_block_size=kernel_block_size_for(group.spec, bs, options.kernel_block_size),
-                page_bytes=group.spec.bytes_per_block(bs),
+                page_bytes=aligned_page_bytes(group.spec, bs),
             )
         )
     return tuple(out)

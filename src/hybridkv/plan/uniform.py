@@ -11,6 +11,9 @@
      ``largest / theirs`` so their page is ``P`` too.  (vLLM stops with an error when that
      ratio is not an integer; here the scale is rounded down and the page padded to ``P``.)
    * State pages are padded up to ``P`` ("Padding mamba page size by X%").
+   * ``P`` is rounded up to a multiple of the largest element size of any group (a page
+     that is not one leaves the next member's tensors misaligned; every catalog model's
+     ``P`` already is one).
    * State groups checkpoint at the unified attention block size (vLLM's align mode) unless
      ``state_block_size`` is given; without attention, at 256 tokens.
 2. **Equal layer counts.**  ``group_size`` is the smallest member count among the specs, or
@@ -31,7 +34,13 @@ import logging
 from math import lcm
 
 from hybridkv.plan.accounting import too_small_error
-from hybridkv.plan.grouping import TOKEN_KINDS, BuiltLayout, SpecGroup, is_state
+from hybridkv.plan.grouping import (
+    TOKEN_KINDS,
+    BuiltLayout,
+    SpecGroup,
+    element_alignment,
+    is_state,
+)
 from hybridkv.plan.layout import GroupPlan, MemoryLayout, PoolPlan, Strategy
 from hybridkv.plan.need import spec_blocks_for_request
 from hybridkv.plan.options import DEFAULT_STATE_BLOCK_SIZE, PlanOptions, kernel_block_size_for
@@ -77,7 +86,8 @@ def _page_and_block_sizes(
         state_bs if is_state(g.spec) else bs * (page // (bs * g.spec.bytes_per_token))
         for g in groups
     ]
-    return page, sizes
+    align = max(element_alignment(g.spec) for g in groups)
+    return _cdiv(page, align) * align, sizes
 
 
 def plan_uniform(

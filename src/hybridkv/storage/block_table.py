@@ -10,6 +10,7 @@ Invariant (checked by :meth:`BlockTable.check_invariants`)::
     len(kernel_ids) == len(manager_ids) * ratio
     kernel_ids[i * ratio + j] == manager_ids[i] * ratio + j      for every i, j
     0 <= manager_ids[i] < num_blocks                             (when num_blocks is known)
+    0 <= kernel_ids[k] <= INT32_MAX                              (ids below 2**31 // ratio)
 
 The null block (manager id 0) maps to kernel ids ``0 .. ratio-1``, the null block's own kernel
 blocks, so a null entry stays null at kernel granularity.
@@ -34,6 +35,12 @@ __all__ = ["BlockTable", "batch_kernel_table", "kernel_ratio"]
 _I32_MAX = int(np.iinfo(np.int32).max)
 
 
+def _id_limit(ratio: int) -> int:
+    """One past the largest manager id whose kernel ids (``id * ratio + ratio - 1`` the last)
+    fit in ``int32``."""
+    return (_I32_MAX + 1) // ratio
+
+
 def _is_count(x: object) -> bool:
     """An integer (Python or numpy), not a bool."""
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
@@ -46,12 +53,12 @@ def kernel_ratio(group: GroupPlan, kernel_block_size: int | None = None) -> int:
     positive divisor of ``group.block_size`` raises :class:`KernelBlockSizeError` naming both.
     """
     size = group.kernel_block_size if kernel_block_size is None else kernel_block_size
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or group.block_size % size:
+    if not _is_count(size) or size <= 0 or group.block_size % int(size):
         raise KernelBlockSizeError(
             f"kernel_block_size: {size!r} does not divide group {group.group_id}'s block_size "
             f"{group.block_size}; use a positive divisor of {group.block_size}"
         )
-    return group.block_size // size
+    return group.block_size // int(size)
 
 
 class BlockTable:
@@ -72,7 +79,7 @@ class BlockTable:
     ) -> None:
         if not _is_count(ratio) or ratio <= 0:
             raise KernelBlockSizeError(f"ratio: must be a positive integer, got {ratio!r}")
-        limit = _I32_MAX // ratio + 1
+        limit = _id_limit(int(ratio))
         if num_blocks is not None and not (_is_count(num_blocks) and 0 < num_blocks <= limit):
             raise BlockRangeError(
                 f"num_blocks: must be in [1, {limit}] for ratio {ratio}, got {num_blocks}"
@@ -183,10 +190,9 @@ class BlockTable:
             raise InvariantError(
                 f"kernel id at {bad} is {int(kernel[bad])}, expected {int(expected[bad])}"
             )
-        if len(manager) and (
-            manager.min() < 0 or (self.num_blocks is not None and manager.max() >= self.num_blocks)
-        ):
-            raise InvariantError(f"manager ids out of range: {manager.tolist()}")
+        upper = _id_limit(self.ratio) if self.num_blocks is None else self.num_blocks
+        if len(manager) and (manager.min() < 0 or manager.max() >= upper):
+            raise InvariantError(f"manager ids out of range [0, {upper}): {manager.tolist()}")
 
     # ------------------------------------------------------------------ internals
 
@@ -204,7 +210,7 @@ class BlockTable:
             raise BlockRangeError(
                 f"block_ids: need an iterable of block ids, got {type(block_ids).__name__}"
             ) from None
-        upper = _I32_MAX // self.ratio + 1 if self.num_blocks is None else self.num_blocks
+        upper = _id_limit(self.ratio) if self.num_blocks is None else self.num_blocks
         bad = [
             b
             for b in ids

@@ -28,14 +28,24 @@ replication) it holds the one head ``r*H // T``, which ``T/H`` ranks share.  Sta
 split the same way along their axis 0 (hybridkv's sharded-cache convention: contiguous row
 ranges; a model whose recurrent state is sharded by interleaved channel groups needs its
 own map).  MLA latents are not split: every rank holds all of them.
+
+A rank's state shape does not tell the state's size before the split: Nemotron-H-8B's conv
+state is 10240 rows at tp 1 but 2560 per rank at tp 16, since its 8 B/C groups are
+replicated, not split (2560 * 16 is not 10240).  ``state_rows`` (tensor name -> rows before
+the split) tells :func:`register` the real size: a state whose rank rows times ``tp_size``
+differ from it is not a contiguous split, and is refused.  Without it the convention's size
+(rank rows times ``tp_size``) is registered, and
+:func:`~hybridkv.storage.transfer_plan.plan_transfer` refuses a peer whose size differs
+(``shard_total``), so no plan moves part of a state and leaves the rest unwritten.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.errors import StorageError
+from hybridkv.errors import StorageError, as_integer, brief_repr
 from hybridkv.specs import CacheKind
 from hybridkv.storage.placement import StoragePlacement
 from hybridkv.storage.segments import HEADED_KINDS
@@ -131,12 +141,16 @@ def register(
     tp_rank: int = 0,
     tp_size: int = 1,
     kv_heads: int | None = None,
+    state_rows: Mapping[str, int] | None = None,
 ) -> Registration:
     """The registration of a cache placed as ``placement`` (its buffers in ``tensors``) as
     rank ``tp_rank`` of ``tp_size``.  ``kv_heads``: the model's KV heads before the split
     (default: this rank's heads times ``tp_size``, i.e. no replication).  State tensors are
-    split along axis 0 when ``tp_size > 1``.  Raises :class:`StorageError` for a split the
-    shapes do not allow."""
+    split along axis 0 when ``tp_size > 1``; ``state_rows[name]``: the axis-0 size of state
+    tensor ``name`` before the split (default: this rank's rows times ``tp_size``; see the
+    module doc).  Raises :class:`StorageError` for a split the shapes do not allow, among
+    them a state whose rank rows times ``tp_size`` are not its ``state_rows``."""
+    rows_before = _state_rows(state_rows)
     layout = placement.layout
     segs: list[SegmentRef] = []
     for gp in placement.groups:
@@ -163,6 +177,15 @@ def register(
                 elif kind is CacheKind.STATE and tp_size > 1:
                     shard_axis = 0
                     total = shape[0] * tp_size
+                    known = rows_before.get(seg.name)
+                    if known is not None and known != total:
+                        raise StorageError(
+                            f"state_rows: {seg.name!r} has {known} rows before the split, "
+                            f"layer {member.layer} holds {shape[0]} on each of {tp_size} ranks "
+                            f"({total} in all): not a contiguous split of axis 0 (groups "
+                            "replicated over the ranks?); only a split whose rank rows times "
+                            "tp_size are the rows before it can be registered"
+                        )
                     first, _ = tp_shard(total, tp_size, tp_rank)
                 segs.append(
                     SegmentRef(
@@ -193,6 +216,26 @@ def register(
         tensors=tensors,
         segments=tuple(segs),
     )
+
+
+def _state_rows(state_rows: object) -> dict[str, int]:
+    """``state_rows`` checked: a mapping of state tensor names to positive row counts."""
+    if state_rows is None:
+        return {}
+    if not isinstance(state_rows, Mapping):
+        raise StorageError(
+            f"state_rows: need a mapping of state tensor name -> rows before the split, got "
+            f"{brief_repr(state_rows)}"
+        )
+    out: dict[str, int] = {}
+    for name, rows in state_rows.items():
+        count = as_integer(rows)
+        if not isinstance(name, str) or count is None or count < 1:
+            raise StorageError(
+                f"state_rows: {name!r}: {brief_repr(rows)}; need a tensor name and a row count >= 1"
+            )
+        out[name] = count
+    return out
 
 
 def register_storage(storage: Any, **kwargs: Any) -> Registration:

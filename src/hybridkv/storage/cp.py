@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hybridkv.errors import StorageError
+from hybridkv.errors import StorageError, as_integer, brief_repr
+from hybridkv.plan import NULL_BLOCK_ID
 
 __all__ = ["CP_MODES", "CPSlotMapper"]
 
@@ -85,17 +86,36 @@ class CPSlotMapper:
 
     def slot_mapping(self, rank: int, table: Sequence[int], block_size: int) -> np.ndarray:
         """The slot (``block * block_size + offset``) of each of rank ``rank``'s local tokens
-        in its block ``table``.  Raises :class:`StorageError` when the table is too short."""
+        in its block ``table``.  Raises :class:`StorageError` when ``block_size`` is not a
+        positive integer, the table is not a 1-D sequence of integers, is too short, or names
+        the null block 0 or a negative id where a local token lives (a kernel would write the
+        token there)."""
+        size = as_integer(block_size)
+        if size is None or size < 1:
+            raise StorageError(f"block_size: need a positive integer, got {brief_repr(block_size)}")
         n = self.num_local(rank)
-        need = -(-n // block_size)
-        if len(table) < need:
+        need = -(-n // size)
+        arr = np.asarray(table)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise StorageError(
-                f"table: rank {rank} holds {n} tokens, {need} blocks of {block_size}; the "
-                f"table has {len(table)}"
+                f"table: need a 1-D sequence of integer block ids, got {brief_repr(table)}"
+            )
+        if len(arr) < need:
+            raise StorageError(
+                f"table: rank {rank} holds {n} tokens, {need} blocks of {size}; the "
+                f"table has {len(arr)}"
+            )
+        used = arr[:need].astype(np.int64)
+        if np.any(used <= NULL_BLOCK_ID):
+            at = int(np.flatnonzero(used <= NULL_BLOCK_ID)[0])
+            raise StorageError(
+                f"table: entry {at} is block {int(used[at])}, where rank {rank}'s tokens "
+                f"{at * size} .. {min(n, (at + 1) * size) - 1} live; valid: block ids >= 1 "
+                f"(block {NULL_BLOCK_ID} is the null block)"
             )
         local = np.arange(n, dtype=np.int64)
-        blocks = np.asarray(table, dtype=np.int64)[local // block_size]
-        return blocks * block_size + local % block_size
+        blocks = used[local // size]
+        return blocks * size + local % size
 
     def token_map(self, rank: int, *, to_global: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """``(destination positions, source positions)`` for

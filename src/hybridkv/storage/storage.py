@@ -74,10 +74,16 @@ def allocate_bytes(
     unless ``zeroed`` is False).
     Raises :class:`StorageAllocationError` naming ``field`` (the budget that asked for
     them) and the bytes when the device or host cannot hold them, not torch's error."""
+    problem = device_problem(torch.device(device))
+    if problem:
+        raise StorageAllocationError(
+            f"{field}: cannot allocate {format_bytes_exact(sum(sizes))} on {device}: {problem}"
+        )
     try:
         make = torch.zeros if zeroed else torch.empty
         return [make(n, dtype=torch.uint8, device=device, pin_memory=pin) for n in sizes]
-    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+    except (RuntimeError, AssertionError) as exc:  # torch.OutOfMemoryError is one; torch
+        # asserts on a backend it was not built with
         total = sum(sizes)
         text = str(exc).strip()
         if "memory" in text.lower():
@@ -162,6 +168,11 @@ class KVCacheStorage:
         placement = place(layout, kind, page_order)
         dev = _device(device)
         given = backend is not None  # a backend made here is closed here if the arena fails
+        if backend is None and dev.type not in ("cpu", "cuda"):
+            raise StorageError(
+                f"device: on-demand memory has a backend for cpu and cuda, got {str(device)!r} "
+                "(pass backend= for another device)"
+            )
         if backend is None:
             if dev.type == "cuda":
                 from hybridkv.storage.cuda_vmm import CudaVMMBackend
@@ -325,7 +336,14 @@ class KVCacheStorage:
                 self.placement.kind.value,
                 self.placement.page_order.value,
                 tuple(
-                    (m.layer, m.slot, *((s.segment.name, s.segment.nbytes) for s in m.segments))
+                    (
+                        m.layer,
+                        m.slot,
+                        *(
+                            (s.segment.name, s.segment.dtype.value, s.segment.shape)
+                            for s in m.segments
+                        ),
+                    )
                     for m in group.members
                 ),
             )
@@ -434,9 +452,38 @@ def _check_block(group: GroupPlacement, block_id: int) -> None:
         )
 
 
+def device_problem(dev: torch.device) -> str:
+    """Why this torch cannot allocate on ``dev`` ("" when it can, as far as it tells): a
+    backend it was built without or sees no device of, or a device index past the count."""
+    kind = dev.type
+    if kind in ("cpu", "meta"):
+        return ""
+    built = f"torch {torch.__version__}"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            why = "was built without CUDA" if torch.version.cuda is None else "sees no CUDA device"
+            return f"{built} {why}; valid here: cpu"
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            return f"{count} CUDA device(s) visible; valid: cuda:0 .. cuda:{count - 1}"
+        return ""
+    if kind == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            return f"{built} has no usable MPS (Apple GPU) backend here; valid here: cpu"
+        return ""
+    backend = getattr(torch, kind, None)
+    available = getattr(backend, "is_available", None)
+    if callable(available) and not available():
+        return f"{built} has no usable {kind} backend here; valid here: cpu"
+    return ""
+
+
 def _device(device: torch.device | str) -> torch.device:
     """``device`` as a :class:`torch.device`; :class:`StorageError` for a name torch cannot
-    parse or a CPU index other than 0 (torch takes any and ignores it)."""
+    parse, a CPU index other than 0 (torch takes any and ignores it), or a device this torch
+    cannot use (:func:`device_problem`: CUDA on a CPU-only build, a GPU index past the
+    count)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -445,6 +492,9 @@ def _device(device: torch.device | str) -> torch.device:
         ) from None
     if dev.type == "cpu" and dev.index:
         raise StorageError(f"device: {str(device)!r}: the CPU is one device (cpu or cpu:0)")
+    problem = device_problem(dev)
+    if problem:
+        raise StorageError(f"device: {str(device)!r} is not available: {problem}")
     return dev
 
 

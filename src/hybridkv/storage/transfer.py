@@ -11,7 +11,9 @@ pieces, hence separate ranges per slot.
 
 Two descriptors *match* when they have the same ``piece_lengths``, the same number of blocks
 and the same ``stream`` (what the bytes of a piece are: the storage's layout kind, page order
-and the group's members and segments, which :meth:`KVCacheStorage.descriptor` records): their
+and the group's members and their segments' names, element types and per-block shapes, which
+:meth:`KVCacheStorage.descriptor` records; fp16 is not bf16, and ``[8 tokens, 2 heads, 16]``
+is not ``[16, 1, 16]`` though both are 512 bytes): their
 streams then have the same length and meaning, and :func:`copy_blocks` can move one into the
 other even if their ranges are cut differently (other block ids, other storage).  Between
 storages of another layout kind or page order the bytes mean other things: move those with
@@ -45,6 +47,7 @@ __all__ = [
     "ByteRange",
     "TransferDescriptor",
     "build_descriptor",
+    "check_no_overlap",
     "copy_blocks",
     "gather",
     "scatter",
@@ -348,7 +351,7 @@ def copy_blocks(
         raise TransferError(
             f"descriptors: source (pieces {src.piece_lengths}, {len(src.block_ids)} blocks) and "
             f"destination (pieces {dst.piece_lengths}, {len(dst.block_ids)} blocks) differ"
-            + ("" if src.stream == dst.stream else " in what their bytes are")
+            + ("" if src.stream == dst.stream else _stream_difference(src.stream, dst.stream))
         )
     s_flat, d_flat = _flat(src_buffers, src), _flat(dst_buffers, dst)
     # the copies: ranges walked in step, cut where either side's range ends
@@ -365,7 +368,7 @@ def copy_blocks(
             i, s_pos = i + 1, 0
         if d_pos == d.length:
             j, d_pos = j + 1, 0
-    _check_no_overlap(copies, s_flat, d_flat)
+    check_no_overlap(copies, s_flat, d_flat)
     copied = 0
     for sb, a, db, b, n in copies:
         d_flat[db][b : b + n].copy_(s_flat[sb][a : a + n], non_blocking=non_blocking)
@@ -373,14 +376,41 @@ def copy_blocks(
     return copied
 
 
-def _check_no_overlap(
+def _stream_difference(src: tuple[Any, ...], dst: tuple[Any, ...]) -> str:
+    """What differs between two descriptors' streams, for an error message: the first member
+    segment whose name, element type or per-block shape is not the other side's."""
+    text = " in what their bytes are"
+    if len(src) != 3 or len(dst) != 3:
+        return text
+    for a, b in zip(src[2], dst[2], strict=False):
+        if a == b:
+            continue
+        where = f"layer {a[0]} slot {a[1]}" if a[:2] == b[:2] else f"members {a[:2]} / {b[:2]}"
+        for x, y in zip(a[2:], b[2:], strict=False):
+            if x != y:
+                return (
+                    f"{text}: {where} segment {x[0]!r} is {x[1]} {list(x[2])} on the source, "
+                    f"{y[0]!r} {y[1]} {list(y[2])} on the destination (a byte copy would "
+                    "make the destination read them as something else)"
+                )
+        return f"{text}: {where} holds other segments"
+    return f"{text}: {len(src[2])} members on the source, {len(dst[2])} on the destination"
+
+
+def check_no_overlap(
     copies: Sequence[tuple[int, int, int, int, int]],
     s_flat: Sequence[torch.Tensor],
     d_flat: Sequence[torch.Tensor],
+    *,
+    field: str = "descriptors",
+    remedy: str = "copy through a staging buffer (gather, then scatter) or use "
+    "KVCacheStorage.move_blocks",
 ) -> None:
-    """Raise :class:`TransferError` when a copy writes bytes another copy of the same call
-    reads (a copy onto itself aside): copied one after the other, a later copy would read
-    what an earlier one wrote (:meth:`KVCacheStorage.move_blocks` orders such moves)."""
+    """Raise :class:`TransferError` when a copy ``(source buffer, offset, destination buffer,
+    offset, length)`` writes bytes a copy of the same call reads (a copy onto itself aside):
+    copied one after the other, a later copy would read what an earlier one wrote
+    (:meth:`KVCacheStorage.move_blocks` orders such moves).  The message starts with
+    ``field`` and ends with ``remedy``."""
     s_ptr = {t.untyped_storage().data_ptr() for t in s_flat}
     if not any(t.untyped_storage().data_ptr() in s_ptr for t in d_flat):
         return  # no memory in common: nothing can overlap
@@ -394,9 +424,8 @@ def _check_no_overlap(
     for start, end, side in marked:
         if start < reach[1 - side]:
             raise TransferError(
-                "descriptors: source and destination ranges overlap in memory (a copy would "
-                "read bytes it already overwrote); copy through a staging buffer (gather, "
-                "then scatter) or use KVCacheStorage.move_blocks"
+                f"{field}: source and destination ranges overlap in memory (a copy would "
+                f"read bytes it already overwrote); {remedy}"
             )
         reach[side] = max(reach[side], end)
 

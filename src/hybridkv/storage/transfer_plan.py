@@ -21,8 +21,11 @@ layer and segment.
 A destination block that is the null block (a sliding window's recycled block) is skipped;
 a source block that is null where the destination needs data raises
 :class:`~hybridkv.storage.errors.TransferError`, as do arrays the source lacks, shapes or
-element types that differ, block ids outside a group, a destination block named twice and a
-null state slot on either side.  Runs never overlap on the destination side.
+element types that differ, global sizes that differ (an axis's ``shard_total`` on a split
+side, its length on an unsplit one: 8 KV heads are not 4, whatever the ranks), block ids
+outside a group, a destination block named twice and a null state slot on either side.  Runs
+never overlap on the destination side; :meth:`TransferPlan.copy` refuses a plan whose source
+and destination bytes overlap (one instance's blocks moved onto blocks the plan reads).
 
 Executing a plan: :meth:`TransferPlan.copy` (both sides in one process),
 :meth:`TransferPlan.pack` / :meth:`TransferPlan.unpack` (through one contiguous stream in run
@@ -40,6 +43,7 @@ import torch
 from hybridkv.errors import brief_repr
 from hybridkv.storage.connector import Registration, SegmentRef
 from hybridkv.storage.errors import TransferError
+from hybridkv.storage.transfer import check_no_overlap
 
 __all__ = ["TransferPlan", "plan_transfer"]
 
@@ -132,11 +136,15 @@ class TransferPlan:
 
     def copy(self, src_buffers: Sequence[torch.Tensor], dst_buffers: Sequence[torch.Tensor]) -> int:
         """Copy every run from ``src_buffers`` into ``dst_buffers`` (flat uint8 tensors);
-        returns the bytes copied.  Buffers that cannot serve the runs raise
-        :class:`TransferError` before anything is copied."""
+        returns the bytes copied.  Buffers that cannot serve the runs, and source and
+        destination runs that overlap in memory (a plan from an instance to itself moving
+        blocks onto blocks it reads, which copied run by run would read bytes an earlier run
+        wrote), raise :class:`TransferError` before anything is copied."""
         self.check_buffers(src_buffers, "source")
         self.check_buffers(dst_buffers, "destination")
-        for sb, so, db, do, n in self.runs():
+        runs = self.runs()
+        check_no_overlap(runs, src_buffers, dst_buffers, field="plan", remedy=_STAGE)
+        for sb, so, db, do, n in runs:
             dst_buffers[db][do : do + n].copy_(src_buffers[sb][so : so + n])
         return self.total_bytes
 
@@ -144,7 +152,8 @@ class TransferPlan:
         self, src_buffers: Sequence[torch.Tensor], out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The runs' source bytes, concatenated in run order, into ``out`` (or a new tensor
-        on the first buffer's device)."""
+        on the first buffer's device).  An ``out`` sharing bytes with a source run raises
+        :class:`TransferError` before anything is written."""
         self.check_buffers(src_buffers, "source")
         total = self.total_bytes
         if out is None:
@@ -152,20 +161,41 @@ class TransferPlan:
             out = torch.empty(total, dtype=torch.uint8, device=device)
         else:
             _check_stream(out, total)
+            packed = [
+                (sb, so, 0, pos, n)
+                for (sb, so, _, _, n), pos in zip(self.runs(), self._positions(), strict=True)
+            ]
+            check_no_overlap(packed, src_buffers, [out], field="out", remedy=_FRESH)
         pos = 0
         for sb, so, _, _, n in self.runs():
             out[pos : pos + n].copy_(src_buffers[sb][so : so + n])
             pos += n
         return out
 
+    def _positions(self) -> list[int]:
+        """Where each run starts in a :meth:`pack` stream."""
+        starts: list[int] = (np.cumsum(self.length) - self.length).tolist()
+        return starts
+
     def unpack(self, packed: torch.Tensor, dst_buffers: Sequence[torch.Tensor]) -> None:
-        """Write a stream from :meth:`pack` into the runs' destinations."""
+        """Write a stream from :meth:`pack` into the runs' destinations.  A ``packed``
+        sharing bytes with a destination run raises :class:`TransferError` before anything
+        is written."""
         _check_stream(packed, self.total_bytes)
         self.check_buffers(dst_buffers, "destination")
+        streamed = [
+            (0, pos, db, do, n)
+            for (_, _, db, do, n), pos in zip(self.runs(), self._positions(), strict=True)
+        ]
+        check_no_overlap(streamed, [packed], dst_buffers, field="packed", remedy=_FRESH)
         pos = 0
         for _, _, db, do, n in self.runs():
             dst_buffers[db][do : do + n].copy_(packed[pos : pos + n])
             pos += n
+
+
+_STAGE = "copy through a staging buffer (pack, then unpack) or plan into other blocks"
+_FRESH = "use a stream that shares no memory with the cache buffers"
 
 
 def _not_flat_bytes(t: object) -> str:
@@ -209,15 +239,15 @@ def plan_transfer(
     publishes the blocks they fall in: :meth:`~hybridkv.cache.KVCacheManager.drop_unread`).
     Pure.
 
-    Raises :class:`TransferError` for an array the source lacks, shapes or element types
-    that differ, a table too short for the tokens, block ids that are not integers of the
-    group's range, a destination block twice, a null source block where the destination
-    needs data, or a null state slot.
+    Raises :class:`TransferError` for an array the source lacks, shapes, element types or
+    global sizes (``shard_total``) that differ, a table too short for the tokens (a
+    ``(start, end)`` range is checked against the tables before its positions are made),
+    block ids that are not integers of the group's range, a destination block twice, a null
+    source block where the destination needs data, or a null state slot.
     """
-    pair = _token_pairs(tokens)
-    pairs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    _check_tokens(tokens)
     checked: dict[tuple[str, int], np.ndarray] = {}
-    parts: list[tuple[np.ndarray, ...]] = []
+    todo: list[tuple[SegmentRef, np.ndarray, SegmentRef, np.ndarray]] = []
     for d in dst.segments:
         s = src.segment(d.key)
         if s is None:
@@ -229,6 +259,14 @@ def plan_transfer(
             continue
         s_tab = _table(src_tables, s, "source", checked)
         d_tab = _table(dst_tables, d, "destination", checked)
+        todo.append((s, s_tab, d, d_tab))
+    _check_token_range(
+        tokens, [(d, d_tab) for _, _, d, d_tab in todo if not (skip and skip.get(d.group_id))]
+    )
+    pair = _token_pairs(tokens)
+    pairs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    parts: list[tuple[np.ndarray, ...]] = []
+    for s, s_tab, d, d_tab in todo:
         own = pair
         if skip and d.token_axis is not None and skip.get(d.group_id):
             got = pairs.get(d.group_id)
@@ -320,6 +358,18 @@ def _segment_units(
     if s.shard_axis is not None and d.shard_axis is not None and s.shard_axis != d.shard_axis:
         raise TransferError(f"{where}: the two sides split it over ranks along other axes")
     ndim = len(d.shape)
+    for axis in range(ndim):
+        if axis == d.token_axis:
+            continue
+        s_all, d_all = _global_size(s, axis), _global_size(d, axis)
+        if s_all != d_all:
+            raise TransferError(
+                f"{where}: axis {axis} has {s_all} entries in all on the source "
+                f"({_extent(s, axis)}), {d_all} on the destination ({_extent(d, axis)}); "
+                "both sides must hold one array of the same size before any tensor-parallel "
+                "split (a split cuts it, never resizes it); check that both instances run one "
+                "model and register their split with the right kv_heads / state_rows"
+            )
     # Per axis: the global index range both sides hold (token axis handled apart).
     ranges: list[tuple[int, int]] = []
     for axis in range(ndim):
@@ -330,11 +380,6 @@ def _segment_units(
         d_first = d.shard_first if axis == d.shard_axis else 0
         lo = max(s_first, d_first)
         hi = min(s_first + s.shape[axis], d_first + d.shape[axis])
-        if axis not in (s.shard_axis, d.shard_axis) and s.shape[axis] != d.shape[axis]:
-            raise TransferError(
-                f"{where}: axis {axis} has {s.shape[axis]} entries on the source, "
-                f"{d.shape[axis]} on the destination"
-            )
         if hi <= lo:
             return None  # no slice in common (another source rank holds it)
         ranges.append((lo, hi))
@@ -395,6 +440,53 @@ def _segment_units(
     sb = np.full(src.shape, s.buffer_id, dtype=np.int64)
     db = np.full(dst.shape, d.buffer_id, dtype=np.int64)
     return sb, src, db, dst, n
+
+
+def _global_size(seg: SegmentRef, axis: int) -> int:
+    """How many entries axis ``axis`` of ``seg``'s array has before any tensor-parallel
+    split: ``shard_total`` along the split axis, the shape elsewhere."""
+    return seg.shard_total if axis == seg.shard_axis else seg.shape[axis]
+
+
+def _extent(seg: SegmentRef, axis: int) -> str:
+    """What ``seg`` holds of axis ``axis``, for an error message."""
+    if axis != seg.shard_axis:
+        return f"shape {seg.shape}, not split"
+    first, count = seg.shard_first, seg.shape[axis]
+    return f"entries {first}..{first + count - 1} of shard_total {seg.shard_total}"
+
+
+def _check_tokens(tokens: object) -> None:
+    """Raise :class:`TransferError` unless ``tokens`` is a pair (a range or a token map)."""
+    if not isinstance(tokens, tuple | list) or len(tokens) != 2:
+        raise TransferError(
+            f"tokens: need (start, end) or (destination positions, source positions), got "
+            f"{brief_repr(tokens)}"
+        )
+
+
+def _check_token_range(
+    tokens: tuple[int, int] | tuple[np.ndarray, np.ndarray],
+    token_arrays: Sequence[tuple[SegmentRef, np.ndarray]],
+) -> None:
+    """For a ``(start, end)`` range, raise :class:`TransferError` when ``end`` lies past what a
+    destination table of a token array covers, before the range's positions are made (a
+    group with ``skip`` ranges is checked per token later)."""
+    a, b = tokens
+    if not all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in (a, b)):
+        return  # a token map, or a bad range _token_pairs names
+    end = int(b)
+    for d, d_tab in token_arrays:
+        if d.token_axis is None or end <= int(a):
+            continue
+        covered = len(d_tab) * d.block_size
+        if end > covered:
+            raise TransferError(
+                f"tokens: end {end} lies past what the destination table of group "
+                f"{d.group_id} covers ({len(d_tab)} blocks of {d.block_size} tokens = "
+                f"{covered}); valid: end <= {covered} (layer {d.layer} slot {d.slot} "
+                f"{d.name!r}: the destination table covers too few tokens)"
+            )
 
 
 def _token_pairs(
