@@ -284,6 +284,8 @@ def _resolve(
         hash_bs=hash_bs,
         per_block=per_block,
         has_mamba=has_mamba,
+        hash_algo=hash_algo,
+        max_model_len=max_model_len,
     )
 
 
@@ -293,53 +295,33 @@ def check_retention_interval(
     **sizing: Any,
 ) -> int:
     """Raise ValueError (one line) when vLLM would refuse ``retention_interval`` for this
-    model; else return its scheduler block size.  ``sizing``: :func:`build_vllm_manager`'s
-    keyword arguments (memory_bytes, max_model_len, ...).  Builds no manager."""
+    model; else return its scheduler block size.  ``sizing``: :func:`_resolve`'s keywords
+    (memory_bytes, max_model_len, ...).  Builds no manager."""
     return int(_resolve(groups, retention_interval=retention_interval, **sizing).sched_bs)
 
 
 def build_vllm_manager(
-    groups: Sequence[GroupDesc | Mapping[str, Any]],
-    *,
-    memory_bytes: int | None = None,
-    num_blocks: int | None = None,
-    max_model_len: int = 16_384,
-    token_budget: int = 8_192,
-    max_num_seqs: int = 256,
-    hash_algo: str = "sha256",
-    prefix_match_unit: int | None = None,
-    kernel_block_alignment: int = 16,
-    retention_interval: int | str | None = DEFAULT_RETENTION,
+    groups: Sequence[GroupDesc | Mapping[str, Any]], **options: Any
 ) -> VllmSetup:
     """A vLLM ``KVCacheManager`` with prefix caching, built as vLLM's engine core builds it.
 
-    Exactly one of ``memory_bytes`` or ``num_blocks`` (``num_gpu_blocks_override``, null block
-    included) sizes the pool.  Grouping, page unification, padding layers, bytes per block,
-    num_blocks and the scheduler / hash block sizes come from vLLM's own functions; see
-    :func:`_layer_specs` for the one rule replicated.  ``retention_interval``:
-    ``CacheConfig.prefix_cache_retention_interval`` (:data:`DEFAULT_RETENTION`: vLLM's
-    default, not passed; None: dense; an int: see :func:`retention_interval_error`).
-    Raises VllmUnavailable, or ValueError naming a bad argument."""
-    r = _resolve(
-        groups,
-        memory_bytes=memory_bytes,
-        num_blocks=num_blocks,
-        max_model_len=max_model_len,
-        token_budget=token_budget,
-        max_num_seqs=max_num_seqs,
-        hash_algo=hash_algo,
-        prefix_match_unit=prefix_match_unit,
-        kernel_block_alignment=kernel_block_alignment,
-        retention_interval=retention_interval,
-    )
+    ``options``: :func:`_resolve`'s keywords.  Exactly one of ``memory_bytes`` or
+    ``num_blocks`` (``num_gpu_blocks_override``, null block included) sizes the pool.
+    Grouping, page unification, padding layers, bytes per block, num_blocks and the scheduler
+    / hash block sizes come from vLLM's own functions; see :func:`_layer_specs` for the one
+    rule replicated.  ``retention_interval``: ``CacheConfig.prefix_cache_retention_interval``
+    (:data:`DEFAULT_RETENTION`: vLLM's default, not passed; None: dense; an int: see
+    :func:`retention_interval_error`).  Raises VllmUnavailable, or ValueError naming a bad
+    argument."""
+    r = _resolve(groups, **options)
     v, cfg, kv_cfg, sched_bs, hash_bs = r.v, r.cfg, r.kv_cfg, r.sched_bs, r.hash_bs
     kv_cfg.hash_block_size = hash_bs
     cfg.cache_config.num_gpu_blocks = kv_cfg.num_blocks
-    hash_fn = v.get_hash_fn_by_name(hash_algo)
+    hash_fn = v.get_hash_fn_by_name(r.hash_algo)
     v.utils.init_none_hash(hash_fn)
     manager = v.KVCacheManager(
         kv_cfg,
-        max_model_len=max_model_len,
+        max_model_len=r.max_model_len,
         scheduler_block_size=sched_bs,
         hash_block_size=hash_bs,
         max_in_flight_tokens=cfg.max_in_flight_tokens,

@@ -156,6 +156,7 @@ class TransferPlan:
         :class:`TransferError` before anything is written."""
         self.check_buffers(src_buffers, "source")
         total = self.total_bytes
+        runs = self.runs()
         if out is None:
             device = src_buffers[0].device if len(src_buffers) else "cpu"
             out = torch.empty(total, dtype=torch.uint8, device=device)
@@ -163,11 +164,11 @@ class TransferPlan:
             _check_stream(out, total)
             packed = [
                 (sb, so, 0, pos, n)
-                for (sb, so, _, _, n), pos in zip(self.runs(), self._positions(), strict=True)
+                for (sb, so, _, _, n), pos in zip(runs, self._positions(), strict=True)
             ]
             check_no_overlap(packed, src_buffers, [out], field="out", remedy=_FRESH)
         pos = 0
-        for sb, so, _, _, n in self.runs():
+        for sb, so, _, _, n in runs:
             out[pos : pos + n].copy_(src_buffers[sb][so : so + n])
             pos += n
         return out
@@ -183,13 +184,14 @@ class TransferPlan:
         is written."""
         _check_stream(packed, self.total_bytes)
         self.check_buffers(dst_buffers, "destination")
+        runs = self.runs()
         streamed = [
             (0, pos, db, do, n)
-            for (_, _, db, do, n), pos in zip(self.runs(), self._positions(), strict=True)
+            for (_, _, db, do, n), pos in zip(runs, self._positions(), strict=True)
         ]
         check_no_overlap(streamed, [packed], dst_buffers, field="packed", remedy=_FRESH)
         pos = 0
-        for _, _, db, do, n in self.runs():
+        for _, _, db, do, n in runs:
             dst_buffers[db][do : do + n].copy_(packed[pos : pos + n])
             pos += n
 
