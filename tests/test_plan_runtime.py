@@ -114,6 +114,45 @@ def test_the_blocks_past_the_last_chunk_count_toward_the_arenas_capacity() -> No
     _hold_all(plan)
 
 
+def test_a_finer_alignment_is_taken_when_it_holds_more_requests() -> None:
+    """Found by a review's sweep: Kimi-Linear-48B-A3B at 141 GiB and tp 8 planned 141
+    requests where ``uniform`` plans 142. Its 64 KiB-aligned common multiple (1.29 GiB chunks)
+    met the waste aim, so no finer alignment was tried, but rounding the state group and the
+    MLA group to whole chunks that coarse left one request out; the 16 KiB-aligned common
+    multiple (330 MiB) holds 142, and the note says why the chunks are not 64 KiB-aligned."""
+    from hybridkv.models import resolve_model
+
+    model = resolve_model("Kimi-Linear-48B-A3B", tp_size=8)
+    kw = {"memory_bytes": parse_bytes("141GiB"), "max_model_len": 131072}
+    plan = make_plan(model, strategy=Strategy.ARENA, **kw)  # type: ignore[arg-type]
+    uniform = make_plan(model, strategy=Strategy.UNIFORM, **kw)  # type: ignore[arg-type]
+    assert plan.capacity.max_concurrent_requests == 142
+    assert uniform.capacity.max_concurrent_requests == 142
+    assert plan.layout.arena is not None
+    assert plan.layout.arena.chunk_bytes == 345_784_320  # lcm of 129,024 and 5,488,640 B
+    assert any(
+        "a 65536 B aligned chunk would hold 141 max-length requests, not 142" in note
+        for note in plan.notes
+    )
+
+
+def test_a_finer_alignment_plans_only_what_the_manager_holds() -> None:
+    """The same rule at a size the manager can run side by side: Nemotron-H-8B at tp 8 with
+    an fp8 cache in 2 GiB planned 100 requests of 8,192 tokens (0.69% of the budget lost)
+    and now plans 101 with 32 KiB-aligned chunks, every one of them held."""
+    from hybridkv.models import resolve_model
+
+    plan = make_plan(
+        resolve_model("Nemotron-H-8B", tp_size=8, kv_cache_dtype="fp8"),
+        memory_bytes=parse_bytes("2GiB"),
+        max_model_len=8192,
+        strategy=Strategy.ARENA,
+    )
+    assert plan.capacity.max_concurrent_requests == 101
+    assert plan.layout.arena is not None and plan.layout.arena.chunk_bytes % 65536
+    _hold_all(plan)
+
+
 @pytest.mark.parametrize(("name", "memory", "length"), [("gemma-3-27b", "4GiB", 4096)])
 def test_a_windowed_model_holds_its_planned_requests_decoding_side_by_side(
     name: str, memory: str, length: int

@@ -11,8 +11,11 @@ largest attention block, is reserved).  The budget past the last whole chunk is 
 to the group that gets the most whole blocks from it (:func:`hybridkv.plan.layout.tail_host`),
 so large chunks lose no more than a block there.  When no aligned
 chunk meets the waste aim below (DeepSeek-V3: 61 MLA layers make every aligned chunk at least
-1.07 GiB), the alignment is halved down to 4 KiB until one does; the on-demand arena then shares
-the boundary pages of neighbouring chunks.
+1.07 GiB), the alignment is halved down to 4 KiB until one does; a finer alignment is also
+taken where it holds more max-length requests (rounding each group to whole coarse chunks can
+leave one out: Kimi-Linear-48B-A3B at 141 GiB and tp 8 holds 141 requests with 64 KiB-aligned
+chunks of 1.29 GiB and 142 with 16 KiB-aligned ones of 330 MiB).  The on-demand arena then
+shares the boundary pages of neighbouring chunks.
 
 The exact lcm can be too coarse: 36 gated-DeltaNet layers with a 2,146,304-byte state make a
 block of 36 * 2^16 * 131 bytes, and an lcm of gigabytes.  The plan aims at >= 64 chunks and
@@ -376,7 +379,7 @@ def _least_holding_one(
     ``none_at`` (to 1/4096 of the budget): a lower budget may pick yet another chunk."""
 
     def holds_one(budget: int) -> tuple[bool, int]:
-        best, low, _ = _best_candidate(
+        best, low, _, _ = _best_candidate(
             base, need, budget, options.chunk_alignment, options.one_slot_chunks
         )
         return best.capacity >= 1, low
@@ -400,10 +403,12 @@ def _best_candidate(
     memory_bytes: int,
     chunk_alignment: int,
     one_slot: bool = True,
-) -> tuple[_Candidate, int, _Candidate]:
-    """The best-scoring candidate for ``memory_bytes``, the least ``min_bytes`` seen, and the
-    best candidate whose chunks are a common multiple of every group's block."""
+) -> tuple[_Candidate, int, _Candidate, _Candidate]:
+    """The best-scoring candidate for ``memory_bytes``, the least ``min_bytes`` seen, the
+    best candidate whose chunks are a common multiple of every group's block, and the best
+    one at ``chunk_alignment`` itself."""
     best: _Candidate | None = None
+    aligned: _Candidate | None = None
     least = 0
     for alignment in _alignments(chunk_alignment):
         exact = _evaluate(base, need, memory_bytes, alignment)
@@ -416,11 +421,17 @@ def _best_candidate(
             if one.score(memory_bytes) > found.score(memory_bytes):
                 found = one
         least = low if best is None else min(least, low)
-        if best is None or found.score(memory_bytes, one_slot) > best.score(memory_bytes, one_slot):
+        if best is None:
+            best = aligned = found
+        elif best.meets_aim(memory_bytes):
+            # Past the aim, a finer alignment is taken only for more requests: rounding each
+            # group to whole coarse chunks can leave one short (Kimi-Linear-48B-A3B, 141 GiB,
+            # tp 8: 141 requests with 64 KiB-aligned chunks of 1.29 GiB, 142 with 32 KiB).
+            if found.meets_aim(memory_bytes) and found.with_tail > best.with_tail:
+                best = found
+        elif found.score(memory_bytes, one_slot) > best.score(memory_bytes, one_slot):
             best = found
-        if best.meets_aim(memory_bytes):
-            break
-    assert best is not None
+    assert best is not None and aligned is not None
     lcm_best = best
     for alignment in _alignments(chunk_alignment):
         if best.meets_aim(memory_bytes):
@@ -432,7 +443,7 @@ def _best_candidate(
             memory_bytes, one_slot
         ):
             best = bounded
-    return best, least, lcm_best
+    return best, least, lcm_best, aligned
 
 
 def plan_arena(
@@ -445,7 +456,7 @@ def plan_arena(
     """
     base = base_group_plans(groups, options)
     need = [blocks_for_request(g, max_model_len) for g in base]
-    best, least, lcm_best = _best_candidate(
+    best, least, lcm_best, aligned = _best_candidate(
         base, need, memory_bytes, options.chunk_alignment, options.one_slot_chunks
     )
     exact_chunk = lcm(options.chunk_alignment, *(g.block_bytes for g in base))
@@ -488,11 +499,15 @@ def plan_arena(
             + " (less than two blocks short of the chunk)"
         )
     if best.chunk_bytes % alignment:
+        why = (
+            f"would hold {aligned.with_tail} max-length requests, not {best.with_tail}"
+            if aligned.meets_aim(memory_bytes)
+            else f"would lose more than {100 * ARENA_MAX_WASTE_FRACTION:.0f}% of the budget"
+        )
         notes.append(
             f"arena: chunks of {best.chunk_bytes} B are not multiples of the {alignment} B "
-            "chunk alignment (a {alignment} B aligned chunk would lose more than "
-            f"{100 * ARENA_MAX_WASTE_FRACTION:.0f}% of the budget); on-demand memory shares "
-            "the boundary pages of neighbouring chunks".replace("{alignment}", str(alignment))
+            f"chunk alignment (a {alignment} B aligned chunk {why}); on-demand memory shares "
+            "the boundary pages of neighbouring chunks"
         )
     if not best.meets_aim(memory_bytes):
         notes.append(
