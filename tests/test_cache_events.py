@@ -10,9 +10,15 @@ from test_cache_factories import (
     run_to_completion,
     state,
     step,
+    swa,
     tokens,
     uniform,
 )
+
+
+def T(start: int, end: int) -> tuple[int, ...]:
+    """The token ids ``start .. end - 1`` (the factories' prompts count up)."""
+    return tuple(range(start, end))
 
 
 def test_block_stored_carries_group_hashes_parent_and_token_count() -> None:
@@ -25,16 +31,16 @@ def test_block_stored_carries_group_hashes_parent_and_token_count() -> None:
     assert mgr.take_events() == []  # nothing is published before it is computed
     assert mgr.allocate_slots(r0, 8) is not None
     assert mgr.take_events() == [
-        BlockStored(0, (h[0], h[1]), None, 8, 4),
-        BlockStored(1, (h[1],), None, 8, 8),
-        BlockStored(2, (h[1],), h[0], 4, 4),
+        BlockStored(0, (h[0], h[1]), None, 8, 4, token_ids=T(0, 8)),
+        BlockStored(1, (h[1],), None, 8, 8, token_ids=T(0, 8)),
+        BlockStored(2, (h[1],), h[0], 4, 4, token_ids=T(4, 8)),  # the checkpoint's block
     ]
     step(r0, 8)
     mgr.free("r0")
     assert mgr.take_events() == [
-        BlockStored(0, (h[2], h[3]), h[1], 8, 4),
-        BlockStored(1, (h[3],), h[1], 8, 8),
-        BlockStored(2, (h[3],), h[2], 4, 4),
+        BlockStored(0, (h[2], h[3]), h[1], 8, 4, token_ids=T(8, 16)),
+        BlockStored(1, (h[3],), h[1], 8, 8, token_ids=T(8, 16)),
+        BlockStored(2, (h[3],), h[2], 4, 4, token_ids=T(12, 16)),
     ]
     assert mgr.take_events() == []
     assert mgr.reset_prefix_cache()
@@ -48,19 +54,19 @@ def test_scheduled_publication_stores_attention_blocks_at_their_allocation() -> 
     h = r0.block_hashes
     admit(mgr, r0, budget=8)  # the step that fills tokens 0..8: attention blocks at once
     assert mgr.take_events() == [
-        BlockStored(0, (h[0], h[1]), None, 8, 4),
-        BlockStored(1, (h[1],), None, 8, 8),
+        BlockStored(0, (h[0], h[1]), None, 8, 4, token_ids=T(0, 8)),
+        BlockStored(1, (h[1],), None, 8, 8, token_ids=T(0, 8)),
     ]
     step(r0, 8)
     assert mgr.allocate_slots(r0, 8) is not None  # the state checkpoint at 8 once computed
     assert mgr.take_events() == [
-        BlockStored(2, (h[1],), h[0], 4, 4),
-        BlockStored(0, (h[2], h[3]), h[1], 8, 4),
-        BlockStored(1, (h[3],), h[1], 8, 8),
+        BlockStored(2, (h[1],), h[0], 4, 4, token_ids=T(4, 8)),
+        BlockStored(0, (h[2], h[3]), h[1], 8, 4, token_ids=T(8, 16)),
+        BlockStored(1, (h[3],), h[1], 8, 8, token_ids=T(8, 16)),
     ]
     step(r0, 8)
     mgr.free("r0")
-    assert mgr.take_events() == [BlockStored(2, (h[3],), h[2], 4, 4)]
+    assert mgr.take_events() == [BlockStored(2, (h[3],), h[2], 4, 4, token_ids=T(12, 16))]
     mgr.check_invariants()
 
 
@@ -72,7 +78,7 @@ def test_blocks_published_for_a_step_that_never_ran_are_taken_back() -> None:
     assert mgr.get_computed_blocks(mgr.make_request("q", tokens(17))).junction_tokens == 8
     mgr.preempt("r0")  # before the step ran: its blocks hold nothing
     assert mgr.take_events() == [
-        BlockStored(0, (h[0], h[1]), None, 8, 4),
+        BlockStored(0, (h[0], h[1]), None, 8, 4, token_ids=T(0, 8)),
         BlockRemoved(0, (h[0], h[1])),
     ]
     hit = mgr.get_computed_blocks(mgr.make_request("q", tokens(17)))
@@ -96,7 +102,7 @@ def test_block_removed_on_eviction() -> None:
     assert mgr.take_events() == [
         BlockRemoved(0, (r0.block_hashes[1],)),
         BlockRemoved(0, (r0.block_hashes[0],)),
-        BlockStored(0, tuple(r1.block_hashes), None, 12, 4),  # published for its step
+        BlockStored(0, tuple(r1.block_hashes), None, 12, 4, token_ids=T(50, 62)),
     ]
 
 
@@ -134,3 +140,45 @@ def test_prefix_cache_stats_intervals_and_alone_hits() -> None:
     total = mgr.stats
     assert (total.queries, total.query_tokens, total.hit_tokens) == (4, 40, 8)
     assert mgr.make_prefix_cache_stats().queries == 0
+
+
+def test_stored_events_carry_the_tokens_and_lora_a_router_rehashes() -> None:
+    """Each device BlockStored names the tokens its blocks cover (decoded ones included) and
+    the request's LoRA id, as vLLM's event does; hashing those tokens after the event's
+    parent with the manager's hasher gives the event's hashes (a router that keys on hashes
+    of its own can follow). A sliding-window group publishes only what its window holds."""
+    layout = uniform(groups(full(), swa(4)), 40)
+    mgr = KVCacheManager(layout, enable_kv_events=True, publish="computed")
+    r0 = mgr.make_request("r0", tokens(10), lora_id="adapter-a")
+    run_to_completion(mgr, r0, outputs=[90, 91])  # 12 tokens: three 4-token blocks
+    events = mgr.take_events()
+    assert [(e.group_id, e.token_ids, e.lora_id) for e in events] == [  # type: ignore[union-attr]
+        (0, T(0, 8), "adapter-a"),  # the prompt's two whole blocks
+        (1, T(4, 8), "adapter-a"),  # the window's block (tokens 0-3 left it)
+        (0, (8, 9, 90, 91), "adapter-a"),  # filled by the decode
+        (1, (8, 9, 90, 91), "adapter-a"),
+    ]
+    prompt = [*tokens(10), 90, 91, 7, 7, 7, 7, 5]
+    r1 = mgr.make_request("r1", prompt)  # no LoRA: other hashes, no hit
+    run_to_completion(mgr, r1)
+    r2 = mgr.make_request("r2", prompt, lora_id="adapter-a")
+    hit, _ = admit(mgr, r2)
+    assert hit.num_computed_tokens == 12
+    step(r2, r2.num_tokens - 12)
+    mgr.free("r2")
+    events = mgr.take_events()
+    assert [(e.group_id, e.token_ids, e.lora_id) for e in events] == [  # type: ignore[union-attr]
+        (0, (*T(0, 10), 90, 91, 7, 7, 7, 7), None),
+        (1, (7, 7, 7, 7), None),
+        (0, (7, 7, 7, 7), "adapter-a"),  # after the hit
+        (1, (7, 7, 7, 7), "adapter-a"),
+    ]
+    assert [e.parent_block_hash for e in events] == [  # type: ignore[union-attr]
+        None,
+        r1.block_hashes[2],
+        r2.block_hashes[2],
+        r2.block_hashes[2],
+    ]
+    for e in events[:2]:  # without extra keys the tokens alone give the hashes
+        again = mgr.hasher.hash_blocks(e.parent_block_hash, e.token_ids, 4)  # type: ignore[union-attr]
+        assert tuple(again) == e.block_hashes  # type: ignore[union-attr]

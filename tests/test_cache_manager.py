@@ -86,7 +86,7 @@ def test_lru_eviction_takes_the_tail_first() -> None:
     assert mgr.take_events() == [
         BlockRemoved(0, (h[2],)),
         BlockRemoved(0, (h[1],)),
-        BlockStored(0, tuple(r1.block_hashes), None, 20, 4),  # published for its step
+        BlockStored(0, tuple(r1.block_hashes), None, 20, 4, token_ids=tuple(r1.token_ids)),
     ]
     r2 = mgr.make_request("r2", tokens(13))
     hit = mgr.get_computed_blocks(r2)

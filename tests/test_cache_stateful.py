@@ -334,6 +334,13 @@ class CacheMachine(RuleBasedStateMachine):
         for event in mgr.take_events():
             if isinstance(event, BlockStored):
                 self._mirror(event.medium)[event.group_id] |= set(event.block_hashes)
+                if event.medium == "device":  # a router hashing the tokens itself agrees
+                    size, hb = event.block_size, mgr.hash_block_size
+                    assert len(event.token_ids) == event.token_count
+                    again = mgr.hasher.hash_blocks(event.parent_block_hash, event.token_ids, hb)
+                    assert tuple(again[size // hb - 1 :: size // hb]) == event.block_hashes
+                else:
+                    assert (event.token_ids, event.parent_block_hash) == ((), None)
             elif isinstance(event, BlockRemoved):
                 self._mirror(event.medium)[event.group_id] -= set(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):

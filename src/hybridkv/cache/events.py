@@ -7,7 +7,9 @@ drops everything; ``medium`` says whether a block is on the device or in a lower
 entry that moves down is removed from one tier and stored in the next).  Hashes are the
 manager's group-level block hashes
 (:mod:`hybridkv.cache.hashing`); a group with block size ``k * hash_block_size`` stores the
-hash of the last hash block of each of its blocks.
+hash of the last hash block of each of its blocks.  A device ``BlockStored`` also carries the
+token ids its blocks cover and the request's LoRA id, as vLLM's event of that name does, so a
+router that keys on hashes of its own (computed from tokens) can follow it too.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ class BlockStored(NamedTuple):
 
     ``block_hashes`` in prefix order; ``parent_block_hash`` is the group-level hash of the block
     just before the first one (``None`` when the first is the request's first block);
-    ``token_count`` tokens are covered (``len(block_hashes) * block_size``).  A lower tier's
-    events name one block each, in the order the blocks went down (often the tail first),
-    with ``parent_block_hash`` ``None``: unknown there, not a first block (a tier entry does
-    not keep its parent).  No event carries token ids, a LoRA id or extra keys: a router
-    keys on these hashes (the manager's hasher), not on keys of its own.
+    ``token_count`` tokens are covered (``len(block_hashes) * block_size``), and
+    ``token_ids`` are those tokens (the request's own, in order; for a state group, the
+    tokens its checkpoints' blocks span), with ``lora_id`` the request's LoRA id (``None``
+    without one).  A lower tier's events name one block each, in the order the blocks went
+    down (often the tail first), with ``parent_block_hash`` ``None`` and no token ids:
+    unknown there, not a first block or an empty one (a tier entry keeps neither its parent
+    nor its tokens).  Other extra keys (a cache salt, multimodal items) are in the hashes
+    only.
     """
 
     group_id: int
@@ -39,6 +44,11 @@ class BlockStored(NamedTuple):
     block_size: int
     #: Where the blocks are: ``device``, or a lower tier (``host``, ``disk``).
     medium: str = "device"
+    #: The ``token_count`` tokens the blocks cover (empty for a lower tier's event).
+    token_ids: tuple[int, ...] = ()
+    #: The LoRA adapter the blocks were computed with (``None``: none or, in a lower tier's
+    #: event, unknown).
+    lora_id: int | str | None = None
 
 
 class BlockRemoved(NamedTuple):
@@ -109,9 +119,20 @@ class EventLog:
         block_hashes: tuple[BlockHash, ...],
         parent: BlockHash | None,
         block_size: int,
+        token_ids: tuple[int, ...] = (),
+        lora_id: int | str | None = None,
     ) -> None:
         self._events.append(
-            BlockStored(group_id, block_hashes, parent, len(block_hashes) * block_size, block_size)
+            BlockStored(
+                group_id,
+                block_hashes,
+                parent,
+                len(block_hashes) * block_size,
+                block_size,
+                "device",
+                token_ids,
+                lora_id,
+            )
         )
 
     def removed(self, group_id: int, block_hashes: tuple[BlockHash, ...]) -> None:

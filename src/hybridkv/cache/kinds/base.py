@@ -315,7 +315,7 @@ class KindManager(ABC):
         data was published before)."""
         self.pool.cache_many(self.group_id, items)
         if self.events.enabled:
-            self._emit_stored(items, request.block_hashes)
+            self._emit_stored(items, request)
 
     def _publish(self, items: list[tuple[int, int, int]], request: Request) -> None:
         self.pool.cache_many(self.group_id, items)
@@ -324,26 +324,28 @@ class KindManager(ABC):
         if self.admission is not None:
             self.admission.published(len(items) * self.block_bytes)
         if self.events.enabled:
-            self._emit_stored(items, request.block_hashes)
+            self._emit_stored(items, request)
 
-    def _emit_stored(self, items: list[tuple[int, int, int]], hashes: Sequence[int]) -> None:
+    def _emit_stored(self, items: list[tuple[int, int, int]], request: Request) -> None:
         """One BlockStored per run of consecutive table indices."""
         run: list[Any] = []
         first = prev = -2
         for j, _, h in items:
             if j != prev + 1 and run:
-                self._stored_event(first, run, hashes)
+                self._stored_event(first, run, request)
                 run = []
             if not run:
                 first = j
             run.append(h)
             prev = j
         if run:
-            self._stored_event(first, run, hashes)
+            self._stored_event(first, run, request)
 
-    def _stored_event(self, first: int, run: list[Any], hashes: Sequence[int]) -> None:
-        parent: Any = hashes[first * self.stride - 1] if first else None
-        self.events.stored(self.group_id, tuple(run), parent, self.block_size)
+    def _stored_event(self, first: int, run: list[Any], request: Request) -> None:
+        parent: Any = request.block_hashes[first * self.stride - 1] if first else None
+        size = self.block_size
+        tokens = tuple(request.token_ids[first * size : (first + len(run)) * size])
+        self.events.stored(self.group_id, tuple(run), parent, size, tokens, request.lora_id)
 
     # -- free ---------------------------------------------------------------------------------
     @abstractmethod
