@@ -6,10 +6,13 @@ describe it with the same fields: ``num_hidden_layers``, ``num_attention_heads``
 ``hidden_size // num_attention_heads``), and which layers are full, sliding or chunked.  The
 layer kinds follow transformers' own cache rule (``get_layer_types_and_kwargs`` in
 ``cache_utils``): ``layer_types`` when the config has it (``moe`` / ``mlp`` entries store
-nothing), else every layer is sliding when ``sliding_window`` is set (and not switched off by
-``use_sliding_window: false`` or 0), chunked when ``attention_chunk_size`` is set, and full
-otherwise.  ``tests/test_models_generic.py`` checks the result against the caches transformers
-allocates for every architecture it lists.
+nothing).  Without it, a model type listed in :data:`~hybridkv.models.generic_rules.GENERIC_TYPES`
+gets the layer kinds (and the absent-field defaults) its transformers config class builds in
+``__post_init__``; any other model type is all full attention, and is refused when it has a
+window (not switched off by ``use_sliding_window: false`` or 0), a chunk size or a
+layer-pattern field, since only its config class knows which layers those apply to.
+``tests/test_models_generic.py`` checks the result against the caches transformers allocates
+for every architecture it lists.
 
 A config that carries the fields of another cache kind (MLA latents, recurrent or conv state,
 KV sharing, compressed attention, cross-attention, looped layers) or of an encoder-decoder is
@@ -27,6 +30,7 @@ from hybridkv.models.attention import (
     kv_heads,
 )
 from hybridkv.models.config import ConfigView, DeriveContext
+from hybridkv.models.generic_rules import GENERIC_TYPES, REFUSED_TYPES, unknown_pattern_refusal
 from hybridkv.specs import LayerSpec, NoCacheSpec
 
 __all__ = ["GENERIC_LAYER_TYPES", "derive_generic", "generic_refusal"]
@@ -61,6 +65,8 @@ _FOREIGN_FIELDS: dict[str, str] = {
     "v_head_dim": "a value head size of its own",
     # mllama: these layers cache the image's K/V (fixed size), not per-token K/V
     "cross_attention_layers": "cross-attention layers caching image K/V, not per-token K/V",
+    # minimax_m3_vl_text: sparse-attention layers with an indexer cache
+    "sparse_attention_config": "sparse attention layers with an indexer cache",
 }
 #: Fields whose mere presence (even 0 or empty) marks a family the shared rule misreads.
 _FOREIGN_KEYS: dict[str, str] = {
@@ -76,8 +82,12 @@ def generic_refusal(model_type: str, data: dict[str, object]) -> str | None:
     """Why ``data`` cannot be derived generically, or None when it can."""
     if data.get("is_encoder_decoder"):
         return "it is an encoder-decoder model"
-    found = sorted(k for k in _FOREIGN_FIELDS if data.get(k) not in (None, 0, [], False))
-    found += sorted(k for k in _FOREIGN_KEYS if k in data)
+    if model_type in REFUSED_TYPES:
+        return REFUSED_TYPES[model_type]
+    found = sorted(
+        {k for k in _FOREIGN_FIELDS if data.get(k) not in (None, 0, [], False)}
+        | {k for k in _FOREIGN_KEYS if k in data}
+    )
     if found:
         kinds = sorted({{**_FOREIGN_FIELDS, **_FOREIGN_KEYS}[k] for k in found})
         return f"it has fields of {', '.join(kinds)} ({', '.join(found)})"
@@ -106,6 +116,11 @@ def derive_generic(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
             f"config.model_type: {cfg.model_type!r} has no registry entry and cannot be derived "
             f"from the shared attention fields: {reason}"
         )
+    ctx.note(
+        f"{cfg.model_type}: no registry entry; derived generically from num_hidden_layers, "
+        "num_attention_heads, num_key_value_heads, head_dim, layer_types / sliding_window / "
+        "attention_chunk_size (transformers' cache rule)"
+    )
     n = cfg.num_layers()
     # transformers drops the window when use_sliding_window is false (qwen2_moe, ...) and
     # reads 0 as "no window"
@@ -117,15 +132,20 @@ def derive_generic(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
     )
     chunk = cfg.opt_int("attention_chunk_size")
     types = cfg.opt_str_list("layer_types")
+    known = GENERIC_TYPES.get(cfg.model_type)
     if types is None:
-        kind = (
-            "sliding_attention"
-            if window is not None
-            else "chunked_attention"
-            if chunk is not None
-            else "full_attention"
-        )
-        types = [kind] * n
+        refusal = unknown_pattern_refusal(cfg, window, known=known is not None)
+        if refusal is not None:
+            raise refusal
+    if types is None and known is not None:
+        types = known.layer_rule(cfg, n, window)
+        if known.rule:
+            ctx.note(
+                f"{cfg.model_type}: the config has no layer_types; layer kinds follow "
+                f"transformers' {cfg.model_type} config class ({known.rule})"
+            )
+    elif types is None:
+        types = ["full_attention"] * n
     cfg.check_length("layer_types", types, n)
     shape = AttentionShape(
         num_kv_heads=kv_heads(cfg),
@@ -143,9 +163,14 @@ def derive_generic(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
         )
         for i, t in enumerate(types)
     ]
-    ctx.note(
-        f"{cfg.model_type}: no registry entry; derived generically from num_hidden_layers, "
-        "num_attention_heads, num_key_value_heads, head_dim, layer_types / sliding_window / "
-        "attention_chunk_size (transformers' cache rule)"
-    )
+    used = [
+        f"{key}={cfg.defaults[key]!r}"
+        for key in ("num_key_value_heads", "head_dim")
+        if key not in cfg.data and key in cfg.defaults
+    ]
+    if used:
+        ctx.note(
+            f"{cfg.model_type}: the config omits {', '.join(k.split('=')[0] for k in used)}; "
+            f"transformers' class default used ({', '.join(used)})"
+        )
     return layers

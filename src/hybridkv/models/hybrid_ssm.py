@@ -182,9 +182,16 @@ def _derive_granite_hybrid(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpe
     return assemble_layers(cfg, types, _table(attention, state))
 
 
-def _nemotron_layer_types(cfg: ConfigView) -> list[str]:
+def _nemotron_layer_types(cfg: ConfigView, ctx: DeriveContext) -> list[str]:
+    """One type per entry of ``layers_block_type`` / ``layer_types`` / ``hybrid_override_pattern``.
+
+    As in ``NemotronHConfig`` (whose ``num_hidden_layers`` is the pattern's length), a
+    ``num_hidden_layers`` that disagrees is ignored, with a note.
+    """
     found = cfg.opt_str_list("layers_block_type") or cfg.opt_str_list("layer_types")
+    key = "layers_block_type" if cfg.has("layers_block_type") else "layer_types"
     if found is None:
+        key = "hybrid_override_pattern"
         pattern = cfg.opt_str("hybrid_override_pattern")
         if pattern is None:
             raise cfg.missing(
@@ -198,9 +205,22 @@ def _nemotron_layer_types(cfg: ConfigView) -> list[str]:
             )
         found = list(pattern)
     types = [normalise_layer_type(t) for t in found]
+    if not types:
+        raise ConfigError(
+            f"nemotron_h config: field {key!r} is empty; it needs one entry per layer"
+        )
+    if len(types) > MAX_LAYERS:
+        raise ConfigError(
+            f"nemotron_h config: field {key!r} has {len(types)} entries; at most {MAX_LAYERS} "
+            "layers are supported"
+        )
     declared = cfg.opt_int("num_hidden_layers", maximum=MAX_LAYERS)
-    if declared is not None:
-        cfg.check_length("hybrid_override_pattern", types, declared)
+    if declared is not None and declared != len(types):
+        ctx.note(
+            f"nemotron_h: num_hidden_layers={declared} disagrees with the {len(types)} entries "
+            f"of {key}; {len(types)} layers derived (transformers' NemotronHConfig takes the "
+            f"length of {key} and ignores num_hidden_layers)"
+        )
     return types
 
 
@@ -217,7 +237,7 @@ def _nemotron_head_dim(cfg: ConfigView) -> int:
 
 def _derive_nemotron_h(cfg: ConfigView, ctx: DeriveContext) -> list[LayerSpec]:
     """Nemotron-H: one layer per pattern entry (M mamba2, * attention, - mlp, E moe)."""
-    types = _nemotron_layer_types(cfg)
+    types = _nemotron_layer_types(cfg, ctx)
     flag = cfg.opt_str("mamba_ssm_cache_dtype")
     ssm_flag = (
         None if flag is None else DType.parse(flag, field="nemotron_h config.mamba_ssm_cache_dtype")

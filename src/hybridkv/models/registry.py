@@ -22,6 +22,7 @@ from hybridkv.models.config import (
     select_text_config,
 )
 from hybridkv.models.generic import derive_generic, generic_refusal
+from hybridkv.models.generic_rules import GENERIC_TYPES
 from hybridkv.models.mtp import mtp_layers
 from hybridkv.specs import DType, ModelSpec
 
@@ -107,7 +108,8 @@ def spec_from_config(
                 f"and cannot be derived from the shared attention fields ({reason}); "
                 f"registered: {', '.join(supported_model_types())}"
             )
-        arch = GENERIC
+        known = GENERIC_TYPES.get(model_type)
+        arch = GENERIC if known is None else GENERIC._replace(defaults=known.defaults)
     dtype = model_dtype(data, model_type)
     ctx = DeriveContext(
         tp_size=tp,
