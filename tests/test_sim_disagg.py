@@ -130,9 +130,12 @@ TRACE = (
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason="shared Mooncake trace not present")
-def test_a_prefill_hit_counts_once_whatever_the_preemptions() -> None:
+def test_a_prefill_hit_counts_once_on_the_trace() -> None:
     # found by review: every re-admission after a preemption added the request's hit again
-    # (320,160 hit tokens for 137,728 first-admission ones: 7.5% instead of 3.2%)
+    # (320,160 hit tokens for 137,728 first-admission ones: 7.5% instead of 3.2%). Since a
+    # refused chunk no longer caps a request's later chunks for good (a scheduler review,
+    # 2026-11-29), this run's prefill side preempts nobody (36 preemptions and 5,020 prefill
+    # steps before, 409 steps now); the guard itself is tested below.
     model = resolve_model("Llama-3.1-8B")
     profile = ModelProfile.from_config(load_model_config("Llama-3.1-8B"))
     work = load_workload(TRACE, num_requests=300)
@@ -141,7 +144,55 @@ def test_a_prefill_hit_counts_once_whatever_the_preemptions() -> None:
     )
     prefill = replace(decode, memory_bytes=int(4.5 * (1 << 30)))
     res = simulate_pd(model, profile, work, prefill, decode)
-    assert res.prefill_hit_tokens == 137_728 and res.prompt_tokens == 4_269_971
+    assert res.prefill_hit_tokens == 134_656 and res.prompt_tokens == 4_269_971
+    assert (res.prefill_preemptions, res.decode_preemptions) == (0, 7)
+
+
+def test_a_prefill_hit_counts_once_whatever_the_preemptions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``b`` hits the 64 tokens ``a`` left, is preempted after its first chunk and hits 80
+    when re-admitted: only the first admission's 64 count."""
+    import hybridkv.sim.disagg as disagg
+    from hybridkv.scheduler import Scheduler
+
+    class PreemptOnce(Scheduler):
+        def schedule(self):  # type: ignore[no-untyped-def]
+            b = self.seqs.get("b")
+            if (
+                b is not None
+                and not b.num_preemptions
+                and self.running[-1:] == [b]
+                and b.request.num_computed_tokens > b.num_cached_tokens
+            ):
+                self._preempt_newest()  # as memory pressure would
+            return super().schedule()
+
+    made: list[Scheduler] = []
+    build = disagg._instance
+
+    def instance(*args: object) -> Scheduler:
+        sched = build(*args)  # type: ignore[arg-type]
+        if not made:  # the prefill side is built first
+            sched.__class__ = PreemptOnce
+        made.append(sched)
+        return sched
+
+    monkeypatch.setattr(disagg, "_instance", instance)
+    model, profile, _, cfg = _setup("Llama-3.1-8B")
+    shared = tuple(range(1, 65))
+    work = Workload(
+        "two",
+        (
+            WorkloadRequest("a", 0.0, (*shared, *range(1000, 1016)), (7, 8)),
+            WorkloadRequest("b", 1.0, (*shared, *range(2000, 2100)), (7, 8)),
+        ),
+    )
+    cfg = replace(cfg, token_budget=32, use_arrivals=True)
+    res = simulate_pd(model, profile, work, cfg, cfg)
+    assert made[0].num_preemptions == 1
+    assert res.prefill_preemptions == 1 and res.finished == 2
+    assert res.prefill_hit_tokens == 64
 
 
 def test_the_link_carries_only_what_the_decode_side_keeps() -> None:

@@ -39,7 +39,6 @@ from hybridkv.engine.tp_shards import (
     shard_caches,
 )
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler import FinishReason
 from hybridkv.storage import TransferError
 from hybridkv.storage.connector import Registration, register_storage
 from hybridkv.storage.transfer import copy_blocks
@@ -110,18 +109,6 @@ def release(engine: LLMEngine, request_id: str) -> None:
     engine.scheduler.release(request_id)
 
 
-def _finished_by(
-    token_ids: Sequence[int], max_tokens: int, eos_token_ids: Sequence[int]
-) -> FinishReason | None:
-    """Why a request whose first tokens are ``token_ids`` is already finished (an EOS among
-    them, or ``max_tokens`` reached), or None when it goes on."""
-    if any(t in eos_token_ids for t in token_ids):
-        return FinishReason.STOP
-    if len(token_ids) >= max_tokens:
-        return FinishReason.LENGTH
-    return None
-
-
 def released_tokens(
     handover: Handover, own: Registration, num_tokens: int
 ) -> dict[int, list[tuple[int, int]]]:
@@ -176,8 +163,12 @@ def import_request(
     # before anything is pulled (found by review: the recompute fallback raised it instead,
     # after the import had failed on it).
     engine.check_prompt(rid, prompt)
-    done = _finished_by(handover.token_ids, max_tokens, eos_token_ids)
-    if done is not None:  # the prefill side's token ends it: nothing to decode or pull
+    # The prefill side's token ends it (an EOS, max_tokens, or this side's max_model_len:
+    # import_computed refuses those, found by review): nothing to decode or pull.
+    done = engine.scheduler.import_finish(
+        len(prompt), handover.token_ids, max_tokens=max_tokens, eos_token_ids=eos_token_ids
+    )
+    if done is not None:
         if rid in engine._live or rid in engine.scheduler.seqs:
             raise EngineError(f"handover: request {rid!r} is already queued")
         engine.completions[rid] = Completion(
@@ -235,8 +226,8 @@ def import_request(
             copy_blocks(src, storage.buffers, dst, storage.buffers)
 
     reason = (
-        "the decode side's cache could not take it now (no room, or its own prefix hit "
-        "still loading from a lower tier)"
+        "the decode side could not take it now (max_num_seqs requests running, no room in "
+        "its cache, or its own prefix hit still loading from a lower tier)"
     )
     try:
         # Window tokens the prefill side released: when its blocks are smaller, this side's

@@ -72,13 +72,14 @@ from hybridkv.engine.engine_args import (
     resumes_no_prefill,
     token_tuple,
 )
+from hybridkv.engine.engine_counts import COUNTERS, engine_stats
 from hybridkv.engine.errors import (
     BindingError,
     EngineError,
     PromptError,
 )
 from hybridkv.engine.manager_bridge import step_from_tables
-from hybridkv.engine.metrics import CacheTracker, EngineStats, group_labels
+from hybridkv.engine.metrics import CacheTracker, EngineStats
 from hybridkv.engine.model_source import (
     config_vocab_size,
     default_max_model_len,
@@ -99,6 +100,7 @@ from hybridkv.engine.views import StorageViews
 from hybridkv.errors import InvariantError
 from hybridkv.plan import Plan
 from hybridkv.scheduler import (
+    FinishReason,
     RequestOutput,
     Scheduler,
     SchedulerConfig,
@@ -120,23 +122,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# what LLMEngine.stats() sums up, step by step
-_COUNTERS = [
-    "steps",
-    "passes",
-    "batch",
-    "step_tokens",
-    "prompt",
-    "computed",
-    "gen",
-    "drafted",
-    "accepted",
-    "rewinds",
-    "host",
-    "disk",
-    "moved",
-]
 
 
 class LLMEngine:
@@ -280,7 +265,7 @@ class LLMEngine:
         self.completions: dict[str, Completion] = {}
         self._live: dict[str, LiveRequest] = {}
         self._tracker = CacheTracker(self.layout)
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._counts = dict.fromkeys(COUNTERS, 0)
         self._block_sizes = [g.block_size for g in self.layout.groups]
         self._seconds = 0.0
         self._model_seconds = 0.0
@@ -325,6 +310,29 @@ class LLMEngine:
         )
         self._live[request_id] = LiveRequest(seq, prompt)
         self._counts["prompt"] += len(prompt)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a waiting or running request between steps: its blocks are freed
+        (:meth:`Scheduler.abort_request`) and its :class:`Completion` holds the tokens
+        generated so far, with ``finish_reason`` :attr:`~hybridkv.scheduler.FinishReason.ABORT`.
+        A finished request kept with ``hold=True`` is released (its completion stays as it
+        finished).  Raises :class:`~hybridkv.scheduler.SchedulerError`, changing nothing, for
+        an id that names no waiting, running or held request."""
+        live = self._live.get(request_id) if isinstance(request_id, str) else None
+        self.scheduler.abort_request(request_id)
+        if live is None:  # a held request, released
+            return
+        self.completions[request_id] = Completion(
+            request_id=request_id,
+            prompt_token_ids=live.prompt,
+            token_ids=tuple(live.tokens),
+            finish_reason=FinishReason.ABORT,
+            num_cached_tokens=live.seq.num_cached_tokens,
+            num_preemptions=live.seq.num_preemptions,
+            logits=tuple(live.logits),
+        )
+        del self._live[request_id]
+        self._tracker.forget(request_id)
 
     def check_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[int, ...]:
         """The prompt as a tuple, if the engine can serve it.  Raises :class:`PromptError`
@@ -379,7 +387,8 @@ class LLMEngine:
             if not out.preempted and self.scheduler.has_unfinished():
                 raise EngineError(
                     f"step: {len(self.scheduler.waiting)} waiting requests but nothing could "
-                    "be scheduled (token budget or cache too small)"
+                    "be scheduled (token budget or cache too small, or blocks kept by "
+                    "finished hold=True requests: release them)"
                 )
             self._seconds += time.perf_counter() - start
             return []
@@ -570,31 +579,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (see :class:`EngineStats`)."""
-        c, t = self._counts, self._tracker
-        manager_stats = self.manager.stats
-        return EngineStats(
-            groups=group_labels(self.layout),
-            steps=c["steps"],
-            forward_passes=c["passes"],
-            max_batch_requests=c["batch"],
-            max_step_tokens=c["step_tokens"],
-            prompt_tokens=c["prompt"],
-            computed_tokens=c["computed"],
-            generated_tokens=c["gen"],
+        return engine_stats(
+            self.layout,
+            self._counts,
+            self._tracker,
+            self.manager,
+            preemptions=self.scheduler.num_preemptions,
             seconds=self._seconds,
             model_seconds=self._model_seconds,
-            admitted_tokens=t.admitted_tokens,
-            prefix_hit_tokens=t.prefix_hit_tokens,
-            query_tokens=manager_stats.query_tokens,
-            group_hit_tokens=manager_stats.group_alone_hit_tokens,
-            peak_blocks=tuple(t.peak_blocks),
-            window_blocks_released=tuple(t.window_released),
-            preemptions=self.scheduler.num_preemptions,
-            peak_usage=t.peak_usage,
-            draft_tokens=c["drafted"],
-            accepted_draft_tokens=c["accepted"],
-            rollback_passes=c["rewinds"],
-            host_hit_tokens=c["host"],
-            disk_hit_tokens=c["disk"],
-            moved_blocks=c["moved"],
         )

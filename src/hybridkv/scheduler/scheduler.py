@@ -16,7 +16,10 @@ One step, as :meth:`Scheduler.schedule` builds it:
 2. **Waiting requests** (first come, first served) when nothing was preempted this step: a
    prefix-cache lookup, then the first prefill chunk.  One refused while nothing runs is
    tried again without reserving its prompt, then without its hit (whose blocks can pin the
-   chunks the rest of it needs: it is recomputed), then with half the chunk.
+   chunks the rest of it needs: it is recomputed), then with half the chunk.  Blocks that
+   finished requests keep (``hold``) until :meth:`~Scheduler.release` are not an empty
+   cache: a request that cannot progress beside them waits, unchanged, instead of raising
+   (a running one alone takes a smaller chunk in place first).
 
 Chunk ends.  When the layout has a recurrent-state group (or ``split_for_state`` is set), a
 prefill chunk that does not finish the prompt ends on a multiple of the schedule alignment,
@@ -37,8 +40,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Literal
 
 from hybridkv.cache import (
     AllocationResult,
@@ -47,7 +51,8 @@ from hybridkv.cache import (
     ComputedBlocks,
     KVCacheManager,
 )
-from hybridkv.scheduler.imports import place_import
+from hybridkv.scheduler.checks import check_scheduler_args, finish_of, sampled_tokens
+from hybridkv.scheduler.intake import RequestIntake
 from hybridkv.scheduler.types import (
     FinishReason,
     HitCheck,
@@ -68,12 +73,15 @@ BEFORE_END_MAX_ALIGNMENT = 512
 log = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(RequestIntake):
     """Continuous batching with chunked prefill, prefix hits and preemption by recompute.
 
     ``add_request`` queues a request; ``schedule`` plans a step (and allocates its slots);
-    ``update`` applies the step's sampled tokens.  Requests longer than ``max_model_len`` are
-    refused at ``add_request`` with :class:`SchedulerError`.
+    ``update`` applies the step's sampled tokens; ``abort_request`` drops a request.
+    Requests longer than ``max_model_len`` are refused at ``add_request`` with
+    :class:`SchedulerError`.  The constructor raises :class:`SchedulerError` for a
+    ``config`` that is not a :class:`SchedulerConfig`, a ``max_model_len`` that is not a
+    positive int or exceeds the manager's, and a ``hit_check`` that is not callable.
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class Scheduler:
         max_model_len: int,
         hit_check: HitCheck | None = None,
     ) -> None:
+        check_scheduler_args(manager, config, max_model_len, hit_check)
         self.manager = manager
         #: Called with a waiting request and its hit before it is admitted: returns the hit
         #: to admit it with (storage may have dropped unusable lower-tier copies and looked
@@ -94,8 +103,6 @@ class Scheduler:
         #: ready.
         self.num_loading = 0
         self.config = config or SchedulerConfig()
-        if max_model_len <= 0:
-            raise SchedulerError(f"max_model_len: must be positive, got {max_model_len}")
         self.max_model_len = max_model_len
         has_state = any(g.spec.kind is CacheKind.STATE for g in manager.layout.groups)
         split = self.config.split_for_state
@@ -117,103 +124,8 @@ class Scheduler:
         #: Compaction's moves of a schedule() that then raised: the manager's tables already
         #: name the new ids, so the next output lists them first (to be copied).
         self._unreported_moves: list[BlockMove] = []
-
-    # -- queue ----------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        eos_token_ids: Sequence[int] = (),
-        arrival: float = 0.0,
-        lora_id: int | str | None = None,
-        cache_salt: str | None = None,
-        hold: bool = False,
-        protect_as: str | None = None,
-    ) -> SequenceState:
-        """Queue a request.  Raises :class:`SchedulerError` (or a cache RequestError) for an
-        empty prompt, a duplicate id, ``max_tokens < 1`` or a prompt of ``max_model_len`` or
-        more tokens.  ``hold``: keep its blocks when it finishes, until :meth:`release`.
-        ``protect_as``: when it finishes, protect its prefix in the lower tiers under that
-        session name (:meth:`KVCacheManager.protect`, replacing the session's earlier
-        prefix)."""
-        if request_id in self.seqs or request_id in self.held:
-            raise SchedulerError(f"request {request_id!r}: id already queued or running")
-        if max_tokens < 1:
-            raise SchedulerError(
-                f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}"
-            )
-        n = len(prompt_token_ids)
-        if self.config.whole_prefill and n > self.config.token_budget:
-            raise SchedulerError(
-                f"request {request_id!r}: prompt has {n} tokens; whole_prefill computes a prompt "
-                f"in one step, and the token budget is {self.config.token_budget}: raise "
-                "token_budget or shorten the prompt"
-            )
-        if n >= self.max_model_len:
-            raise SchedulerError(
-                f"request {request_id!r}: prompt has {n} tokens, the maximum model length is "
-                f"{self.max_model_len} (prompts must be shorter, leaving room for one output)"
-            )
-        request = self.manager.make_request(
-            request_id, list(prompt_token_ids), lora_id=lora_id, cache_salt=cache_salt
-        )
-        seq = SequenceState(request, max_tokens, frozenset(eos_token_ids), arrival)
-        seq.hold = hold
-        seq.protect_as = protect_as
-        self.seqs[request_id] = seq
-        self.waiting.append(seq)
-        self.manager.retain_hit(request)  # its lower-tier hit outlives the wait
-        return seq
-
-    def release(self, request_id: str) -> None:
-        """Free the blocks of a finished request added with ``hold``."""
-        seq = self.held.pop(request_id, None)
-        if seq is None:
-            raise SchedulerError(f"release: no finished request {request_id!r} is held")
-        self.manager.free(request_id)
-
-    def import_computed(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        output_token_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        eos_token_ids: Sequence[int] = (),
-        fill: Callable[[tuple[list[int], ...], int, AllocationResult], None],
-        missing: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-    ) -> SequenceState | None:
-        """Admit a request whose prompt another instance computed, straight into the running
-        set: its own prefix hit is taken, slots for the rest of the prompt are allocated and
-        ``fill(block_tables, hit_tokens, allocation)`` must write their data (the prompt's
-        tokens from ``hit_tokens`` on, and the recurrent state at the prompt's end), but for
-        ``missing`` (per group, token ranges the other instance released: see
-        :meth:`~hybridkv.cache.KVCacheManager.drop_unread`).  The next step computes the
-        first of ``output_token_ids`` (sampled by the other instance).  Returns None,
-        changing nothing, when the cache cannot hold it now (or :attr:`hit_check` is still
-        reading its lower-tier copies); when ``fill`` raises (or the cache refuses
-        ``missing``), the request is freed (nothing it was to receive is published or read)
-        and the error propagates.  Any other error leaves the scheduler as it was."""
-        if not output_token_ids:
-            raise SchedulerError(f"request {request_id!r}: an imported request needs a token")
-        seq = self.add_request(
-            request_id, prompt_token_ids, max_tokens=max_tokens, eos_token_ids=eos_token_ids
-        )
-        self.waiting.pop()
-        try:
-            placed = place_import(
-                self.manager, self.hit_check, seq, output_token_ids, fill, missing
-            )
-        except BaseException:
-            self.seqs.pop(request_id, None)  # found by review: a stray id refused every retry
-            raise
-        if not placed:
-            del self.seqs[request_id]
-            return None
-        self.running.append(seq)
-        return seq
+        #: Requests aborted since the last schedule(): update() skips their items.
+        self._aborted: set[str] = set()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -223,20 +135,40 @@ class Scheduler:
         return len(self.running)
 
     # -- planning -------------------------------------------------------------------------
-    def _chunk_end(self, seq: SequenceState, start: int, budget: int) -> int:
-        """Where this step's chunk of ``seq`` ends (``start`` if nothing can be scheduled)."""
+    def _chunk_end(
+        self,
+        seq: SequenceState,
+        start: int,
+        budget: int,
+        *,
+        cap: int | None = None,
+        junction: int | None = None,
+    ) -> int:
+        """Where this step's chunk of ``seq`` ends (``start`` if nothing can be scheduled).
+        ``cap`` and ``junction`` stand for ``seq``'s own while an admission is tried.
+
+        ``whole_prefill``: every known token from token 0 in one step, within the budget
+        left; or, when nothing else is in the step (``budget`` is the whole token budget),
+        past it.  Only a request preempted after its prompt and outputs outgrew the budget
+        gets there (:meth:`add_request` refuses longer prompts): it can resume only from
+        token 0, so refusing it would strand it at the head of the queue (found by review:
+        nothing could be scheduled any more).  It runs alone, once running requests have
+        finished or leave it the whole budget, and it is at most ``max_model_len`` tokens.
+        """
         req = seq.request
         total = req.num_tokens
         if self.config.whole_prefill and start == 0:  # every known token at once, or wait
-            return total if total <= budget else start
-        cap = min(budget, seq.chunk_cap) if seq.chunk_cap else budget
+            return total if total <= budget or budget == self.config.token_budget else start
+        own_cap = seq.chunk_cap if cap is None else cap
+        step_cap = min(budget, own_cap) if own_cap else budget
         if start < req.num_prompt_tokens and self.config.max_prefill_chunk is not None:
-            cap = min(cap, self.config.max_prefill_chunk)
-        end = min(total, start + cap)
+            step_cap = min(step_cap, self.config.max_prefill_chunk)
+        end = min(total, start + step_cap)
         if not self.split_for_state or start >= req.num_prompt_tokens - 1:
             return end
         a = self.alignment
-        junction = seq.junction - seq.junction % a
+        junction = seq.junction if junction is None else junction
+        junction -= junction % a
         if start < junction < end:
             return junction
         if self.before_end:
@@ -251,16 +183,18 @@ class Scheduler:
             # No boundary in reach.  Wait for a larger share of the budget, unless even the
             # whole cap cannot reach the next boundary (a budget or chunk cap below the
             # alignment): then an unaligned chunk, or the request would never progress.
-            return start if start - start % a + a <= start + self._static_cap(seq) else end
+            reach = start + self._static_cap(own_cap)
+            return start if start - start % a + a <= reach else end
         if start < last_aligned < end:
             return last_aligned
         return end
 
-    def _static_cap(self, seq: SequenceState) -> int:
-        """The most prompt tokens one step could ever give ``seq`` (budget and chunk caps)."""
+    def _static_cap(self, chunk_cap: int) -> int:
+        """The most prompt tokens one step could ever give a request whose chunk cap is
+        ``chunk_cap`` (0: none), with the budget and ``max_prefill_chunk``."""
         cap = self.config.token_budget
-        if seq.chunk_cap:
-            cap = min(cap, seq.chunk_cap)
+        if chunk_cap:
+            cap = min(cap, chunk_cap)
         if self.config.max_prefill_chunk is not None:
             cap = min(cap, self.config.max_prefill_chunk)
         return cap
@@ -273,6 +207,92 @@ class Scheduler:
         self.waiting.appendleft(victim)
         log.debug("preempted %s", victim.request_id)
         return victim
+
+    def _admit(
+        self, seq: SequenceState, budget: int, moves: list[BlockMove]
+    ) -> tuple[int, int, AllocationResult] | Literal["loading", "budget", "refused"]:
+        """Try to admit waiting ``seq`` with ``budget`` tokens left in the step: ``(cached,
+        end, allocation)`` when its first chunk ``[cached, end)`` is allocated; "loading"
+        while :attr:`hit_check` reads its lower-tier copies, "budget" when no chunk of it fits
+        the budget left, "refused" when the cache refuses it now.
+
+        Refused while nothing runs, it is tried again without reserving its prompt, then
+        without its hit (whose blocks can pin the chunks the rest of it needs: it is
+        recomputed), then with half the chunk.  In an empty cache the chunk cap that fits is
+        the cache's limit, kept for the rest of this prefill; beside blocks that finished
+        requests hold (``hold``) it is not, and later chunks try the whole budget again.
+        The retries change ``seq`` only once one is admitted (found by review: a refusal set
+        them for good, a raise left them set, and held blocks counted as an empty cache);
+        refused otherwise, it waits unchanged.  Raises :class:`SchedulerError` when not even
+        one token (or, with ``whole_prefill``, its whole chunk) fits an empty cache: no
+        request running, none held."""
+        cfg = self.config
+        mgr = self.manager
+        req = seq.request
+        use_hit = not seq.no_hit and not cfg.whole_prefill
+        reserving = cfg.admission == "reserve"
+        cap = seq.chunk_cap
+        while True:
+            hit: ComputedBlocks | None = None
+            cached = 0
+            junction = seq.junction
+            if not cfg.whole_prefill:
+                hit = mgr.get_computed_blocks(req)
+                if self.hit_check is not None and hit.num_computed_tokens:
+                    hit = self.hit_check(req, hit)
+                    if hit is None:
+                        return "loading"
+                junction = hit.junction_tokens
+                if use_hit:
+                    cached = hit.num_computed_tokens
+                else:
+                    hit = None
+            end = self._chunk_end(seq, cached, budget, cap=cap, junction=junction)
+            if end <= cached:
+                return "budget"
+            # its prompt (and outputs, if resumed)
+            reserve = req.num_tokens - end if reserving else 0
+            res = mgr.allocate_slots(
+                req,
+                end - cached,
+                num_new_computed_tokens=cached,
+                new_computed_blocks=hit,
+                num_reserved_tokens=reserve,
+            )
+            if res is not None:
+                break
+            if self.running:
+                return "refused"
+            if reserve:  # alone and its prompt does not fit at once: chunk by chunk
+                reserving = False
+                continue
+            if cached:  # alone, refused beside its own hit: the hit's blocks pin
+                use_hit = False  # chunks a fresh start could use; recompute it
+                continue
+            # Alone and still refused: the chunk is too large for the cache (a fixed pool
+            # split sized for decode, say).  Retry with half the chunk.
+            if end - cached <= 1 or cfg.whole_prefill:
+                if self.held:  # not an empty cache: a release may make room
+                    return "refused"
+                what = (
+                    f"its {end} tokens, computed in one step (whole_prefill), do not"
+                    if cfg.whole_prefill
+                    else "not even one token does"
+                )
+                self._unreported_moves = moves
+                raise SchedulerError(
+                    f"request {req.request_id!r}: {what} fit in an empty cache; the "
+                    "memory budget is too small for it"
+                )
+            cap = max(1, (end - cached) // 2)
+        seq.junction = junction
+        seq.no_hit = False  # a later re-admission looks for hits again
+        seq.no_reserve = cfg.admission == "reserve" and not reserving
+        if end == req.num_tokens:
+            seq.chunk_cap = 0  # its prefill is done: a later one learns its own cap
+        elif not self.held:  # a cap learned beside held blocks is not the cache's limit
+            seq.chunk_cap = cap
+        return cached, end, res
 
     def _scheduled(
         self,
@@ -362,6 +382,8 @@ class Scheduler:
         preempted: list[str] = []
         moves, self._unreported_moves = self._unreported_moves, []
         cached_total = 0
+        stalled = False  # a running request waits for held blocks: admit nothing
+        self._aborted.clear()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -392,6 +414,17 @@ class Scheduler:
                         out = self._moved(out, moved)
                         moves.extend(moved)
                         continue
+                if self.running == [seq] and self.held:
+                    # Alone but for blocks finished requests hold until release(): not an
+                    # empty cache (found by review: it gave up, or cut its chunks for good).
+                    # A smaller chunk this step if one fits (the next step tries the whole
+                    # chunk again); else it waits, unchanged, and nothing is admitted past it.
+                    smaller = self._chunk_end(seq, start, budget, cap=max(1, (end - start) // 2))
+                    if start < smaller < end:
+                        end = smaller
+                        continue
+                    stalled = True
+                    break
                 if end - start <= 1 and self.running == [seq]:
                     # Refused one token with every other block free or evictable: preempting
                     # and recomputing would reach this point again and loop forever.
@@ -410,6 +443,8 @@ class Scheduler:
                     break
             if res is None:
                 break
+            if end == req.num_tokens:
+                seq.chunk_cap = 0  # its prefill is done: a later one learns its own cap
             item = self._scheduled(seq, start, end, 0, res)
             if draft:
                 item = replace(item, draft_token_ids=draft)
@@ -418,71 +453,27 @@ class Scheduler:
             i += 1
         skipped = 0
         self.num_loading = 0
-        if not preempted:
+        if not preempted and not stalled:
             w = 0  # the first waiting request whose loads are ready, in arrival order
             while w < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 seq = self.waiting[w]
-                req = seq.request
-                hit: ComputedBlocks | None = None
-                cached = 0
-                if not cfg.whole_prefill:
-                    hit = mgr.get_computed_blocks(req)
-                    if self.hit_check is not None and hit.num_computed_tokens:
-                        hit = self.hit_check(req, hit)
-                        if hit is None:  # its lower-tier copies are still being read
-                            self.num_loading += 1
-                            w += 1
-                            continue
-                    seq.junction = hit.junction_tokens
-                    if seq.no_hit:
-                        hit = None
-                    else:
-                        cached = hit.num_computed_tokens
-                end = self._chunk_end(seq, cached, budget)
-                if end <= cached:
+                admitted = self._admit(seq, budget, moves)
+                if admitted == "loading":  # its lower-tier copies are still being read
+                    self.num_loading += 1
+                    w += 1
+                    continue
+                if admitted == "budget":
                     skipped += 1
                     break
-                reserve = 0
-                if cfg.admission == "reserve" and not seq.no_reserve:
-                    reserve = req.num_tokens - end  # its prompt (and outputs, if resumed)
-                res = mgr.allocate_slots(
-                    req,
-                    end - cached,
-                    num_new_computed_tokens=cached,
-                    new_computed_blocks=hit,
-                    num_reserved_tokens=reserve,
-                )
-                if res is None:
-                    if self.running:
-                        break
-                    if reserve:  # alone and its prompt does not fit at once: chunk by chunk
-                        seq.no_reserve = True
-                        continue
-                    if cached:  # alone, refused beside its own hit: the hit's blocks pin
-                        seq.no_hit = True  # chunks a fresh start could use; recompute it
-                        continue
-                    # Alone and still refused: the chunk is too large for the cache (a fixed
-                    # pool split sized for decode, say).  Retry with half the chunk.
-                    if end - cached <= 1 or cfg.whole_prefill:
-                        what = (
-                            f"its {end} tokens, computed in one step (whole_prefill), do not"
-                            if cfg.whole_prefill
-                            else "not even one token does"
-                        )
-                        self._unreported_moves = moves
-                        raise SchedulerError(
-                            f"request {req.request_id!r}: {what} fit in an empty cache; the "
-                            "memory budget is too small for it"
-                        )
-                    seq.chunk_cap = max(1, (end - cached) // 2)
-                    continue
+                if admitted == "refused":
+                    break
+                cached, end, res = admitted
                 del self.waiting[w]
                 self.running.append(seq)
-                seq.no_hit = False  # a later re-admission looks for hits again
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = cached
                 cached_total += cached
-                req.num_computed_tokens = cached
+                seq.request.num_computed_tokens = cached
                 out.append(self._scheduled(seq, cached, end, cached, res))
                 budget -= end - cached
         self.step_index += 1
@@ -503,49 +494,38 @@ class Scheduler:
         """Advance every scheduled request by its computed tokens and append sampled tokens.
 
         ``sampled`` maps the id of every scheduled request with ``samples=True`` to its next
-        token.  A request that verified drafts gets a sequence instead: the accepted drafts
-        and the token sampled after them (``1 .. len(draft_token_ids) + 1`` tokens, each
-        accepted draft equal to its draft); the accepted drafts count as computed.  Tokens
-        after one that finishes the request (EOS, ``max_tokens``, ``max_model_len``) are
-        dropped.  Finished requests are freed.  Raises :class:`SchedulerError`, changing
-        nothing, when a sample is missing or does not fit the drafts.
+        token (an ``int``, or any integer but a bool: a numpy integer, a 0-d tensor).  A
+        request that verified drafts gets a sequence instead: the accepted drafts and the
+        token sampled after them (``1 .. len(draft_token_ids) + 1`` tokens, each accepted
+        draft equal to its draft); the accepted drafts count as computed.  Tokens after one
+        that finishes the request (EOS, ``max_tokens``, ``max_model_len``) are dropped.
+        Finished requests are freed; requests aborted since ``output`` was planned are
+        skipped.  Raises :class:`SchedulerError`, changing nothing, when a sample is missing,
+        is not a token id in ``[0, 2**63)`` (or a sequence of them) or does not fit the
+        drafts, or when ``output`` is not the last :meth:`schedule`'s, still unapplied (found
+        by review: a bad token raised after earlier requests had changed).
         """
-        tokens_of: dict[str, tuple[int, ...]] = {}
-        for item in output.scheduled:
-            if not item.samples:
-                continue
-            if item.request_id not in sampled:
-                raise SchedulerError(f"update: no sampled token for {item.request_id!r}")
-            value = sampled[item.request_id]
-            tokens = (value,) if isinstance(value, int) else tuple(value)
-            draft = item.draft_token_ids
-            if not 1 <= len(tokens) <= len(draft) + 1 or tokens[:-1] != draft[: len(tokens) - 1]:
-                raise SchedulerError(
-                    f"update: request {item.request_id!r} sampled {list(tokens)} for drafts "
-                    f"{list(draft)}; expected the accepted drafts (a prefix of them) and one "
-                    "token more"
-                )
-            tokens_of[item.request_id] = tokens
+        running = {s.request_id for s in self.running}
+        tokens_of = sampled_tokens(output, sampled, self.seqs, running, self._aborted)
         results: list[RequestOutput] = []
         for item in output.scheduled:
+            if item.request_id in self._aborted:
+                continue
             seq = self.seqs[item.request_id]
             req = seq.request
             req.num_computed_tokens = item.start + item.num_new_tokens
             if not item.samples:
                 continue
-            new: list[int] = []
-            reason: FinishReason | None = None
-            for token in tokens_of[item.request_id]:
-                new.append(token)
-                seq.num_output_tokens += 1
-                if token in seq.eos_token_ids:
-                    reason = FinishReason.STOP
-                elif seq.num_output_tokens >= seq.max_tokens:
-                    reason = FinishReason.LENGTH
-                elif req.num_tokens + len(new) >= self.max_model_len:
-                    reason = FinishReason.MAX_MODEL_LEN
-                if reason is not None:
-                    break
+            kept, reason = finish_of(
+                tokens_of[item.request_id],
+                num_tokens=req.num_tokens,
+                num_outputs=seq.num_output_tokens,
+                max_tokens=seq.max_tokens,
+                eos_token_ids=seq.eos_token_ids,
+                max_model_len=self.max_model_len,
+            )
+            new = list(tokens_of[item.request_id][:kept])
+            seq.num_output_tokens += kept
             req.append_token_ids(new)
             # Accepted drafts were computed by this step (their slots hold their K/V).
             req.num_computed_tokens += len(new) - 1
@@ -566,10 +546,13 @@ class Scheduler:
         return results
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
-        seq.finish_reason = reason
-        self.running.remove(seq)
+        """Finish running ``seq``: its session protected first (the one call that could
+        refuse, ``protect_as`` being checked when it was added), so a raise leaves it
+        running with its blocks."""
         if seq.protect_as is not None:
             self.manager.protect(seq.request_id, seq.protect_as)
+        seq.finish_reason = reason
+        self.running.remove(seq)
         if seq.hold:
             self.held[seq.request_id] = seq
         else:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from hybridkv.cache import AllocationResult, BlockMove, ComputedBlocks, Request
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import HybridKVError, brief_repr
 
 __all__ = [
     "ADMISSION_POLICIES",
@@ -19,6 +19,7 @@ __all__ = [
     "SchedulerError",
     "SchedulerOutput",
     "SequenceState",
+    "checked_int",
 ]
 
 
@@ -34,6 +35,17 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # reached max_tokens
     STOP = "stop"  # sampled an end-of-sequence token
     MAX_MODEL_LEN = "max_model_len"  # the sequence reached the model's maximum length
+    ABORT = "abort"  # the caller aborted it (Scheduler.abort_request)
+
+
+def checked_int(field: str, value: object, minimum: int, *, optional: bool = False) -> None:
+    """Raise :class:`SchedulerError` naming ``field`` unless ``value`` is an ``int`` (not a
+    bool) of at least ``minimum`` (or None, when ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = " or None" if optional else ""
+        raise SchedulerError(f"{field}: must be an int >= {minimum}{none}, got {brief_repr(value)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,8 +74,9 @@ class SchedulerConfig:
     runner needs them; a simulator does not).
     ``whole_prefill``: compute every known token of a request in its first step, from token 0:
     no prefix-cache hit, no chunked prefill (for models whose recurrent state cannot resume a
-    prefill, e.g. transformers' Mamba1 in Jamba); a request longer than ``token_budget`` is
-    refused when added.
+    prefill, e.g. transformers' Mamba1 in Jamba); a prompt longer than ``token_budget`` is
+    refused when added.  A request preempted after its prompt and outputs outgrew the budget
+    resumes alone in a step, past the budget (it can only restart from token 0).
     ``admission``: ``"reserve"`` (default): a waiting request is admitted only if the
     prefix-closed groups (full attention, MLA) can take the blocks of its whole remaining
     prompt at once (``num_reserved_tokens``); its later prefill chunks then never need
@@ -93,23 +106,31 @@ class SchedulerConfig:
     compaction: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("token_budget", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise SchedulerError(f"SchedulerConfig.{name}: must be positive, got {value!r}")
-        if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
-            raise SchedulerError(
-                f"SchedulerConfig.max_prefill_chunk: must be positive, got {self.max_prefill_chunk}"
+        """Check every field's type and range (found by review: ``whole_prefill="no"`` and
+        ``token_budget=True`` were taken as set, a float chunk failed in the cache later)."""
+        name = "SchedulerConfig"
+        checked_int(f"{name}.token_budget", self.token_budget, 1)
+        checked_int(f"{name}.max_num_seqs", self.max_num_seqs, 1)
+        checked_int(f"{name}.max_prefill_chunk", self.max_prefill_chunk, 1, optional=True)
+        checked_int(f"{name}.num_lookahead_tokens", self.num_lookahead_tokens, 0)
+        for flag in ("collect_block_ids", "whole_prefill", "compaction"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise SchedulerError(f"{name}.{flag}: must be a bool, got {brief_repr(value)}")
+        for flag in ("split_for_state", "checkpoint_before_end"):
+            value = getattr(self, flag)
+            if value is not None and not isinstance(value, bool):
+                raise SchedulerError(
+                    f"{name}.{flag}: must be a bool or None (automatic), got {brief_repr(value)}"
+                )
+        if not isinstance(self.admission, str) or self.admission not in ADMISSION_POLICIES:
+            shown = (
+                repr(self.admission)
+                if isinstance(self.admission, str)
+                else brief_repr(self.admission)
             )
-        if self.admission not in ADMISSION_POLICIES:
             raise SchedulerError(
-                f"SchedulerConfig.admission: unknown policy {self.admission!r}; valid: "
-                f"{', '.join(ADMISSION_POLICIES)}"
-            )
-        if self.num_lookahead_tokens < 0:
-            raise SchedulerError(
-                "SchedulerConfig.num_lookahead_tokens: must be >= 0, "
-                f"got {self.num_lookahead_tokens}"
+                f"{name}.admission: unknown policy {shown}; valid: {', '.join(ADMISSION_POLICIES)}"
             )
 
 

@@ -55,6 +55,9 @@ class PDResult:
     #: Blocks the two instances' compaction moved (charged at device bandwidth).
     moved_blocks: int = 0
     link_waits: int = 0
+    #: Running requests each instance preempted for room (freed, recomputed later).
+    prefill_preemptions: int = 0
+    decode_preemptions: int = 0
     #: Requests no instance could take (a prompt of ``max_model_len`` tokens or more); they
     #: count as misses in the hit rates, as in :func:`~hybridkv.sim.simulator.simulate`.
     rejected: int = 0
@@ -94,6 +97,8 @@ class PDResult:
             "moved_blocks": self.moved_blocks,
             "decode_steps": self.decode_steps,
             "link_waits": self.link_waits,
+            "prefill_preemptions": self.prefill_preemptions,
+            "decode_preemptions": self.decode_preemptions,
             "wall_time_s": self.wall_time_s,
         }
 
@@ -265,12 +270,19 @@ def simulate_pd(
                 m.append(_transfer_bytes(dec, tables, hit, r.prompt_len))
                 m.append(hit)
 
+            max_tokens = max(1, min(r.output_len, decode.max_model_len - r.prompt_len))
+            first_token = r.output_token_ids[:1]
+            if dec.import_finish(len(r.prompt_token_ids), first_token, max_tokens=max_tokens):
+                # its first token already finishes it on the decode side (its max_model_len
+                # leaves room for no other): nothing to decode, nothing crosses the link
+                # (import_computed refuses it)
+                pre.release(rid)
+                res.finished += 1
+                if progress is not None:
+                    progress(res.finished, len(reqs))
+                continue
             seq = dec.import_computed(
-                rid,
-                r.prompt_token_ids,
-                r.output_token_ids[:1],
-                max_tokens=max(1, min(r.output_len, decode.max_model_len - r.prompt_len)),
-                fill=fill,
+                rid, r.prompt_token_ids, first_token, max_tokens=max_tokens, fill=fill
             )
             if seq is None:
                 still.append(rid)
@@ -315,4 +327,6 @@ def simulate_pd(
                     progress(res.finished, len(reqs))
     res.sim_time_s = max(t_pre, t_dec)
     res.wall_time_s = time.perf_counter() - wall0
+    res.prefill_preemptions = pre.num_preemptions
+    res.decode_preemptions = dec.num_preemptions
     return res
