@@ -322,3 +322,21 @@ def test_kv_heads_that_do_not_divide_the_query_heads_are_refused(kv: int) -> Non
         message = "field 'num_key_value_heads' must be an integer in [1, 2147483647], got 0"
     with pytest.raises(ConfigError, match=re.escape(message)):
         spec_from_config(cfg)
+
+
+def test_kimi_k2_is_derived_as_deepseek_v3() -> None:
+    """Kimi-K2 checkpoints name ``model_type: kimi_k2`` and load with DeepSeek-V3's classes
+    (transformers' kimi_k25 config maps a kimi_k2 text config to deepseek_v3): the same
+    layers as DeepSeek-V3, top level or inside a kimi_k25 wrapper, with a note (it was
+    refused as an unknown type with MLA fields)."""
+    from hybridkv.models.catalog_data import CATALOG_DATA
+
+    deepseek = next(cfg for name, _, cfg in CATALOG_DATA if name == "DeepSeek-V3")
+    kimi = {**deepseek, "model_type": "kimi_k2"}
+    base = spec_from_config(deepseek)
+    note = "model_type 'kimi_k2' derived as 'deepseek_v3' (its checkpoints' architecture)"
+    for config in (kimi, {"model_type": "kimi_k25", "text_config": kimi}):
+        spec = spec_from_config(config)
+        assert spec.model_type == "deepseek_v3" and spec.layers == base.layers
+        assert note in spec.notes
+    assert note not in base.notes

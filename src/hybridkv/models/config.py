@@ -30,6 +30,7 @@ from hybridkv.specs import DType, LayerSpec
 __all__ = [
     "MAX_CONFIG_INT",
     "MAX_LAYERS",
+    "MODEL_TYPE_ALIASES",
     "WRAPPER_TEXT_TYPES",
     "Architecture",
     "ConfigView",
@@ -107,6 +108,12 @@ WRAPPER_TEXT_TYPES: dict[str, str] = {
     "voxtral": "llama",
 }
 
+#: ``model_type`` values that name another type's architecture: Moonshot's Kimi-K2 checkpoints
+#: say ``kimi_k2`` and load with DeepSeek-V3's config and model classes (``architectures:
+#: DeepseekV3ForCausalLM``), and transformers' ``kimi_k25`` config maps a ``kimi_k2`` text
+#: config to ``deepseek_v3`` the same way.
+MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+
 #: The most decoder layers a config may declare: real models have a few hundred at most, and
 #: a planner walks every layer (a typo of 10^11 layers would run out of memory, not fail).
 MAX_LAYERS = 1 << 16
@@ -161,18 +168,22 @@ def select_text_config(
 ) -> tuple[str, Mapping[str, Any]]:
     """Pick the decoder config inside ``raw``: ``(model_type, config dict)``.
 
-    A top-level ``model_type`` in ``supported`` wins.  Otherwise a nested ``text_config`` (the
-    layout of multimodal wrappers such as gemma3, gemma4 and llama4) is used; its model type is
-    its own ``model_type`` or, failing that, the wrapper's entry in :data:`WRAPPER_TEXT_TYPES`.
+    Types are read through :data:`MODEL_TYPE_ALIASES`.  A top-level ``model_type`` in
+    ``supported`` wins.  Otherwise a nested ``text_config`` (the layout of multimodal wrappers
+    such as gemma3, gemma4 and llama4) is used; its model type is its own ``model_type`` or,
+    failing that, the wrapper's entry in :data:`WRAPPER_TEXT_TYPES`.
     The dtype of the wrapper is inherited when the text config names none.  Raises
     :class:`ConfigError` when no model type can be found.
     """
     top_type = _model_type_of(raw)
+    top_type = MODEL_TYPE_ALIASES.get(top_type or "", top_type)
     if top_type is not None and top_type in supported:
         return top_type, raw
     text = raw.get("text_config")
     if isinstance(text, Mapping):
-        text_type = _model_type_of(text) or WRAPPER_TEXT_TYPES.get(top_type or "")
+        text_type = _model_type_of(text)
+        text_type = MODEL_TYPE_ALIASES.get(text_type or "", text_type)
+        text_type = text_type or WRAPPER_TEXT_TYPES.get(top_type or "")
         if text_type is not None:
             merged = dict(text)
             for key in ("dtype", "torch_dtype"):

@@ -14,6 +14,7 @@ from typing import Any
 from hybridkv.errors import ConfigError, SpecError, UnsupportedModelTypeError
 from hybridkv.models import attention, gemma4, hybrid_ssm, linear_attention, mla
 from hybridkv.models.config import (
+    MODEL_TYPE_ALIASES,
     Architecture,
     ConfigView,
     DeriveContext,
@@ -65,6 +66,11 @@ def _tp(tp_size: object) -> int:
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size <= 0:
         raise ConfigError(f"tp_size: must be a positive integer, got {tp_size!r}")
     return tp_size
+
+
+def _given_type(config: object) -> object:
+    """The ``model_type`` a config dict names as written (None for anything else)."""
+    return config.get("model_type") if isinstance(config, Mapping) else None
 
 
 def spec_from_config(
@@ -119,6 +125,10 @@ def spec_from_config(
         if ssm_state_dtype is None
         else parse_cache_dtype(ssm_state_dtype, "ssm_state_dtype", dtype),
     )
+    given = {_given_type(raw), _given_type(raw.get("text_config"))}
+    for alias, target in MODEL_TYPE_ALIASES.items():
+        if alias in given and model_type == target:
+            ctx.note(f"model_type {alias!r} derived as {target!r} (its checkpoints' architecture)")
     view = ConfigView(model_type, data, arch.defaults)
     layers = arch.derive(view, ctx)
     if ctx.kv_dtype is not dtype:
