@@ -587,3 +587,37 @@ def test_engine_abort_completes_the_request_as_aborted() -> None:
     with pytest.raises(SchedulerError, match="no waiting, running or held request has id 'a'"):
         engine.abort_request("a")
     engine.check_invariants()
+
+
+def test_an_admission_that_raises_takes_back_the_step_s_earlier_admissions() -> None:
+    """Suspected by the review, confirmed here: when ``hit_check`` raised for a later waiting
+    request, the requests admitted earlier in that schedule() stayed running, their
+    allocation (and the checkpoint restore it carries) lost with the output; the next step
+    computed them on a running state nobody restored. Now they go back to the queue, as they
+    were, and the next schedule() admits them again with the restore."""
+    from test_scheduler import STATE
+
+    mgr = KVCacheManager(_layout([(STATE, 4), (FULL, 4)], 32), max_model_len=64)
+    failing = {"c"}
+
+    def check(req: Any, hit: Any) -> Any:
+        if req.request_id in failing:
+            raise RuntimeError("disk tier: read failed")
+        return hit
+
+    sched = Scheduler(mgr, SchedulerConfig(), max_model_len=64, hit_check=check)
+    sched.add_request("a", list(range(1, 13)), max_tokens=1)
+    while sched.has_unfinished():
+        _step(sched)
+    sched.add_request("b", [*range(1, 9), 50, 51, 52], max_tokens=1)
+    sched.add_request("c", [*range(1, 9), 60, 61, 62], max_tokens=1)
+    with pytest.raises(RuntimeError, match="read failed"):
+        sched.schedule()
+    assert [q.request_id for q in sched.waiting] == ["b", "c"] and not sched.running
+    assert not mgr.has_blocks("b") and sched.seqs["b"].request.num_computed_tokens == 0
+    mgr.check_invariants()
+    failing.clear()
+    out = sched.schedule()
+    b = next(s for s in out.scheduled if s.request_id == "b")
+    assert (b.start, b.num_cached_tokens) == (8, 8)
+    assert b.allocation.copies_before  # the checkpoint at 8 is restored before the step

@@ -199,6 +199,21 @@ class Scheduler(RequestIntake):
             cap = min(cap, self.config.max_prefill_chunk)
         return cap
 
+    def _take_back(self, taken: list[tuple[int, SequenceState, int]]) -> None:
+        """Undo this schedule()'s admissions ``(queue index, seq, cached before)`` after a
+        later one raised: the step's output is lost, and with it what their allocations
+        carried (a checkpoint restored into the running state, a zeroed state, tier loads), so
+        each is freed (the blocks published for the step that never ran are taken back) and
+        queued where it was, to be admitted again (found by review: a hit_check that raised
+        left them running, and the next step computed them on a state nobody restored).  The
+        manager counts each as a preemption; the scheduler does not."""
+        for w, seq, cached in reversed(taken):
+            self.running.remove(seq)
+            self.manager.preempt(seq.request_id)
+            seq.request.num_computed_tokens = 0
+            seq.num_cached_tokens = cached
+            self.waiting.insert(w, seq)
+
     def _preempt_newest(self) -> SequenceState:
         victim = self.running.pop()
         self.manager.preempt(victim.request_id)
@@ -455,27 +470,34 @@ class Scheduler(RequestIntake):
         self.num_loading = 0
         if not preempted and not stalled:
             w = 0  # the first waiting request whose loads are ready, in arrival order
-            while w < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                seq = self.waiting[w]
-                admitted = self._admit(seq, budget, moves)
-                if admitted == "loading":  # its lower-tier copies are still being read
-                    self.num_loading += 1
-                    w += 1
-                    continue
-                if admitted == "budget":
-                    skipped += 1
-                    break
-                if admitted == "refused":
-                    break
-                cached, end, res = admitted
-                del self.waiting[w]
-                self.running.append(seq)
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = cached
-                cached_total += cached
-                seq.request.num_computed_tokens = cached
-                out.append(self._scheduled(seq, cached, end, cached, res))
-                budget -= end - cached
+            taken: list[tuple[int, SequenceState, int]] = []  # (queue index, seq, cached before)
+            try:
+                while w < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                    seq = self.waiting[w]
+                    admitted = self._admit(seq, budget, moves)
+                    if admitted == "loading":  # its lower-tier copies are still being read
+                        self.num_loading += 1
+                        w += 1
+                        continue
+                    if admitted == "budget":
+                        skipped += 1
+                        break
+                    if admitted == "refused":
+                        break
+                    cached, end, res = admitted
+                    taken.append((w, seq, seq.num_cached_tokens))
+                    del self.waiting[w]
+                    self.running.append(seq)
+                    if seq.num_preemptions == 0:
+                        seq.num_cached_tokens = cached
+                    cached_total += cached
+                    seq.request.num_computed_tokens = cached
+                    out.append(self._scheduled(seq, cached, end, cached, res))
+                    budget -= end - cached
+            except BaseException:
+                self._take_back(taken)
+                self._unreported_moves = moves
+                raise
         self.step_index += 1
         return SchedulerOutput(
             step=self.step_index,
