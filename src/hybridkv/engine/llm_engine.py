@@ -322,17 +322,7 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
         if live is None:  # a held request, released
             return
-        self.completions[request_id] = Completion(
-            request_id=request_id,
-            prompt_token_ids=live.prompt,
-            token_ids=tuple(live.tokens),
-            finish_reason=FinishReason.ABORT,
-            num_cached_tokens=live.seq.num_cached_tokens,
-            num_preemptions=live.seq.num_preemptions,
-            logits=tuple(live.logits),
-        )
-        del self._live[request_id]
-        self._tracker.forget(request_id)
+        self._complete(request_id, FinishReason.ABORT)
 
     def check_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> tuple[int, ...]:
         """The prompt as a tuple, if the engine can serve it.  Raises :class:`PromptError`
@@ -487,18 +477,21 @@ class LLMEngine:
                 live.logits.append(row.detach().cpu().clone())  # not a view of the batch
         if not output.finished or output.finish_reason is None:
             return
-        rid = output.request_id
-        self.completions[rid] = Completion(
-            request_id=rid,
+        self._complete(output.request_id, output.finish_reason)
+
+    def _complete(self, request_id: str, reason: FinishReason) -> None:
+        """Record the completion of live request ``request_id`` and forget it."""
+        live = self._live.pop(request_id)
+        self.completions[request_id] = Completion(
+            request_id=request_id,
             prompt_token_ids=live.prompt,
             token_ids=tuple(live.tokens),
-            finish_reason=output.finish_reason,
+            finish_reason=reason,
             num_cached_tokens=live.seq.num_cached_tokens,
             num_preemptions=live.seq.num_preemptions,
             logits=tuple(live.logits),
         )
-        del self._live[rid]
-        self._tracker.forget(rid)
+        self._tracker.forget(request_id)
 
     def run(self) -> None:
         """Step until no request is waiting or running."""
